@@ -1,0 +1,45 @@
+"""Attention backend interface and the per-layer attention spec that models hand to it."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from moeserve.runtime.forward_batch import ForwardBatch
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    """What a backend needs to know about one attention layer.
+
+    For absorbed MLA: num_kv_heads = 1, head_dim = kv_lora_rank + rope_dim and v_head_dim =
+    kv_lora_rank (the value is a prefix of the key).
+    """
+
+    layer_id: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    v_head_dim: int
+    scaling: float
+
+
+class AttentionBackend(ABC):
+    """Stores the new tokens' K/V in the pool and attends over each request's whole sequence.
+
+    `init_forward_metadata` runs once per ForwardBatch (before the first layer) and may cache index
+    tensors in `fb.attn_metadata`; `forward` runs once per layer.
+    """
+
+    @abstractmethod
+    def init_forward_metadata(self, fb: ForwardBatch) -> None:
+        ...
+
+    @abstractmethod
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None,
+                spec: AttentionSpec, fb: ForwardBatch) -> torch.Tensor:
+        """q: [T, H, D], k: [T, Hkv, D], v: [T, Hkv, Dv] (None for MLA) → [T, H, Dv]."""

@@ -1,0 +1,77 @@
+"""Reference attention in plain PyTorch over the token-slot KV layout (CPU and CUDA)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from moeserve.attention.base import AttentionBackend, AttentionSpec
+from moeserve.forward_batch import ForwardBatch
+
+
+@dataclass
+class _TorchMetadata:
+    kv_indices: torch.Tensor  # [B, max_seq] KV slot per (request, position); 0-padded
+    kv_mask: torch.Tensor  # [B, max_seq] True where the position exists
+    token_ranges: list[tuple[int, int]]  # per request: [start, end) in the token-major tensors
+
+
+class TorchAttentionBackend(AttentionBackend):
+    """Gathers each request's K/V from the pool and runs SDPA.
+
+    Decode batches are attended in one padded SDPA call; extend batches loop over requests with a
+    causal mask offset by the cached prefix length.
+    """
+
+    def init_forward_metadata(self, fb: ForwardBatch) -> None:
+        max_len = max(fb.seq_lens_cpu, default=0)
+        table = fb.req_to_token_pool.req_to_token
+        kv_indices = table[fb.req_pool_indices, :max_len]
+        positions = torch.arange(max_len, device=table.device)
+        kv_mask = positions[None, :] < fb.seq_lens[:, None]
+        kv_indices = torch.where(kv_mask, kv_indices, torch.zeros_like(kv_indices))
+        starts = [0]
+        for n in fb.extend_seq_lens_cpu:
+            starts.append(starts[-1] + n)
+        ranges = list(zip(starts[:-1], starts[1:]))
+        fb.attn_metadata = _TorchMetadata(kv_indices, kv_mask, ranges)
+
+    def forward(self, q, k, v, spec: AttentionSpec, fb: ForwardBatch) -> torch.Tensor:
+        fb.kv_pool.set_kv(spec.layer_id, fb.out_cache_loc, k, v)
+        k_buf = fb.kv_pool.key_buffer(spec.layer_id)
+        v_buf = fb.kv_pool.value_buffer(spec.layer_id)
+        if fb.forward_mode.is_decode():
+            return self._decode(q, k_buf, v_buf, spec, fb.attn_metadata)
+        return self._extend(q, k_buf, v_buf, spec, fb)
+
+    def _decode(self, q, k_buf, v_buf, spec, meta: _TorchMetadata) -> torch.Tensor:
+        k = k_buf[meta.kv_indices].to(q.dtype)  # [B, S, Hkv, D]
+        v = v_buf[meta.kv_indices].to(q.dtype)  # [B, S, Hkv, Dv]
+        mask = meta.kv_mask[:, None, None, :]  # [B, 1, 1, S]
+        out = _sdpa(q.unsqueeze(1), k, v, spec, mask)  # [B, 1, H, Dv]
+        return out.squeeze(1)
+
+    def _extend(self, q, k_buf, v_buf, spec, fb: ForwardBatch) -> torch.Tensor:
+        meta: _TorchMetadata = fb.attn_metadata
+        out = q.new_empty((q.shape[0], spec.num_heads, spec.v_head_dim))
+        for i, (start, end) in enumerate(meta.token_ranges):
+            seq_len, prefix = fb.seq_lens_cpu[i], fb.extend_prefix_lens_cpu[i]
+            idx = meta.kv_indices[i, :seq_len]
+            k = k_buf[idx].to(q.dtype)[None]  # [1, S, Hkv, D]
+            v = v_buf[idx].to(q.dtype)[None]
+            q_pos = torch.arange(prefix, prefix + end - start, device=q.device)
+            mask = q_pos[:, None] >= torch.arange(seq_len, device=q.device)[None, :]  # [Tq, S]
+            out[start:end] = _sdpa(q[None, start:end], k, v, spec, mask[None, None])[0]
+        return out
+
+
+def _sdpa(q, k, v, spec: AttentionSpec, mask) -> torch.Tensor:
+    """q: [B, Tq, H, D], k: [B, S, Hkv, D], v: [B, S, Hkv, Dv], mask broadcastable to [B, H, Tq, S]."""
+    q, k, v = (x.transpose(1, 2) for x in (q, k, v))  # → [B, heads, len, dim]
+    out = F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, scale=spec.scaling,
+        enable_gqa=spec.num_heads != spec.num_kv_heads,
+    )
+    return out.transpose(1, 2)

@@ -1,0 +1,133 @@
+"""Typed configuration: frozen dataclasses registered in Hydra's ConfigStore.
+
+The YAML under `conf/` is composed against these schemas, so an unknown key or a wrong type fails at
+compose time with Hydra's message; `validate()` then refuses impossible combinations naming the key.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING  # noqa: F401  (re-exported for YAML schemas)
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+LOAD_FORMATS = ("safetensors", "dummy")
+ATTENTION_BACKENDS = ("torch",)
+DEVICES = ("auto", "cpu", "cuda")
+
+
+class ConfigError(ValueError):
+    """An invalid configuration value; the message names the offending key."""
+
+    def __init__(self, key: str, message: str):
+        super().__init__(f"config error at '{key}': {message}")
+        self.key = key
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    path: str | None = None  # HF-format folder; None = the embedded SmolLM2-135M-Instruct
+    dtype: str = "auto"  # auto: bf16/checkpoint dtype on CUDA, float32 on CPU
+    load_format: str = "safetensors"  # dummy: random weights from config.json alone
+    context_length: int | None = None  # None: max_position_embeddings of the checkpoint
+    load_mtp: bool = False  # load the DeepSeek NextN (MTP) layer weights when present
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    max_total_tokens: int | None = None  # KV slots; None: derived from memory (CPU: 65536)
+    max_running_requests: int = 256
+    page_size: int = 1
+    mem_fraction_static: float = 0.85  # CUDA: share of free memory for weights + KV
+
+
+@dataclass(frozen=True)
+class AttentionConfig:
+    backend: str = "torch"
+
+
+@dataclass(frozen=True)
+class MoeserveConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    attention: AttentionConfig = field(default_factory=AttentionConfig)
+    device: str = "auto"
+    seed: int = 0
+
+
+def register_configs() -> None:
+    """Register the schemas so `conf/*.yaml` defaults lists can extend them."""
+    cs = ConfigStore.instance()
+    cs.store(name="moeserve_schema", node=_schema_node(MoeserveConfig))
+    cs.store(group="model", name="model_schema", node=_schema_node(ModelConfig))
+
+
+def _schema_node(cls: type) -> Any:
+    """A typed node for composition; frozenness is restored when converting to the dataclass."""
+    from omegaconf import OmegaConf
+
+    node = OmegaConf.structured(cls)
+    _clear_readonly(node)
+    return node
+
+
+def _clear_readonly(node: Any) -> None:
+    from omegaconf import DictConfig
+
+    node._set_flag("readonly", None)
+    if isinstance(node, DictConfig):
+        for key in node.keys():
+            _clear_readonly(node._get_node(key))
+
+
+def _check_choice(key: str, value: Any, choices: tuple) -> None:
+    if value not in choices:
+        raise ConfigError(key, f"{value!r} is not one of {list(choices)}")
+
+
+def _check_positive(key: str, value: int | float | None, allow_none: bool = True) -> None:
+    if value is None and allow_none:
+        return
+    if value is None or value <= 0:
+        raise ConfigError(key, f"must be positive, got {value!r}")
+
+
+def validate(cfg: MoeserveConfig) -> MoeserveConfig:
+    """Refuse impossible values and combinations; returns cfg unchanged."""
+    _check_choice("model.dtype", cfg.model.dtype, DTYPES)
+    _check_choice("model.load_format", cfg.model.load_format, LOAD_FORMATS)
+    _check_choice("attention.backend", cfg.attention.backend, ATTENTION_BACKENDS)
+    _check_choice("device", cfg.device, DEVICES)
+    _check_positive("model.context_length", cfg.model.context_length)
+    _check_positive("cache.max_total_tokens", cfg.cache.max_total_tokens)
+    _check_positive("cache.max_running_requests", cfg.cache.max_running_requests, False)
+    _check_positive("cache.page_size", cfg.cache.page_size, False)
+    if not 0.0 < cfg.cache.mem_fraction_static <= 1.0:
+        raise ConfigError("cache.mem_fraction_static", "must be in (0, 1]")
+    return cfg
+
+
+def compose(overrides: list[str] | tuple[str, ...] = ()) -> MoeserveConfig:
+    """Compose `conf/config.yaml` with Hydra overrides into a validated MoeserveConfig."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_module
+    from hydra.core.global_hydra import GlobalHydra
+    from omegaconf import OmegaConf
+
+    register_configs()
+    GlobalHydra.instance().clear()
+    with initialize_config_module(config_module="conf", version_base="1.3"):
+        raw = hydra_compose(config_name="config", overrides=list(overrides))
+    return to_config(raw)
+
+
+def to_config(raw: Any) -> MoeserveConfig:
+    """Turn a composed DictConfig into the frozen dataclass tree and validate it."""
+    from omegaconf import OmegaConf
+
+    obj = OmegaConf.to_object(raw)
+    if not isinstance(obj, MoeserveConfig):  # composed without the schema
+        raise ConfigError("<root>", "config was not composed against moeserve_schema")
+    return validate(obj)

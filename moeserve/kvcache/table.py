@@ -1,0 +1,37 @@
+"""ReqToTokenPool: (request slot, position) → KV slot index."""
+
+from __future__ import annotations
+
+import torch
+
+
+class ReqToTokenPool:
+    """A [max_reqs, max_context] table of KV slot indices, one row per live request.
+
+    Rows are handed out by `alloc` and returned by `free`; the table contents of a freed row are stale
+    and must not be read.
+    """
+
+    def __init__(self, size: int, max_context_len: int, device: torch.device | str):
+        self.size = size
+        self.max_context_len = max_context_len
+        self.req_to_token = torch.zeros((size, max_context_len), dtype=torch.int64, device=device)
+        self._free: list[int] = list(range(size))
+
+    def available_size(self) -> int:
+        return len(self._free)
+
+    def alloc(self, n: int = 1) -> list[int] | None:
+        """Take n rows, or None (nothing taken) when fewer are free."""
+        if n > len(self._free):
+            return None
+        rows, self._free = self._free[:n], self._free[n:]
+        return rows
+
+    def free(self, row: int | list[int]) -> None:
+        rows = [row] if isinstance(row, int) else row
+        self._free.extend(rows)
+
+    def write(self, row: int, start: int, slots: torch.Tensor) -> None:
+        """Record that positions [start, start + len(slots)) of request `row` live in `slots`."""
+        self.req_to_token[row, start : start + slots.numel()] = slots.to(self.req_to_token.device)

@@ -1,0 +1,34 @@
+"""The attention call site inside a model: hands q/k/v and the layer spec to the batch's backend."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from moeserve.attention.base import AttentionSpec
+
+if TYPE_CHECKING:
+    from moeserve.forward_batch import ForwardBatch
+
+
+class PagedAttention(nn.Module):
+    """Attention over the paged KV pool. Holds no weights; the backend owns the computation."""
+
+    def __init__(self, layer_id: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                 scaling: float, v_head_dim: int | None = None):
+        super().__init__()
+        self.spec = AttentionSpec(layer_id, num_heads, num_kv_heads, head_dim,
+                                  v_head_dim or head_dim, scaling)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None,
+                fb: ForwardBatch) -> torch.Tensor:
+        """q: [T, H*D] or [T, H, D]; returns [T, H * Dv]."""
+        s = self.spec
+        q = q.view(-1, s.num_heads, s.head_dim)
+        k = k.view(-1, s.num_kv_heads, s.head_dim)
+        if v is not None:
+            v = v.view(-1, s.num_kv_heads, s.v_head_dim)
+        out = fb.attn_backend.forward(q, k, v, s, fb)
+        return out.reshape(-1, s.num_heads * s.v_head_dim)

@@ -1,0 +1,71 @@
+"""Routed experts: stacked gate/up and down weights and the grouped expert computation.
+
+`MoEExperts` holds the experts this rank owns ([local_experts, ...] stacks) and computes
+sum_k w[t, k] * expert_{ids[t, k]}(x[t]) for tokens already routed to it. Dispatch and combine across
+expert-parallel ranks wrap around this module; the math here is the torch reference.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from moeserve.layers.activation import silu_and_mul
+
+GATE, UP, DOWN = "gate", "up", "down"
+
+
+class MoEExperts(nn.Module):
+    """Experts [first_expert, first_expert + num_local) of num_experts.
+
+    w13: [E_local, 2I, H] laid out as [gate | up]; w2: [E_local, H, I].
+    """
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int,
+                 first_expert: int = 0, num_local: int | None = None):
+        super().__init__()
+        self.num_experts = num_experts
+        self.first_expert = first_expert
+        self.num_local = num_experts if num_local is None else num_local
+        self.intermediate_size = intermediate_size
+        self.w13 = nn.Parameter(torch.empty(self.num_local, 2 * intermediate_size, hidden_size))
+        self.w2 = nn.Parameter(torch.empty(self.num_local, hidden_size, intermediate_size))
+        local = range(first_expert, first_expert + self.num_local)
+        self.w13.weight_loader = self.w2.weight_loader = self.weight_loader
+        self.w13.expected_shards = {(e, s) for e in local for s in (GATE, UP)}
+        self.w2.expected_shards = {(e, DOWN) for e in local}
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, expert_id: int,
+                      shard: str) -> None:
+        """Load one checkpoint tensor of one expert; experts owned by other ranks are skipped."""
+        local = expert_id - self.first_expert
+        if not 0 <= local < self.num_local:
+            return
+        i = self.intermediate_size
+        dest = {GATE: param.data[local, :i], UP: param.data[local, i:], DOWN: param.data[local]}[shard]
+        if dest.shape != loaded.shape:
+            raise ValueError(f"expert {expert_id} {shard}: expected {tuple(dest.shape)}, "
+                             f"got {tuple(loaded.shape)}")
+        dest.copy_(loaded)
+
+    def forward(self, x: torch.Tensor, topk_ids: torch.Tensor,
+                topk_weights: torch.Tensor) -> torch.Tensor:
+        """x: [T, H]; topk_ids/weights: [T, K] (global expert ids; non-local ids contribute 0)."""
+        out = torch.zeros_like(x, dtype=torch.float32)
+        local_ids = topk_ids - self.first_expert
+        flat_ids = local_ids.flatten()  # [T*K]
+        order = flat_ids.argsort(stable=True)
+        counts = torch.bincount(flat_ids.clamp(0, self.num_local).masked_fill(
+            (flat_ids < 0) | (flat_ids >= self.num_local), self.num_local), minlength=self.num_local + 1)
+        token_of = order // topk_ids.shape[1]
+        weight_of = topk_weights.flatten()[order]
+        start = int((flat_ids < 0).sum())
+        for e, n in enumerate(counts[: self.num_local].tolist()):
+            if n == 0:
+                continue
+            tok, w = token_of[start : start + n], weight_of[start : start + n]
+            h = silu_and_mul(x[tok] @ self.w13[e].t()) @ self.w2[e].t()  # [n, H]
+            out.index_add_(0, tok, h.float() * w[:, None].float())
+            start += n
+        return out.to(x.dtype)
+

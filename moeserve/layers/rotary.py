@@ -1,0 +1,78 @@
+"""Rotary position embeddings (default, linear, llama3, YaRN, ... via transformers' rope init)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+
+def rope_parameters(hf_config: Any) -> dict:
+    """The rope dict of an HF config, whether it uses transformers-5 `rope_parameters` or the older
+    `rope_theta` + `rope_scaling` pair."""
+    params = getattr(hf_config, "rope_parameters", None)
+    if params:
+        if "rope_theta" in params or "rope_type" in params:
+            return dict(params)
+        # per-layer-type dicts (e.g. {"full_attention": {...}}): take the first
+        return dict(next(iter(params.values())))
+    out = dict(getattr(hf_config, "rope_scaling", None) or {})
+    out.setdefault("rope_type", out.pop("type", "default"))
+    out["rope_theta"] = getattr(hf_config, "rope_theta", 10000.0)
+    return out
+
+
+def rope_inv_freq(hf_config: Any, rotary_dim: int) -> tuple[torch.Tensor, float]:
+    """(inv_freq [rotary_dim / 2], attention_factor) for the config's rope type."""
+    params = rope_parameters(hf_config)
+    rope_type = params.get("rope_type", "default")
+    if rope_type == "default":
+        theta = params["rope_theta"]
+        exponent = torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim
+        return 1.0 / (theta**exponent), 1.0
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    inv_freq, factor = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"))
+    return inv_freq.float(), float(factor)
+
+
+class RotaryEmbedding(nn.Module):
+    """Applies rope to the first `rotary_dim` channels of q and k.
+
+    neox style rotates halves (x[:d/2], x[d/2:]); interleaved (GPT-J / DeepSeek) rotates pairs
+    (x[0::2], x[1::2]). cos/sin carry the type's attention factor (YaRN mscale).
+    """
+
+    def __init__(self, inv_freq: torch.Tensor, attention_factor: float, max_position: int,
+                 is_neox_style: bool = True):
+        super().__init__()
+        self.rotary_dim = inv_freq.numel() * 2
+        self.is_neox_style = is_neox_style
+        t = torch.arange(max_position, dtype=torch.float32)
+        freqs = torch.outer(t, inv_freq)  # [P, d/2]
+        cache = torch.cat([freqs.cos(), freqs.sin()], dim=-1) * attention_factor
+        self.register_buffer("cos_sin_cache", cache, persistent=False)  # [P, d]
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        """q: [T, H, D], k: [T, Hkv, D]; positions: [T]."""
+        cos, sin = self.cos_sin_cache[positions].chunk(2, dim=-1)  # [T, d/2] each
+        return self._apply(q, cos, sin), self._apply(k, cos, sin)
+
+    def _apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        rot, rest = x[..., : self.rotary_dim], x[..., self.rotary_dim :]
+        cos, sin = cos[:, None, :], sin[:, None, :]
+        rot_f = rot.float()
+        if self.is_neox_style:
+            x1, x2 = rot_f.chunk(2, dim=-1)
+            out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+        else:
+            x1, x2 = rot_f[..., 0::2], rot_f[..., 1::2]
+            out = torch.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).flatten(-2)
+        return torch.cat([out.to(x.dtype), rest], dim=-1)
+
+
+def get_rope(hf_config: Any, rotary_dim: int, max_position: int,
+             is_neox_style: bool = True) -> RotaryEmbedding:
+    inv_freq, factor = rope_inv_freq(hf_config, rotary_dim)
+    return RotaryEmbedding(inv_freq, factor, max_position, is_neox_style)

@@ -1,0 +1,169 @@
+"""ModelRunner: owns the model, its KV memory and the attention backend; runs one ForwardBatch."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+
+from moeserve.attention.registry import create_attention_backend
+from moeserve.config import MoeserveConfig
+from moeserve.core import ForwardMode
+from moeserve.forward_batch import ForwardBatch
+from moeserve.kvcache.allocator import TokenToKVPoolAllocator
+from moeserve.kvcache.pool import KVPool, MHAKVPool, MLAKVPool
+from moeserve.kvcache.table import ReqToTokenPool
+from moeserve.models.loader import WeightLoadError, iterate_weights, load_weights
+from moeserve.models.registry import model_class
+
+logger = logging.getLogger(__name__)
+
+CPU_DEFAULT_KV_TOKENS = 16384
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("device=cuda but CUDA is not available")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, hf_config, device: torch.device) -> torch.dtype:
+    """auto: float32 on CPU (bf16 matmuls are slow there), else the checkpoint's 16-bit dtype."""
+    if name != "auto":
+        return _DTYPES[name]
+    if device.type == "cpu":
+        return torch.float32
+    ckpt = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    ckpt = _DTYPES.get(str(ckpt).replace("torch.", ""), torch.bfloat16)
+    return torch.bfloat16 if ckpt == torch.float32 else ckpt
+
+
+def load_hf_config(path: str):
+    from transformers import AutoConfig
+
+    if not os.path.exists(os.path.join(path, "config.json")):
+        raise FileNotFoundError(f"model.path={path!r} has no config.json")
+    return AutoConfig.from_pretrained(path)
+
+
+@dataclass
+class KVMemory:
+    """The per-rank KV memory: request table, slot allocator and the per-layer pool."""
+
+    req_to_token: ReqToTokenPool
+    allocator: TokenToKVPoolAllocator
+    pool: KVPool
+
+
+class ModelRunner:
+    def __init__(self, cfg: MoeserveConfig, model_path: str):
+        self.cfg = cfg
+        self.device = resolve_device(cfg.device)
+        self.hf_config = load_hf_config(model_path)
+        self.dtype = resolve_dtype(cfg.model.dtype, self.hf_config, self.device)
+        self.model = self._build_model(model_path)
+        self.context_len = cfg.model.context_length or self.hf_config.max_position_embeddings
+        self.memory = self._init_memory()
+        self.attn_backend = create_attention_backend(cfg.attention.backend)
+
+    # ---- construction -------------------------------------------------------------------------
+    def _build_model(self, path: str) -> torch.nn.Module:
+        archs = getattr(self.hf_config, "architectures", None) or []
+        if not archs:
+            raise WeightLoadError(f"{path}/config.json has no 'architectures' entry")
+        cls = model_class(archs[0])
+        with _default_dtype(self.dtype), self.device:
+            model = cls(self.hf_config, **self._model_kwargs(cls))
+        if self.cfg.model.load_format == "dummy":
+            _init_dummy(model, self.cfg.seed)
+        else:
+            load_weights(model, iterate_weights(path, self.dtype))
+        return model.eval()
+
+    def _model_kwargs(self, cls: type) -> dict:
+        return {"load_mtp": self.cfg.model.load_mtp} if getattr(cls, "has_mtp", False) else {}
+
+    def _init_memory(self) -> KVMemory:
+        layout = self.model.kv_layout() if hasattr(self.model, "kv_layout") else self._mha_layout()
+        size = self.cfg.cache.max_total_tokens or self._auto_kv_tokens(layout)
+        self.context_len = min(self.context_len, size)
+        table = ReqToTokenPool(self.cfg.cache.max_running_requests + 1, self.context_len, self.device)
+        allocator = TokenToKVPoolAllocator(size)
+        if layout["kind"] == "mla":
+            pool = MLAKVPool(size, layout["layers"], layout["kv_lora_rank"], layout["rope_dim"],
+                             self.dtype, self.device)
+        else:
+            pool = MHAKVPool(size, layout["layers"], layout["kv_heads"], layout["head_dim"],
+                             layout["v_head_dim"], self.dtype, self.device)
+        logger.info("KV pool: %d tokens (%s)", size, layout["kind"])
+        return KVMemory(table, allocator, pool)
+
+    def _mha_layout(self) -> dict:
+        c = self.hf_config
+        head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        return {"kind": "mha", "layers": c.num_hidden_layers, "kv_heads": c.num_key_value_heads,
+                "head_dim": head_dim, "v_head_dim": head_dim}
+
+    def _auto_kv_tokens(self, layout: dict) -> int:
+        if self.device.type == "cpu":
+            return CPU_DEFAULT_KV_TOKENS
+        width = (layout["kv_lora_rank"] + layout["rope_dim"] if layout["kind"] == "mla"
+                 else layout["kv_heads"] * (layout["head_dim"] + layout["v_head_dim"]))
+        per_token = KVPool.bytes_per_token(layout["layers"], width, self.dtype)
+        free, total = torch.cuda.mem_get_info(self.device)
+        budget = free - total * (1.0 - self.cfg.cache.mem_fraction_static)
+        return max(int(budget // per_token), 1024)
+
+    # ---- execution ----------------------------------------------------------------------------
+    def make_batch(self, mode: ForwardMode, input_ids: list[int], positions: list[int],
+                   out_cache_loc: torch.Tensor, req_pool_indices: list[int], seq_lens: list[int],
+                   prefix_lens: list[int], extend_lens: list[int],
+                   return_all_logits: bool = False) -> ForwardBatch:
+        dev = self.device
+        return ForwardBatch(
+            forward_mode=mode,
+            input_ids=torch.tensor(input_ids, dtype=torch.int64, device=dev),
+            positions=torch.tensor(positions, dtype=torch.int64, device=dev),
+            out_cache_loc=out_cache_loc.to(dev),
+            req_pool_indices=torch.tensor(req_pool_indices, dtype=torch.int64, device=dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int64, device=dev),
+            seq_lens_cpu=seq_lens, extend_prefix_lens_cpu=prefix_lens,
+            extend_seq_lens_cpu=extend_lens, req_to_token_pool=self.memory.req_to_token,
+            kv_pool=self.memory.pool, attn_backend=self.attn_backend,
+            return_all_logits=return_all_logits,
+        )
+
+    @torch.inference_mode()
+    def forward(self, fb: ForwardBatch) -> torch.Tensor:
+        """→ float32 logits: [B, V] for each request's last token, or [T, V] if return_all_logits."""
+        self.attn_backend.init_forward_metadata(fb)
+        hidden = self.model(fb)
+        if not fb.return_all_logits:
+            hidden = hidden[fb.last_token_indices()]
+        return self.model.compute_logits(hidden)
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype):
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+def _init_dummy(model: torch.nn.Module, seed: int) -> None:
+    """Random weights for benchmarking real shapes without a checkpoint (norms stay at 1)."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    for name, p in model.named_parameters():
+        if "norm" in name:
+            p.data.fill_(1.0)
+        else:
+            p.data.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float32) * 0.02)

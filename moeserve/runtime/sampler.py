@@ -1,0 +1,46 @@
+"""Turn last-token logits into next tokens: greedy, temperature, top-k, top-p, min-p, seeds."""
+
+from __future__ import annotations
+
+import torch
+
+from moeserve.core import SamplingParams
+
+
+def make_generator(params: SamplingParams, device: torch.device) -> torch.Generator | None:
+    """A per-request generator so a seeded request samples the same tokens in any batch."""
+    if params.seed is None or params.is_greedy:
+        return None
+    return torch.Generator(device=device).manual_seed(params.seed)
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams],
+           generators: list[torch.Generator | None]) -> torch.Tensor:
+    """logits: [B, V] float32 → next token ids [B] (int64, same device)."""
+    out = logits.argmax(dim=-1)
+    for i, p in enumerate(params):
+        if not p.is_greedy:
+            out[i] = _sample_row(logits[i], p, generators[i])
+    return out
+
+
+def _sample_row(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator | None) -> int:
+    probs = torch.softmax(logits / p.temperature, dim=-1)  # [V]
+    probs = filter_probs(probs, p.top_k, p.top_p, p.min_p)
+    return int(torch.multinomial(probs, 1, generator=gen))
+
+
+def filter_probs(probs: torch.Tensor, top_k: int, top_p: float, min_p: float) -> torch.Tensor:
+    """Zero out tokens outside top-k, outside the top-p nucleus, or below min_p × max prob."""
+    sorted_probs, order = probs.sort(descending=True)
+    keep = torch.ones_like(sorted_probs, dtype=torch.bool)
+    if top_k > 0:
+        keep[top_k:] = False
+    if top_p < 1.0:
+        before = sorted_probs.cumsum(0) - sorted_probs  # mass strictly before each token
+        keep &= before < top_p
+    if min_p > 0.0:
+        keep &= sorted_probs >= min_p * sorted_probs[0]
+    keep[0] = True
+    filtered = torch.zeros_like(probs).scatter_(0, order, sorted_probs * keep)
+    return filtered / filtered.sum()
