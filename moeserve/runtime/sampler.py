@@ -31,13 +31,16 @@ def _sample_row(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator | 
 
 
 def filter_probs(probs: torch.Tensor, top_k: int, top_p: float, min_p: float) -> torch.Tensor:
-    """Zero out tokens outside top-k, outside the top-p nucleus, or below min_p × max prob."""
+    """Zero out tokens outside top-k, then outside the top-p nucleus of what remains (renormalised,
+    as transformers and vLLM do), then below min_p × the max prob; returns a distribution."""
     sorted_probs, order = probs.sort(descending=True)
     keep = torch.ones_like(sorted_probs, dtype=torch.bool)
     if top_k > 0:
         keep[top_k:] = False
     if top_p < 1.0:
-        before = sorted_probs.cumsum(0) - sorted_probs  # mass strictly before each token
+        kept = sorted_probs * keep
+        kept = kept / kept.sum()
+        before = kept.cumsum(0) - kept  # mass strictly before each token
         keep &= before < top_p
     if min_p > 0.0:
         keep &= sorted_probs >= min_p * sorted_probs[0]

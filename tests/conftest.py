@@ -1,0 +1,32 @@
+"""Shared fixtures: tiny random checkpoints (built once per session) and the GPU skip rule."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA")
+    for item in items:
+        if "gpu" in item.keywords or "multigpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory):
+    """tiny_model(arch, **overrides) -> path of a tiny random HF checkpoint (cached per session)."""
+    from moeserve.tools.make_tiny import make_tiny
+
+    cache: dict[tuple, str] = {}
+
+    def build(arch: str, **overrides) -> str:
+        key = (arch, tuple(sorted(overrides.items())))
+        if key not in cache:
+            out = tmp_path_factory.mktemp(f"tiny_{arch}")
+            cache[key] = make_tiny(arch, str(out), seed=0, **overrides)
+        return cache[key]
+
+    return build

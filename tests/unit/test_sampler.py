@@ -1,0 +1,59 @@
+"""Sampling filters against transformers' logits warpers; seeds; greedy."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers.generation.logits_process import (MinPLogitsWarper, TopKLogitsWarper,
+                                                    TopPLogitsWarper)
+
+from moeserve.core import SamplingParams
+from moeserve.runtime.sampler import filter_probs, make_generator, sample
+
+
+@pytest.mark.parametrize("top_k,top_p,min_p", [(5, 1.0, 0.0), (-1, 0.9, 0.0), (-1, 1.0, 0.1),
+                                               (20, 0.8, 0.05), (1, 1.0, 0.0)])
+def test_filter_support_matches_transformers(top_k, top_p, min_p):
+    g = torch.Generator().manual_seed(0)
+    for _ in range(20):
+        logits = torch.randn(1, 200, generator=g) * 3
+        scores = logits.clone()
+        if top_k > 0:
+            scores = TopKLogitsWarper(top_k)(None, scores)
+        if top_p < 1.0:
+            scores = TopPLogitsWarper(top_p)(None, scores)
+        if min_p > 0.0:
+            scores = MinPLogitsWarper(min_p)(None, scores)
+        expected = torch.softmax(scores, -1)[0]
+        ours = filter_probs(torch.softmax(logits, -1)[0], top_k, top_p, min_p)
+        assert torch.equal(ours > 0, expected > 0)
+        assert torch.allclose(ours, expected, atol=1e-6)
+
+
+def test_greedy_is_argmax_and_seed_reproducible():
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(1))
+    greedy = SamplingParams(temperature=0)
+    seeded = SamplingParams(temperature=1.0, seed=7)
+    params = [greedy, seeded, seeded]
+    gens = [make_generator(p, torch.device("cpu")) for p in params]
+    out = sample(logits.clone(), params, gens)
+    assert out[0] == logits[0].argmax()
+    again = sample(logits[1:2].clone(), [seeded], [make_generator(seeded, torch.device("cpu"))])
+    assert out[1] == again[0]
+
+
+def test_seeded_sampling_follows_distribution():
+    probs = torch.tensor([0.5, 0.3, 0.2])
+    params = SamplingParams(temperature=1.0, seed=3)
+    gen = make_generator(params, torch.device("cpu"))
+    counts = torch.zeros(3)
+    for _ in range(3000):
+        counts[sample(probs.log()[None].clone(), [params], [gen])[0]] += 1
+    assert torch.allclose(counts / 3000, probs, atol=0.04)
+
+
+def test_invalid_params_are_refused():
+    for bad in [{"temperature": -1}, {"top_p": 0}, {"top_k": 0}, {"max_new_tokens": -2},
+                {"min_p": 2}, {"nonsense": 1}]:
+        with pytest.raises(ValueError):
+            SamplingParams.from_dict(bad)
