@@ -16,6 +16,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("safetensors", "dummy")
 ATTENTION_BACKENDS = ("torch",)
 DEVICES = ("auto", "cpu", "cuda")
+SCHEDULE_POLICIES = ("lpm", "fcfs")
 
 
 class ConfigError(ValueError):
@@ -44,6 +45,29 @@ class CacheConfig:
 
 
 @dataclass(frozen=True)
+class SchedulerConfig:
+    chunked_prefill_size: int = 2048  # max new prefill tokens per step; longer prompts are chunked
+    policy: str = "lpm"  # lpm: longest cached prefix first | fcfs
+    overlap: bool = True  # event_loop_overlap (post-process step N-1 while step N runs)
+    disable_radix_cache: bool = False
+    init_new_token_ratio: float = 0.7  # share of max_new_tokens reserved for running decodes
+    min_new_token_ratio: float = 0.1
+    new_token_ratio_decay: float = 0.001  # per decode step, back towards the minimum
+    stream_interval: int = 1  # decode steps between streamed outputs
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 30000
+    api_key: str | None = None  # when set, requests need "Authorization: Bearer <key>"
+    served_model_name: str | None = None  # default: the model folder's name
+    max_n: int = 16  # largest `n` accepted per request
+    log_level: str = "info"
+    startup_timeout_s: float = 600.0
+
+
+@dataclass(frozen=True)
 class AttentionConfig:
     backend: str = "torch"
 
@@ -53,6 +77,8 @@ class MoeserveConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     attention: AttentionConfig = field(default_factory=AttentionConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    server: ServerConfig = field(default_factory=ServerConfig)
     device: str = "auto"
     seed: int = 0
 
@@ -104,6 +130,12 @@ def validate(cfg: MoeserveConfig) -> MoeserveConfig:
     _check_positive("cache.max_total_tokens", cfg.cache.max_total_tokens)
     _check_positive("cache.max_running_requests", cfg.cache.max_running_requests, False)
     _check_positive("cache.page_size", cfg.cache.page_size, False)
+    _check_choice("scheduler.policy", cfg.scheduler.policy, SCHEDULE_POLICIES)
+    _check_positive("scheduler.chunked_prefill_size", cfg.scheduler.chunked_prefill_size, False)
+    _check_positive("scheduler.stream_interval", cfg.scheduler.stream_interval, False)
+    _check_positive("server.max_n", cfg.server.max_n, False)
+    if not 0 < cfg.server.port < 65536:
+        raise ConfigError("server.port", f"{cfg.server.port} is not a TCP port")
     if not 0.0 < cfg.cache.mem_fraction_static <= 1.0:
         raise ConfigError("cache.mem_fraction_static", "must be in (0, 1]")
     return cfg

@@ -1,0 +1,112 @@
+"""Every cross-process message, one frozen msgspec Struct each, grouped by channel.
+
+Channels (ZMQ PUSH → PULL):
+- tokenizer manager → scheduler (`SchedulerInput`): generate requests, aborts, control requests;
+- scheduler → detokenizer (`DetokenizerInput`): token outputs per step; control replies pass through;
+- detokenizer / scheduler → tokenizer manager (`ManagerInput`): text outputs, control replies, ready.
+Payloads are msgpack with a type tag; nothing is ever unpickled.
+"""
+
+from __future__ import annotations
+
+from typing import Union
+
+import msgspec
+
+from moeserve.core import SamplingParams
+
+
+class Msg(msgspec.Struct, tag=True, frozen=True, kw_only=True):
+    pass
+
+
+# ---- tokenizer manager → scheduler -------------------------------------------------------------
+class GenerateReq(Msg):
+    rid: str
+    input_ids: list[int]
+    sampling: SamplingParams
+    stream: bool = False
+    return_logprob: bool = False
+    top_logprobs_num: int = 0
+    dp_rank: int | None = None  # pin to one data-parallel rank
+
+
+class AbortReq(Msg):
+    rid: str
+
+
+class ControlReq(Msg):
+    """A control request; every rank answers with a ControlReply carrying the same `cid`."""
+
+    cid: int
+    op: str  # flush_cache | server_info
+    args: dict = {}
+
+
+# ---- scheduler → detokenizer ------------------------------------------------------------------
+class TokenOutput(Msg):
+    """New tokens of one request since the last output, plus its state if finished."""
+
+    rid: str
+    new_ids: list[int]
+    finish_reason: str | None = None  # stop | length | abort
+    finish_matched: int | str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    logprobs: list[float] | None = None  # of new_ids
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    error: str | None = None
+
+
+class TokenOutputBatch(Msg):
+    outputs: list[TokenOutput]
+    stop_strings: dict[str, list[str]] = {}  # rid → stop strings, sent once with the first output
+
+
+# ---- detokenizer → tokenizer manager -----------------------------------------------------------
+class TextOutput(Msg):
+    rid: str
+    text_delta: str
+    new_ids: list[int]
+    finish_reason: str | None = None
+    finish_matched: int | str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    error: str | None = None
+
+
+class TextOutputBatch(Msg):
+    outputs: list[TextOutput]
+
+
+class ControlReply(Msg):
+    cid: int
+    rank: int
+    ok: bool = True
+    data: dict = {}
+
+
+class ReadyMsg(Msg):
+    """Sent once by each child process after start-up."""
+
+    role: str  # scheduler | detokenizer
+    rank: int = 0
+    info: dict = {}  # e.g. max_total_tokens, max_req_len
+
+
+class LoadReport(Msg):
+    """Periodic scheduler load, for data-parallel routing."""
+
+    rank: int
+    running: int
+    waiting: int
+    used_tokens: int
+
+
+SchedulerInput = Union[GenerateReq, AbortReq, ControlReq]
+DetokenizerInput = Union[TokenOutputBatch, ControlReply]
+ManagerInput = Union[TextOutputBatch, ControlReply, ReadyMsg, LoadReport]
