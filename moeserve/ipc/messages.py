@@ -99,12 +99,15 @@ class ReadyMsg(Msg):
 
 
 class LoadReport(Msg):
-    """Periodic scheduler load, for data-parallel routing."""
+    """Periodic scheduler load and counters (for /metrics and data-parallel routing)."""
 
     rank: int
     running: int
     waiting: int
-    used_tokens: int
+    used_tokens: int  # KV slots held by requests and the prefix cache's locked nodes
+    max_total_tokens: int
+    cache_hit_tokens: int = 0  # cumulative prompt tokens served from the prefix cache
+    prompt_tokens: int = 0  # cumulative prompt tokens admitted
 
 
 SchedulerInput = Union[GenerateReq, AbortReq, ControlReq]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import tempfile
 import uuid
+from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 import msgspec
@@ -12,6 +13,20 @@ import zmq
 import zmq.asyncio
 
 T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Endpoints:
+    """The PULL addresses of each role (each role binds its own, everyone else connects)."""
+
+    scheduler_in: str  # tokenizer manager → scheduler (rank 0 of a DP group / controller)
+    detokenizer_in: str  # schedulers → detokenizer
+    manager_in: str  # detokenizer + schedulers → tokenizer manager
+
+    @classmethod
+    def fresh(cls) -> Endpoints:
+        return cls(*(new_ipc_address(t) for t in ("sched", "detok", "mgr")))
+
 _ENCODER = msgspec.msgpack.Encoder()
 
 
