@@ -1,0 +1,263 @@
+"""DeepSeek-V2 / V3: multi-head latent attention (MLA) + grouped top-k MoE with shared experts.
+
+MLA runs weight-absorbed, as MQA over one latent per token (DESIGN.md §5):
+  latent  = [kv_a_layernorm(c_kv) | rope(k_pe)]              [T, 1, R + r]  (the KV pool entry)
+  q       = [q_nope @ W_UK (per head) | rope(q_pe)]          [T, H, R + r]
+  out     = softmax(q · latent) · latent[:R] @ W_UV          [T, H, v_head_dim]
+where kv_b_proj.weight = [H, nope + v, R] holds W_UK (first `nope` rows per head) and W_UV.
+In exact arithmetic this equals the non-absorbed attention of the paper (and of transformers).
+
+Checkpoints may carry one NextN (MTP) layer as `model.layers.{num_hidden_layers}.*`; with
+`load_mtp=True` it is built as the last entry of `model.layers` (so names match) but the main
+forward stops before it.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moeserve.forward_batch import ForwardBatch
+from moeserve.layers.attention import PagedAttention
+from moeserve.layers.moe import MoEExperts
+from moeserve.layers.norm import RMSNorm
+from moeserve.layers.rotary import get_rope, rope_parameters
+from moeserve.layers.router import RouterConfig, select_experts
+from moeserve.models.llama import MLP, CausalLM, DecoderModel
+
+LORA_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm use the default eps, not rms_norm_eps
+_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.")
+# NOTE: the MTP layer shares embedding and LM head with the target model; the checkpoint's copies
+# under model.layers.{N}. are not loaded.
+_MTP_SHARED = ("embed_tokens.weight", "shared_head.head.weight")
+
+
+def softmax_scale(cfg: Any) -> float:
+    """1/sqrt(qk_head_dim), times mscale(factor, mscale_all_dim)² for YaRN-scaled ropes."""
+    scale = (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim) ** -0.5
+    rope = rope_parameters(cfg)
+    mscale_all_dim = rope.get("mscale_all_dim") or 0
+    factor = rope.get("factor") or 1.0
+    if rope.get("rope_type", "default") != "default" and mscale_all_dim and factor > 1:
+        mscale = 0.1 * mscale_all_dim * math.log(factor) + 1.0
+        scale *= mscale * mscale
+    return scale
+
+
+class MLAttention(nn.Module):
+    def __init__(self, cfg: Any, layer_id: int):
+        super().__init__()
+        self.num_heads, self.kv_lora_rank = cfg.num_attention_heads, cfg.kv_lora_rank
+        self.nope_dim, self.rope_dim, self.v_dim = (cfg.qk_nope_head_dim, cfg.qk_rope_head_dim,
+                                                    cfg.v_head_dim)
+        h, bias, q_size = cfg.hidden_size, cfg.attention_bias, self.num_heads * (
+            self.nope_dim + self.rope_dim)
+        self.q_lora_rank = cfg.q_lora_rank
+        if self.q_lora_rank is None:
+            self.q_proj = nn.Linear(h, q_size, bias=False)
+        else:
+            self.q_a_proj = nn.Linear(h, self.q_lora_rank, bias=bias)
+            self.q_a_layernorm = RMSNorm(self.q_lora_rank, LORA_NORM_EPS)
+            self.q_b_proj = nn.Linear(self.q_lora_rank, q_size, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(h, self.kv_lora_rank + self.rope_dim, bias=bias)
+        self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, LORA_NORM_EPS)
+        self.kv_b_proj = nn.Linear(self.kv_lora_rank, self.num_heads * (self.nope_dim + self.v_dim),
+                                   bias=False)
+        self.o_proj = nn.Linear(self.num_heads * self.v_dim, h, bias=bias)
+        # V2 rotates interleaved pairs (complex freqs); V3 too unless rope_interleave is False.
+        interleaved = getattr(cfg, "rope_interleave", True)
+        self.rotary = get_rope(cfg, self.rope_dim, cfg.max_position_embeddings,
+                               is_neox_style=not interleaved)
+        self.attn = PagedAttention(layer_id, self.num_heads, 1, self.kv_lora_rank + self.rope_dim,
+                                   softmax_scale(cfg), v_head_dim=self.kv_lora_rank)
+
+    def _q(self, x: torch.Tensor) -> torch.Tensor:
+        if self.q_lora_rank is None:
+            return self.q_proj(x)
+        return self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+        q = self._q(x).view(-1, self.num_heads, self.nope_dim + self.rope_dim)
+        q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], dim=-1)  # [T, H, nope], [T, H, r]
+        c_kv, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        q_pe, k_pe = self.rotary(positions, q_pe, k_pe[:, None])  # k_pe: [T, 1, r]
+        w_kv = self.kv_b_proj.weight.view(self.num_heads, self.nope_dim + self.v_dim,
+                                          self.kv_lora_rank)
+        w_uk, w_uv = w_kv.split([self.nope_dim, self.v_dim], dim=1)  # [H, nope, R], [H, v, R]
+        q_lat = torch.einsum("thn,hnr->thr", q_nope, w_uk)  # [T, H, R]
+        latent = torch.cat([self.kv_a_layernorm(c_kv)[:, None], k_pe], dim=-1)  # [T, 1, R + r]
+        out = self.attn(torch.cat([q_lat, q_pe], dim=-1), latent, None, fb)  # [T, H * R]
+        out = torch.einsum("thr,hvr->thv", out.view(-1, self.num_heads, self.kv_lora_rank), w_uv)
+        return self.o_proj(out.flatten(1))  # [T, hidden]
+
+
+class MoEGate(nn.Module):
+    """Router: `weight` [E, hidden] and (V3) `e_score_correction_bias` [E], both float32."""
+
+    def __init__(self, hidden_size: int, num_experts: int, with_bias: bool):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, dtype=torch.float32))
+        self.e_score_correction_bias = nn.Parameter(
+            torch.zeros(num_experts, dtype=torch.float32), requires_grad=False
+        ) if with_bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x.float(), self.weight)  # [T, E] float32 logits
+
+
+class DeepseekMoE(nn.Module):
+    """Routed experts (grouped top-k) plus always-on shared experts."""
+
+    def __init__(self, cfg: Any, router: RouterConfig):
+        super().__init__()
+        self.router = router
+        self.gate = MoEGate(cfg.hidden_size, cfg.n_routed_experts, router.scoring == "sigmoid")
+        self.experts = MoEExperts(cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size)
+        n_shared = cfg.n_shared_experts or 0
+        self.shared_experts = (MLP(cfg.hidden_size, cfg.moe_intermediate_size * n_shared)
+                               if n_shared else None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = select_experts(self.gate(x), self.router,
+                                      self.gate.e_score_correction_bias)  # [T, K] each
+        out = self.experts(x, ids, weights)
+        return out if self.shared_experts is None else out + self.shared_experts(x)
+
+
+class DeepseekDecoderLayer(nn.Module):
+    def __init__(self, cfg: Any, layer_id: int, mlp: nn.Module):
+        super().__init__()
+        self.self_attn = MLAttention(cfg, layer_id)
+        self.mlp = mlp
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x, residual, positions, fb):
+        x, residual = self.input_layernorm(x, residual) if residual is not None else (
+            self.input_layernorm(x), x)
+        x = self.self_attn(x, positions, fb)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class SharedHead(nn.Module):
+    """The MTP layer's final norm; its `head` is the target's lm_head (see _MTP_SHARED)."""
+
+    def __init__(self, hidden_size: int, eps: float):
+        super().__init__()
+        self.norm = RMSNorm(hidden_size, eps)
+
+
+class DeepseekMTPLayer(DeepseekDecoderLayer):
+    """NextN layer: eh_proj([enorm(embed(next ids)) | hnorm(target hidden)]) → decoder block →
+    shared_head.norm. Parameter names follow the checkpoint's model.layers.{num_hidden_layers}.*."""
+
+    def __init__(self, cfg: Any, layer_id: int, mlp: nn.Module):
+        super().__init__(cfg, layer_id, mlp)
+        h, eps = cfg.hidden_size, cfg.rms_norm_eps
+        self.enorm, self.hnorm = RMSNorm(h, eps), RMSNorm(h, eps)
+        self.eh_proj = nn.Linear(2 * h, h, bias=False)
+        self.shared_head = SharedHead(h, eps)
+
+    def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
+                fb: ForwardBatch) -> torch.Tensor:
+        """embeds, hidden: [T, hidden] → draft hidden [T, hidden] (input of the LM head)."""
+        x = self.eh_proj(torch.cat([self.enorm(embeds), self.hnorm(hidden)], dim=-1))
+        x, residual = super().forward(x, None, positions, fb)
+        return self.shared_head.norm(x, residual)[0]
+
+
+class DeepseekModel(DecoderModel):
+    """DecoderModel whose `layers` may end with MTP layers; forward runs the main layers only."""
+
+    def __init__(self, cfg: Any, make_layer, extra_layers: list[nn.Module]):
+        super().__init__(cfg, make_layer)
+        self.num_main_layers = cfg.num_hidden_layers
+        self.layers.extend(extra_layers)
+
+    def forward(self, fb: ForwardBatch) -> torch.Tensor:
+        x, residual = self.embed_tokens(fb.input_ids), None
+        for layer in self.layers[: self.num_main_layers]:
+            x, residual = layer(x, residual, fb.positions, fb)
+        x, _ = self.norm(x, residual)
+        return x
+
+
+def _is_moe_layer(cfg: Any, i: int) -> bool:
+    freq = getattr(cfg, "moe_layer_freq", 1) or 1
+    return bool(cfg.n_routed_experts) and i >= (cfg.first_k_dense_replace or 0) and i % freq == 0
+
+
+class DeepseekV2ForCausalLM(CausalLM):
+    has_mtp = True
+    # NOTE: no q/k/v packing: V2's `q_proj` is a plain linear.
+    packed_modules_mapping = {"gate_proj": ("gate_up_proj", "gate"),
+                              "up_proj": ("gate_up_proj", "up")}
+    expert_weight_names = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
+
+    @staticmethod
+    def router_config(cfg: Any) -> RouterConfig:
+        """Softmax scores; greedy or group-limited greedy (group score = max); no renormalization.
+
+        NOTE: like transformers' DeepseekV2, norm_topk_prob is not applied (False in every released
+        V2 checkpoint)."""
+        if cfg.topk_method not in ("greedy", "group_limited_greedy"):
+            raise ValueError(f"DeepSeek-V2 topk_method {cfg.topk_method!r} is not supported")
+        grouped = cfg.topk_method == "group_limited_greedy"
+        return RouterConfig(top_k=cfg.num_experts_per_tok, scoring="softmax", renormalize=False,
+                            num_groups=cfg.n_group if grouped else 1,
+                            topk_groups=cfg.topk_group if grouped else 1, group_score="max",
+                            routed_scaling_factor=cfg.routed_scaling_factor)
+
+    def __init__(self, cfg: Any, load_mtp: bool = False):
+        n, router = cfg.num_hidden_layers, self.router_config(cfg)
+        if load_mtp and (getattr(cfg, "num_nextn_predict_layers", 0) or 0) != 1:
+            raise ValueError("model.load_mtp=true needs num_nextn_predict_layers == 1 "
+                             "in config.json")
+
+        def make_mlp(i: int) -> nn.Module:
+            return DeepseekMoE(cfg, router) if _is_moe_layer(cfg, i) else MLP(
+                cfg.hidden_size, cfg.intermediate_size)
+
+        mtp = [DeepseekMTPLayer(cfg, n, make_mlp(n))] if load_mtp else []
+        model = DeepseekModel(cfg, lambda i: DeepseekDecoderLayer(cfg, i, make_mlp(i)), mtp)
+        super().__init__(cfg, model)
+        self.load_mtp = load_mtp
+
+    @property
+    def mtp(self) -> DeepseekMTPLayer:
+        assert self.load_mtp, "built with load_mtp=False"
+        return self.model.layers[self.config.num_hidden_layers]
+
+    def forward_mtp(self, fb: ForwardBatch, hidden: torch.Tensor) -> torch.Tensor:
+        """Draft hidden states [T, hidden] for fb's tokens given the target's hidden states at the
+        previous positions; logits through compute_logits (the shared LM head)."""
+        return self.mtp(self.model.embed_tokens(fb.input_ids), hidden, fb.positions, fb)
+
+    def kv_layout(self) -> dict:
+        c = self.config
+        return {"kind": "mla", "layers": len(self.model.layers), "kv_lora_rank": c.kv_lora_rank,
+                "rope_dim": c.qk_rope_head_dim}
+
+    def skip_weight(self, name: str) -> bool:
+        m = _LAYER_RE.match(name)
+        if m and int(m[1]) >= self.config.num_hidden_layers:  # MTP layers
+            mtp_layer = self.load_mtp and int(m[1]) == self.config.num_hidden_layers
+            return not mtp_layer or name[m.end():] in _MTP_SHARED
+        return super().skip_weight(name)
+
+
+class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):
+    @staticmethod
+    def router_config(cfg: Any) -> RouterConfig:
+        """Sigmoid scores + e_score_correction_bias for the choice; groups ranked by their top-2
+        sum (noaux_tc, the only method transformers' DeepseekV3 implements)."""
+        return RouterConfig(top_k=cfg.num_experts_per_tok, scoring="sigmoid",
+                            renormalize=bool(cfg.norm_topk_prob), num_groups=cfg.n_group or 1,
+                            topk_groups=cfg.topk_group or 1, group_score="top2_sum",
+                            routed_scaling_factor=cfg.routed_scaling_factor)
