@@ -1,0 +1,173 @@
+"""FastAPI app: OpenAI routes, the native /generate, health/info/cache/metrics routes.
+
+Every error leaves in OpenAI's format `{"error": {"message", "type", "param", "code"}}` with a 4xx
+status: validation errors (including invalid JSON) are 400, not FastAPI's 422, so OpenAI clients raise
+`BadRequestError`. The heavy lifting lives in serving_*.py; this file only wires routes.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import asdict
+from typing import Any
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import BaseModel
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from moeserve.config import MoeserveConfig
+from moeserve.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest,
+                                      GenerateRequest, ModelCard, ModelList, error_body)
+from moeserve.server.serving_chat import chat_response, chat_stream, prepare_chat
+from moeserve.server.serving_common import ClientGone, sse_stream, until_disconnect
+from moeserve.server.serving_completions import (completion_response, completion_stream,
+                                                 prepare_completion)
+from moeserve.server.serving_native import native_response, native_stream, prepare_native
+from moeserve.server.tokenizer_manager import TokenizerManager
+
+logger = logging.getLogger(__name__)
+
+
+def create_app(manager: TokenizerManager, cfg: MoeserveConfig) -> FastAPI:
+    app = FastAPI(title="moeserve", docs_url=None, redoc_url=None)
+    app.state.manager = manager
+    _install_error_handlers(app)
+    auth = [Depends(_api_key_checker(cfg.server.api_key))]
+    _add_openai_routes(app, manager, auth)
+    _add_native_routes(app, manager, cfg, auth)
+    return app
+
+
+# ---- errors and auth ---------------------------------------------------------------------------
+def _install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def api_error(_: Request, e: APIError) -> JSONResponse:
+        return JSONResponse(e.body(), status_code=e.status_code)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_: Request, e: RequestValidationError) -> JSONResponse:
+        errors = e.errors()
+        first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
+        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+        where = ".".join(loc)
+        message = f"{where}: {first.get('msg')}" if where else str(first.get("msg"))
+        if first.get("type") == "json_invalid":
+            message = f"invalid JSON body: {first.get('ctx', {}).get('error', 'decode error')}"
+            where = ""
+        return JSONResponse(error_body(message, param=where or None), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
+        kind = "invalid_request_error" if e.status_code < 500 else "server_error"
+        return JSONResponse(error_body(str(e.detail), kind, code=e.status_code),
+                            status_code=e.status_code, headers=getattr(e, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def internal_error(_: Request, e: Exception) -> JSONResponse:
+        logger.exception("unhandled error")
+        return JSONResponse(error_body(f"internal error: {type(e).__name__}: {e}", "server_error"),
+                            status_code=500)
+
+
+def _api_key_checker(api_key: str | None) -> Callable[[Request], Awaitable[None]]:
+    async def check(request: Request) -> None:
+        if api_key is None:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip(), api_key):
+            raise APIError("Incorrect API key provided." if header else
+                           "Missing API key: send 'Authorization: Bearer <key>'.",
+                           status_code=401, code="invalid_api_key")
+
+    return check
+
+
+# ---- response helpers --------------------------------------------------------------------------
+def _stream(events: AsyncIterator[Any]) -> StreamingResponse:
+    return StreamingResponse(sse_stream(events), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+async def _complete(request: Request, work: Awaitable[Any]) -> Response:
+    """Await a non-streaming result; a client that left gets nothing (its requests are aborted)."""
+    try:
+        result = await until_disconnect(request, work)
+    except ClientGone:
+        return Response(status_code=499)
+    body = result.model_dump(exclude_none=False) if isinstance(result, BaseModel) else result
+    return JSONResponse(body)
+
+
+# ---- routes ------------------------------------------------------------------------------------
+def _add_openai_routes(app: FastAPI, manager: TokenizerManager, auth: list) -> None:
+    @app.post("/v1/completions", dependencies=auth)
+    async def completions(req: CompletionRequest, request: Request) -> Response:
+        job = prepare_completion(manager, req)
+        if req.stream:
+            return _stream(completion_stream(manager, job))
+        return await _complete(request, completion_response(manager, job))
+
+    @app.post("/v1/chat/completions", dependencies=auth)
+    async def chat_completions(req: ChatCompletionRequest, request: Request) -> Response:
+        job = prepare_chat(manager, req)
+        if req.stream:
+            return _stream(chat_stream(manager, job))
+        return await _complete(request, chat_response(manager, job))
+
+    def card() -> ModelCard:
+        return ModelCard(id=manager.served_model_name, root=manager.model_path,
+                         max_model_len=manager.max_req_len)
+
+    @app.get("/v1/models", dependencies=auth)
+    async def models() -> ModelList:
+        return ModelList(data=[card()])
+
+    @app.get("/v1/models/{model:path}", dependencies=auth)
+    async def model(model: str) -> ModelCard:
+        if model not in (manager.served_model_name, manager.model_path):
+            raise APIError(f"The model `{model}` does not exist.", status_code=404,
+                           param="model", code="model_not_found")
+        return card()
+
+
+def _add_native_routes(app: FastAPI, manager: TokenizerManager, cfg: MoeserveConfig,
+                       auth: list) -> None:
+    @app.api_route("/health", methods=["GET", "HEAD"])
+    async def health() -> Response:
+        if not manager.healthy:
+            return JSONResponse(error_body("tokenizer manager stopped", "server_error"), 503)
+        return JSONResponse({"status": "ok"})
+
+    @app.post("/generate", dependencies=auth)
+    async def generate(req: GenerateRequest, request: Request) -> Response:
+        job = prepare_native(manager, req)
+        if req.stream:
+            return _stream(native_stream(manager, job))
+        return await _complete(request, native_response(manager, job))
+
+    @app.get("/server_info")
+    async def server_info() -> dict[str, Any]:
+        replies = await manager.control("server_info", timeout=10.0)
+        return {"model_path": manager.model_path, "served_model_name": manager.served_model_name,
+                "max_req_len": manager.max_req_len, "config": asdict(cfg),
+                "ready": {f"{role}:{rank}": info for (role, rank), info in manager.ready.items()},
+                "load": manager.load_summary(), "inflight": manager.num_inflight,
+                "ranks": [{"rank": r.rank, "ok": r.ok, **r.data} for r in replies]}
+
+    @app.api_route("/flush_cache", methods=["GET", "POST"], dependencies=auth)
+    async def flush_cache() -> Response:
+        replies = await manager.control("flush_cache", timeout=30.0)
+        if not all(r.ok for r in replies):
+            raise APIError("cache not flushed: requests are still running", status_code=400,
+                           code="cache_busy")
+        return JSONResponse({"ok": True, "ranks": len(replies)})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(manager.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)

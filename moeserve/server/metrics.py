@@ -1,0 +1,93 @@
+"""Prometheus metrics of the serving process, in a registry owned by the app (not the global one).
+
+Two sources: the schedulers' periodic LoadReports (running/waiting requests, KV usage, cache hits) and
+the tokenizer manager's own timings of each request (TTFT, inter-token latency, end-to-end latency) and
+token counters. A private registry keeps several apps in one process (tests) from colliding.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from moeserve.ipc.messages import LoadReport
+
+PREFIX = "moeserve:"
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5,
+                    2.0, 3.0, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2,
+                0.3, 0.5, 0.75, 1.0, 2.0, 5.0)
+
+
+class Metrics:
+    """All metrics of one server; `observe_load` and `RequestTimer` feed it."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        reg, rank = self.registry, ["rank"]
+        self.running = Gauge(PREFIX + "num_running_reqs", "Requests being decoded", rank,
+                             registry=reg)
+        self.waiting = Gauge(PREFIX + "num_waiting_reqs", "Requests waiting for admission", rank,
+                             registry=reg)
+        self.kv_usage = Gauge(PREFIX + "kv_cache_usage_ratio", "Used / total KV slots", rank,
+                              registry=reg)
+        self.cache_hit_rate = Gauge(PREFIX + "cache_hit_rate",
+                                    "Prompt tokens served from the prefix cache / prompt tokens "
+                                    "admitted (cumulative)", rank, registry=reg)
+        self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Prompt tokens of finished requests",
+                                     registry=reg)
+        self.cached_tokens = Counter(PREFIX + "cached_prompt_tokens",
+                                     "Prompt tokens of finished requests found in the prefix cache",
+                                     registry=reg)
+        self.generation_tokens = Counter(PREFIX + "generation_tokens", "Generated tokens",
+                                         registry=reg)
+        self.requests = Counter(PREFIX + "requests", "Finished requests", ["finish_reason"],
+                                registry=reg)
+        self.ttft = Histogram(PREFIX + "time_to_first_token_seconds", "Time to first token",
+                              buckets=_LATENCY_BUCKETS, registry=reg)
+        self.itl = Histogram(PREFIX + "inter_token_latency_seconds", "Time between output tokens",
+                             buckets=_ITL_BUCKETS, registry=reg)
+        self.e2e = Histogram(PREFIX + "e2e_request_latency_seconds", "Request latency",
+                             buckets=_LATENCY_BUCKETS, registry=reg)
+
+    def observe_load(self, report: LoadReport) -> None:
+        rank = str(report.rank)
+        self.running.labels(rank).set(report.running)
+        self.waiting.labels(rank).set(report.waiting)
+        self.kv_usage.labels(rank).set(report.used_tokens / max(report.max_total_tokens, 1))
+        if report.prompt_tokens > 0:
+            self.cache_hit_rate.labels(rank).set(report.cache_hit_tokens / report.prompt_tokens)
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+@dataclass
+class RequestTimer:
+    """Timings of one (sub-)request as seen by the tokenizer manager."""
+
+    metrics: Metrics
+    start: float = field(default_factory=time.perf_counter)
+    last: float | None = None  # time of the last output that carried tokens
+
+    def on_tokens(self, num_new: int) -> None:
+        """Record an output carrying `num_new` tokens (ITL is spread over the tokens of a chunk)."""
+        if num_new <= 0:
+            return
+        now = time.perf_counter()
+        if self.last is None:
+            self.metrics.ttft.observe(now - self.start)
+        else:
+            per_token = (now - self.last) / num_new
+            for _ in range(num_new):
+                self.metrics.itl.observe(per_token)
+        self.last = now
+        self.metrics.generation_tokens.inc(num_new)
+
+    def on_finish(self, finish_reason: str, prompt_tokens: int, cached_tokens: int) -> None:
+        self.metrics.e2e.observe(time.perf_counter() - self.start)
+        self.metrics.requests.labels(finish_reason).inc()
+        self.metrics.prompt_tokens.inc(prompt_tokens)
+        self.metrics.cached_tokens.inc(cached_tokens)

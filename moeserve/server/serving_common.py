@@ -1,0 +1,165 @@
+"""What the OpenAI routes share: request → SamplingParams, per-choice accumulation, usage, logprob
+rendering, SSE framing and running a handler until the client disconnects."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+from collections.abc import AsyncIterator, Awaitable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from pydantic import BaseModel
+from starlette.requests import Request
+
+from moeserve.core import SamplingParams
+from moeserve.ipc.messages import TextOutput
+from moeserve.server.protocol import (MAX_TOP_LOGPROBS, APIError, TokenLogprob, TopLogprob, Usage,
+                                      _SamplingRequest)
+from moeserve.server.tokenizer_manager import TokenizerManager
+
+T = TypeVar("T")
+
+
+class ClientGone(Exception):
+    """The HTTP client disconnected before the response was ready."""
+
+
+def check_request(manager: TokenizerManager, req: _SamplingRequest) -> None:
+    """Model name, n and refused fields (before any tokenization work)."""
+    if req.model not in (None, "", manager.served_model_name, manager.model_path):
+        raise APIError(f"The model `{req.model}` does not exist.", status_code=404,
+                       param="model", code="model_not_found")
+    bad = req.unsupported()
+    if bad:
+        raise APIError(f"unsupported parameter(s) {bad}: this server does not implement them "
+                       f"(penalties must be 0)", param=bad[0], code="unsupported_parameter")
+    manager.check_n(req.n)
+    if req.stop_token_ids:
+        manager.check_ids(req.stop_token_ids, "stop_token_ids")
+
+
+def check_top_logprobs(k: int | None, param: str) -> int:
+    if k is not None and not 0 <= k <= MAX_TOP_LOGPROBS:
+        raise APIError(f"{param} must be between 0 and {MAX_TOP_LOGPROBS}, got {k}", param=param)
+    return k or 0
+
+
+def sampling_params(req: _SamplingRequest, max_new_tokens: int) -> SamplingParams:
+    """OpenAI defaults: temperature 1, top_p 1; top_k 0 or -1 both mean disabled."""
+    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    try:
+        return SamplingParams(
+            max_new_tokens=max_new_tokens,
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            top_k=-1 if req.top_k in (None, 0) else req.top_k,
+            min_p=req.min_p or 0.0, seed=req.seed, stop=tuple(s for s in stop if s),
+            stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=req.ignore_eos)
+    except ValueError as e:
+        raise APIError(str(e)) from e
+
+
+@dataclass
+class ChoiceState:
+    """Everything received so far for one choice."""
+
+    text: str = ""
+    ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    finish_reason: str | None = None
+    matched: int | str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+
+    def update(self, out: TextOutput) -> None:
+        if out.error:
+            raise APIError(out.error, status_code=400)
+        self.text += out.text_delta
+        self.ids += out.new_ids
+        self.logprobs += out.logprobs or []
+        self.top_logprobs += out.top_logprobs or []
+        self.finish_reason, self.matched = out.finish_reason, out.finish_matched
+        self.prompt_tokens = out.prompt_tokens or self.prompt_tokens
+        self.completion_tokens = max(out.completion_tokens, len(self.ids))
+        self.cached_tokens = out.cached_tokens or self.cached_tokens
+
+
+async def collect(stream: AsyncIterator[tuple[int, TextOutput]], num: int) -> list[ChoiceState]:
+    states = [ChoiceState() for _ in range(num)]
+    async for i, out in stream:
+        states[i].update(out)
+    return states
+
+
+def usage(states: list[ChoiceState], n: int) -> Usage:
+    """Prompt tokens once per prompt (not per sample), completion tokens of every choice."""
+    prompts = [states[i : i + n] for i in range(0, len(states), n)]
+    return Usage.of(sum(g[0].prompt_tokens for g in prompts),
+                    sum(s.completion_tokens for s in states),
+                    sum(max(s.cached_tokens for s in g) for g in prompts))
+
+
+def finish_reason(reason: str | None) -> str | None:
+    return reason
+
+
+def token_text(manager: TokenizerManager, token_id: int) -> str:
+    return manager.tokenizer.decode([token_id])
+
+
+def chat_logprobs(manager: TokenizerManager, ids: list[int], logprobs: list[float],
+                  top: list[list[tuple[int, float]]]) -> list[TokenLogprob]:
+    def entry(cls: type, tid: int, lp: float, **kw: Any) -> Any:
+        text = token_text(manager, tid)
+        return cls(token=text, logprob=lp, bytes=list(text.encode()), **kw)
+
+    return [entry(TokenLogprob, tid, lp,
+                  top_logprobs=[entry(TopLogprob, t, v) for t, v in (top[k] if k < len(top) else [])])
+            for k, (tid, lp) in enumerate(zip(ids, logprobs))]
+
+
+def sse(event: BaseModel | dict) -> str:
+    body = event.model_dump_json(exclude_none=True) if isinstance(event, BaseModel) else json.dumps(
+        event)
+    return f"data: {body}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+async def sse_stream(events: AsyncIterator[BaseModel]) -> AsyncIterator[str]:
+    """Frame events as SSE; an error after the headers went out becomes an error event."""
+    try:
+        async for event in events:
+            yield sse(event)
+    except APIError as e:
+        yield sse(e.body())
+    yield SSE_DONE
+
+
+async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
+    """Run `work` but cancel it (aborting its requests) if the client goes away first."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_disconnect(request))
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+    if task in done:
+        return task.result()
+    raise ClientGone()
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def replace_seed(params: SamplingParams, seed: int | None) -> SamplingParams:
+    return dataclasses.replace(params, seed=seed)

@@ -1,0 +1,79 @@
+"""The native /generate route (SGLang-style): text or input_ids, a sampling_params dict, and results
+with `text`, `output_ids` and `meta_info`. Streaming sends cumulative text and ids per event."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import AsyncIterator
+from typing import Any
+
+from moeserve.core import SamplingParams
+from moeserve.server.protocol import APIError, GenerateRequest, new_id
+from moeserve.server.serving_common import ChoiceState, check_top_logprobs, collect
+from moeserve.server.tokenizer_manager import GenInput, TokenizerManager, expand_n
+
+
+@dataclasses.dataclass
+class NativeJob:
+    inputs: list[GenInput]
+    batched: bool  # the request held a list of prompts: answer with a list
+    id: str
+
+
+def _prompts(manager: TokenizerManager, req: GenerateRequest) -> tuple[list[list[int]], bool]:
+    if (req.text is None) == (req.input_ids is None):
+        raise APIError("pass exactly one of text or input_ids", param="text")
+    if isinstance(req.text, str):
+        return [manager.tokenize(req.text)], False
+    if req.text is not None:
+        return [manager.tokenize(t) for t in req.text], True
+    ids = req.input_ids or []
+    if ids and isinstance(ids[0], list):
+        return [list(x) for x in ids], True
+    return [list(ids)], False
+
+
+def prepare_native(manager: TokenizerManager, req: GenerateRequest) -> NativeJob:
+    params = dict(req.sampling_params)
+    n = params.pop("n", 1)
+    if not isinstance(n, int):
+        raise APIError("sampling_params.n must be an integer", param="sampling_params.n")
+    manager.check_n(n)
+    try:
+        sampling = SamplingParams.from_dict(params)
+    except (ValueError, TypeError) as e:
+        raise APIError(f"sampling_params: {e}", param="sampling_params") from e
+    top = check_top_logprobs(req.top_logprobs_num, "top_logprobs_num")
+    prompts, batched = _prompts(manager, req)
+    inputs = []
+    for ids in prompts:
+        manager.check_ids(ids, "input_ids" if req.input_ids is not None else "text")
+        max_new = manager.resolve_max_tokens(len(ids), sampling.max_new_tokens, "prompt")
+        inputs.append(GenInput(ids, dataclasses.replace(sampling, max_new_tokens=max_new),
+                               req.return_logprob, top))
+    return NativeJob(expand_n(inputs, n), batched or n > 1, new_id("gen"))
+
+
+def _result(job: NativeJob, i: int, s: ChoiceState) -> dict[str, Any]:
+    finish = None if s.finish_reason is None else {"type": s.finish_reason, "matched": s.matched}
+    meta = {"id": f"{job.id}-{i}", "finish_reason": finish, "prompt_tokens": s.prompt_tokens,
+            "completion_tokens": s.completion_tokens, "cached_tokens": s.cached_tokens}
+    if job.inputs[i].return_logprob:
+        meta["output_token_logprobs"] = s.logprobs
+        meta["output_top_logprobs"] = s.top_logprobs
+    return {"text": s.text, "output_ids": s.ids, "meta_info": meta} | (
+        {"index": i} if job.batched else {})
+
+
+async def native_response(manager: TokenizerManager, job: NativeJob) -> Any:
+    states = await collect(manager.generate(job.inputs, stream=False), len(job.inputs))
+    results = [_result(job, i, s) for i, s in enumerate(states)]
+    return results if job.batched else results[0]
+
+
+async def native_stream(manager: TokenizerManager, job: NativeJob
+                        ) -> AsyncIterator[dict[str, Any]]:
+    states = [ChoiceState() for _ in job.inputs]
+    async for i, out in manager.generate(job.inputs, stream=True):
+        states[i].update(out)
+        yield _result(job, i, states[i])

@@ -1,0 +1,257 @@
+"""The tokenizer manager: the main process's asyncio bridge between HTTP handlers and the schedulers.
+
+It tokenizes and validates requests, sends `GenerateReq`s, and one background task reads everything
+that comes back on `manager_in` (text outputs, control replies, ready handshakes, load reports) and
+routes it by type. Each generation call owns one asyncio queue; its sub-requests (n > 1, several
+prompts) are routed there with their index, so a handler sees one ordered stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+import json
+import logging
+import os
+import uuid
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from moeserve.config import MoeserveConfig
+from moeserve.core import SamplingParams
+from moeserve.ipc.messages import (AbortReq, ControlReply, ControlReq, GenerateReq, LoadReport,
+                                   ManagerInput, ReadyMsg, TextOutput, TextOutputBatch)
+from moeserve.ipc.queues import AsyncPullQueue, Endpoints, PushQueue
+from moeserve.server.metrics import Metrics, RequestTimer
+from moeserve.server.protocol import APIError
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class GenInput:
+    """One sub-request: becomes one GenerateReq and one choice of the response."""
+
+    input_ids: list[int]
+    sampling: SamplingParams
+    return_logprob: bool = False
+    top_logprobs_num: int = 0
+
+
+def expand_n(inputs: list[GenInput], n: int) -> list[GenInput]:
+    """n samples per input, prompt-major (choice index = prompt * n + j); seeds become seed + j so
+    the samples differ yet stay reproducible."""
+    out = []
+    for x in inputs:
+        for j in range(n):
+            seed = None if x.sampling.seed is None else x.sampling.seed + j
+            out.append(dataclasses.replace(x, sampling=dataclasses.replace(x.sampling, seed=seed)))
+    return out
+
+
+class TokenizerManager:
+    def __init__(self, cfg: MoeserveConfig, model_path: str, endpoints: Endpoints,
+                 num_ranks: int = 1, metrics: Metrics | None = None):
+        """Must be created inside the running event loop (the async socket binds to it)."""
+        from transformers import AutoTokenizer
+
+        self.cfg, self.model_path, self.num_ranks = cfg, model_path, num_ranks
+        self.served_model_name = cfg.server.served_model_name or os.path.basename(
+            os.path.normpath(model_path))
+        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        self.vocab_size = _vocab_size(model_path, len(self.tokenizer))
+        self.metrics = metrics or Metrics()
+        self._push = PushQueue(zmq.Context.instance(), endpoints.scheduler_in)
+        self._pull: AsyncPullQueue = AsyncPullQueue(zmq.asyncio.Context.instance(),
+                                                    endpoints.manager_in, ManagerInput, bind=True)
+        self.ready: dict[tuple[str, int], dict] = {}
+        self.loads: dict[int, LoadReport] = {}
+        self._ready_changed = asyncio.Event()
+        self._routes: dict[str, tuple[asyncio.Queue, int]] = {}
+        self._replies: dict[int, tuple[list[ControlReply], asyncio.Future]] = {}
+        self._cid = itertools.count()
+        self._reader: asyncio.Task | None = None
+        self._handlers: dict[type, Callable[[Any], None]] = {
+            TextOutputBatch: self._on_text, ControlReply: self._on_reply,
+            ReadyMsg: self._on_ready, LoadReport: self.on_load}
+
+    # ---- lifecycle ------------------------------------------------------------------------------
+    def start(self) -> None:
+        self._reader = asyncio.get_running_loop().create_task(self._read_loop())
+
+    @property
+    def healthy(self) -> bool:
+        return self._reader is not None and not self._reader.done()
+
+    async def wait_ready(self, expected: set[tuple[str, int]], timeout: float,
+                         check_alive: Callable[[], None]) -> None:
+        """Wait until every (role, rank) in `expected` sent ReadyMsg; `check_alive` raises when a
+        child died, which ends the wait at once."""
+        deadline = asyncio.get_running_loop().time() + timeout
+        while not expected <= self.ready.keys():
+            check_alive()
+            if asyncio.get_running_loop().time() > deadline:
+                missing = sorted(expected - self.ready.keys())
+                raise TimeoutError(f"no ready message from {missing} within {timeout:.0f} s")
+            self._ready_changed.clear()
+            try:
+                await asyncio.wait_for(self._ready_changed.wait(), 0.2)
+            except asyncio.TimeoutError:
+                pass
+
+    @property
+    def scheduler_info(self) -> dict:
+        return self.ready.get(("scheduler", 0), {})
+
+    @property
+    def max_req_len(self) -> int:
+        """Longest prompt + completion: the context length, capped by the KV pool's capacity."""
+        info = self.scheduler_info
+        return int(min(info.get("max_req_len", 1 << 62), info.get("max_total_tokens", 1 << 62)))
+
+    def close(self) -> None:
+        if self._reader is not None:
+            self._reader.cancel()
+        self._push.close()
+        self._pull.close()
+
+    # ---- inbound messages -----------------------------------------------------------------------
+    async def _read_loop(self) -> None:
+        while True:
+            msg = await self._pull.get()
+            try:
+                self._handlers[type(msg)](msg)
+            except Exception:  # a bad message must not kill the router of every request
+                logger.exception("failed to handle %s", type(msg).__name__)
+
+    def _on_text(self, batch: TextOutputBatch) -> None:
+        for out in batch.outputs:
+            route = self._routes.get(out.rid)
+            if route is None:
+                continue  # aborted or unknown: nobody waits for it
+            if out.finish_reason is not None:
+                del self._routes[out.rid]
+            route[0].put_nowait((route[1], out))
+
+    def _on_reply(self, reply: ControlReply) -> None:
+        entry = self._replies.get(reply.cid)
+        if entry is None:
+            return
+        entry[0].append(reply)
+        if len(entry[0]) >= self.num_ranks and not entry[1].done():
+            entry[1].set_result(sorted(entry[0], key=lambda r: r.rank))
+
+    def _on_ready(self, msg: ReadyMsg) -> None:
+        logger.info("%s %d ready %s", msg.role, msg.rank, msg.info or "")
+        self.ready[(msg.role, msg.rank)] = dict(msg.info)
+        self._ready_changed.set()
+
+    def on_load(self, report: LoadReport) -> None:
+        self.loads[report.rank] = report
+        self.metrics.observe_load(report)
+
+    # ---- requests -------------------------------------------------------------------------------
+    def tokenize(self, text: str) -> list[int]:
+        return list(self.tokenizer(text)["input_ids"])
+
+    def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]:
+        """Token ids of a chat prompt ending with the assistant turn's opening (as the Engine does)."""
+        try:
+            out = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                     tokenize=True)
+        except Exception as e:  # jinja errors on unexpected roles/orders
+            raise APIError(f"could not apply the chat template: {e}", param="messages") from e
+        return list(out["input_ids"] if hasattr(out, "keys") else out)
+
+    def check_ids(self, ids: list[int], param: str) -> None:
+        if not ids:
+            raise APIError("the prompt is empty", param=param)
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise APIError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})",
+                           param=param)
+
+    def resolve_max_tokens(self, prompt_len: int, max_tokens: int | None, param: str) -> int:
+        """Validate prompt + completion length against the context; None → the rest of it."""
+        limit = self.max_req_len
+        if max_tokens is not None and max_tokens < 1:
+            raise APIError(f"max_tokens must be at least 1, got {max_tokens}", param="max_tokens")
+        if prompt_len >= limit or (max_tokens is not None and prompt_len + max_tokens > limit):
+            asked = prompt_len + (max_tokens or 0)
+            raise APIError(
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{asked} tokens ({prompt_len} in the {param}, {max_tokens or 0} in the "
+                f"completion). Please reduce the length of the {param} or completion.",
+                param=param, code="context_length_exceeded")
+        return max_tokens if max_tokens is not None else limit - prompt_len
+
+    def check_n(self, n: int) -> None:
+        if not 1 <= n <= self.cfg.server.max_n:
+            raise APIError(f"n must be between 1 and {self.cfg.server.max_n}, got {n}", param="n")
+
+    async def generate(self, inputs: list[GenInput], stream: bool = True
+                       ) -> AsyncIterator[tuple[int, TextOutput]]:
+        """Send every input and yield (index, output) as they arrive until all finished. Leaving
+        early (client gone, cancellation, error) aborts the unfinished sub-requests."""
+        group, queue = uuid.uuid4().hex, asyncio.Queue()
+        rids = [f"{group}-{i}" for i in range(len(inputs))]
+        timers = [RequestTimer(self.metrics) for _ in inputs]
+        for i, (rid, x) in enumerate(zip(rids, inputs)):
+            self._routes[rid] = (queue, i)
+            self._push.put(GenerateReq(rid=rid, input_ids=x.input_ids, sampling=x.sampling,
+                                       stream=stream, return_logprob=x.return_logprob,
+                                       top_logprobs_num=x.top_logprobs_num))
+        pending = set(range(len(inputs)))
+        try:
+            while pending:
+                i, out = await queue.get()
+                timers[i].on_tokens(len(out.new_ids))
+                if out.finish_reason is not None:
+                    pending.discard(i)
+                    timers[i].on_finish(out.finish_reason, out.prompt_tokens, out.cached_tokens)
+                yield i, out
+        finally:
+            self.abort([rids[i] for i in pending])
+
+    def abort(self, rids: list[str]) -> None:
+        for rid in rids:
+            if self._routes.pop(rid, None) is not None:
+                self._push.put(AbortReq(rid=rid))
+        if rids:
+            logger.info("aborted %d request(s)", len(rids))
+
+    @property
+    def num_inflight(self) -> int:
+        return len(self._routes)
+
+    async def control(self, op: str, args: dict | None = None,
+                      timeout: float = 30.0) -> list[ControlReply]:
+        """Send a control request and wait for the reply of every rank."""
+        cid = next(self._cid)
+        future = asyncio.get_running_loop().create_future()
+        self._replies[cid] = ([], future)
+        self._push.put(ControlReq(cid=cid, op=op, args=args or {}))
+        try:
+            return await asyncio.wait_for(future, timeout)
+        except asyncio.TimeoutError as e:
+            raise APIError(f"{op}: no reply from every rank within {timeout:.0f} s",
+                           status_code=503, type="server_error") from e
+        finally:
+            self._replies.pop(cid, None)
+
+    def load_summary(self) -> dict[str, int]:
+        keys = ("running", "waiting", "used_tokens", "max_total_tokens")
+        return {k: sum(getattr(r, k) for r in self.loads.values()) for k in keys}
+
+
+def _vocab_size(model_path: str, fallback: int) -> int:
+    """The model's vocabulary (ids the embedding accepts), from config.json when present."""
+    try:
+        with open(os.path.join(model_path, "config.json")) as f:
+            return int(json.load(f).get("vocab_size") or fallback)
+    except (OSError, ValueError):
+        return fallback

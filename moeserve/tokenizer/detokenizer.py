@@ -1,0 +1,168 @@
+"""Incremental detokenization with stop-string trimming, and the detokenizer process around it.
+
+Why incremental: decoding each new token alone breaks multi-byte UTF-8 characters split over several
+byte-level tokens (emoji, CJK) and loses the spaces that SentencePiece-style decoders attach to the
+following token. The prefix-offset / read-offset technique decodes a small window twice (the already
+emitted part and the part with the new tokens) and emits only the difference, waiting while the tail is
+an incomplete character (U+FFFD). Concatenated deltas equal `tokenizer.decode(all_ids)`.
+
+Stop strings are detected by the scheduler; here the text is cut before the first occurrence (OpenAI
+semantics: the stop string and what follows are not returned), and while streaming any tail that could
+still become a stop string is held back.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from moeserve.ipc.messages import TextOutput, TokenOutput
+
+logger = logging.getLogger(__name__)
+
+_INCOMPLETE = "\ufffd"  # what a decoder yields for a partial UTF-8 sequence
+
+
+@dataclass
+class _DecodeState:
+    """Decoding window of one request: ids[prefix:read] were emitted, ids[read:] are pending."""
+
+    stop: tuple[str, ...]
+    ids: list[int] = field(default_factory=list)
+    prefix: int = 0
+    read: int = 0
+    text: str = ""  # all decoded text so far (untrimmed)
+    sent: int = 0  # characters of `text` already returned to the caller
+
+
+class IncrementalDetokenizer:
+    """Per-request incremental decoding; one instance serves many requests (keyed by rid)."""
+
+    def __init__(self, tokenizer: Any, skip_special_tokens: bool = True):
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self._states: dict[str, _DecodeState] = {}
+
+    def __len__(self) -> int:
+        return len(self._states)
+
+    def __contains__(self, rid: str) -> bool:
+        return rid in self._states
+
+    def add(self, rid: str, stop: Sequence[str] = ()) -> None:
+        """Start a request (idempotent: a second add keeps the existing state)."""
+        if rid not in self._states:
+            self._states[rid] = _DecodeState(stop=tuple(s for s in stop if s))
+
+    def free(self, rid: str) -> None:
+        self._states.pop(rid, None)
+
+    def step(self, rid: str, new_ids: Sequence[int], finished: bool = False,
+             stop_token: int | None = None) -> str:
+        """Feed new ids; returns the text that may be shown now. `finished` flushes everything left
+        (cut at a stop string) and frees the state. `stop_token` (a matched stop token id at the end of
+        `new_ids`) is not rendered, like an eos."""
+        self.add(rid)
+        st = self._states[rid]
+        ids = list(new_ids)
+        if finished and stop_token is not None and ids and ids[-1] == stop_token:
+            ids.pop()
+        st.ids.extend(ids)
+        self._advance(st, flush=finished)
+        end = self._final_end(st) if finished else self._safe_end(st)
+        delta, st.sent = st.text[st.sent:end], max(st.sent, end)
+        if finished:
+            self.free(rid)
+        return delta
+
+    def text_so_far(self, rid: str) -> str:
+        """The untrimmed decoded text (for tests and debugging)."""
+        return self._states[rid].text
+
+    # ---- decoding -------------------------------------------------------------------------------
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def _advance(self, st: _DecodeState, flush: bool) -> None:
+        """Append the newly decodable text to st.text and slide the window."""
+        if st.read == len(st.ids):
+            return
+        prefix_text = self._decode(st.ids[st.prefix : st.read])
+        full_text = self._decode(st.ids[st.prefix :])
+        if len(full_text) <= len(prefix_text) or (full_text.endswith(_INCOMPLETE) and not flush):
+            return  # NOTE: a merge still in progress or an incomplete character; wait for more ids
+        st.text += full_text[len(prefix_text) :]
+        st.prefix, st.read = st.read, len(st.ids)
+        del st.ids[: st.prefix]  # keep only the window: memory stays O(1) per request
+        st.read -= st.prefix
+        st.prefix = 0
+
+    # ---- stop strings -----------------------------------------------------------------------------
+    def _first_stop(self, st: _DecodeState) -> int:
+        """Index of the earliest complete stop string in st.text, or len(text) if none."""
+        start = max(0, st.sent - max((len(s) for s in st.stop), default=0))
+        hits = [i for i in (st.text.find(s, start) for s in st.stop) if i >= 0]
+        return min(hits, default=len(st.text))
+
+    def _safe_end(self, st: _DecodeState) -> int:
+        """End of the text that can be shown while streaming: before any complete stop string and
+        before a tail that is a proper prefix of a stop string."""
+        end = self._first_stop(st)
+        if end < len(st.text):
+            return end
+        hold = max((_overlap(st.text, s) for s in st.stop), default=0)
+        return max(st.sent, len(st.text) - hold)
+
+    def _final_end(self, st: _DecodeState) -> int:
+        return self._first_stop(st)
+
+
+def _overlap(text: str, stop: str) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of `stop`."""
+    for k in range(min(len(stop) - 1, len(text)), 0, -1):
+        if text.endswith(stop[:k]):
+            return k
+    return 0
+
+
+def to_text_output(detok: IncrementalDetokenizer, out: TokenOutput) -> TextOutput:
+    """TokenOutput → TextOutput; frees the request's state when the output is final."""
+    finished = out.finish_reason is not None
+    stop_token = out.finish_matched if isinstance(out.finish_matched, int) else None
+    delta = detok.step(out.rid, out.new_ids, finished, stop_token)
+    return TextOutput(rid=out.rid, text_delta=delta, new_ids=out.new_ids,
+                      finish_reason=out.finish_reason, finish_matched=out.finish_matched,
+                      prompt_tokens=out.prompt_tokens, completion_tokens=out.completion_tokens,
+                      cached_tokens=out.cached_tokens, logprobs=out.logprobs,
+                      top_logprobs=out.top_logprobs, error=out.error)
+
+
+# ---- the detokenizer process -------------------------------------------------------------------
+def run_detokenizer_process(model_path: str, endpoints: Any) -> None:
+    """Process entry: PULL TokenOutputBatch on detokenizer_in, PUSH TextOutputBatch to manager_in."""
+    import zmq
+    from transformers import AutoTokenizer
+
+    from moeserve.ipc.messages import (ControlReply, DetokenizerInput, ReadyMsg, TextOutputBatch,
+                                       TokenOutputBatch)
+    from moeserve.ipc.queues import PullQueue, PushQueue
+
+    detok = IncrementalDetokenizer(AutoTokenizer.from_pretrained(model_path))
+    ctx = zmq.Context()
+    inbox: PullQueue = PullQueue(ctx, endpoints.detokenizer_in, DetokenizerInput, bind=True)
+    outbox = PushQueue(ctx, endpoints.manager_in)
+
+    def on_tokens(batch: TokenOutputBatch) -> None:
+        for rid, stop in batch.stop_strings.items():
+            detok.add(rid, stop)
+        outbox.put(TextOutputBatch(outputs=[to_text_output(detok, o) for o in batch.outputs]))
+
+    handlers: dict[type, Callable[[Any], None]] = {TokenOutputBatch: on_tokens,
+                                                   ControlReply: outbox.put}
+    outbox.put(ReadyMsg(role="detokenizer"))
+    logger.info("detokenizer ready")
+    while True:
+        msg = inbox.get()
+        handlers[type(msg)](msg)
