@@ -82,21 +82,52 @@ class SamplingParams:
         return cls(**d)
 
 
-@dataclass
+@dataclass(eq=False)
 class Req:
-    """All state of one request on a scheduler rank."""
+    """All state of one request on a scheduler rank.
+
+    Token bookkeeping (the overlap loop schedules step N+1 before step N's tokens are known):
+    - `output_ids`: sampled tokens the scheduler has seen (processed results);
+    - `device_len`: tokens whose ids are, or will be once in-flight steps finish, in the device token
+      table (prompt + every token a launched step samples);
+    - `kv_len`: tokens whose KV is written or being written (slots in req_to_token[req_pool_idx]);
+    - `prefix_len`: leading tokens whose KV slots belong to the prefix cache (locked via last_node).
+    """
 
     rid: str
     input_ids: list[int]
     sampling: SamplingParams
+    stream: bool = False
+    return_logprob: bool = False
+    top_logprobs_num: int = 0
     output_ids: list[int] = field(default_factory=list)
     req_pool_idx: int | None = None
-    kv_len: int = 0  # tokens whose KV is written (slots owned through req_to_token[req_pool_idx])
+    kv_len: int = 0
+    kv_slots: list[int] = field(default_factory=list)  # host copy of the row's slots [kv_len]
+    device_len: int = 0
+    prefix_len: int = 0
+    last_node: Any = None  # radix node locked by this request (TYPE: kvcache.radix.TreeNode)
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
+    epoch: int = 0  # bumped on finish/retract/abort so in-flight results for the old state are dropped
     finish: FinishReason | None = None
+    sent_len: int = 0  # output_ids already sent to the detokenizer
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    generator: Any = None  # torch.Generator for seeded sampling
+    retractions: int = 0
+
+    @property
+    def fill_ids(self) -> list[int]:
+        """Tokens that must be in the KV cache before the next token can be sampled."""
+        return self.input_ids + self.output_ids
 
     @property
     def seq_len(self) -> int:
         return len(self.input_ids) + len(self.output_ids)
+
+    @property
+    def num_generated_on_device(self) -> int:
+        return self.device_len - len(self.input_ids)
 
     @property
     def finished(self) -> bool:

@@ -1,50 +1,60 @@
-"""Offline Engine: load a model and generate in-process, no HTTP and no extra processes."""
+"""Offline Engine: the real Scheduler with in-process I/O (no HTTP, no extra processes)."""
 
 from __future__ import annotations
 
 import itertools
+from collections import deque
 from typing import Any
 
 from moeserve.config import compose
-from moeserve.core import Req, SamplingParams
+from moeserve.core import SamplingParams
+from moeserve.ipc.messages import AbortReq, ControlReq, GenerateReq, TokenOutput
 
 
-def _quote(value: str) -> str:
+def quote_override(value: str) -> str:
     """Quote a value for a Hydra override (paths may hold characters the grammar reserves)."""
     return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+
+class InProcessIO:
+    """SchedulerIO over Python lists: the Engine pushes requests and collects token outputs."""
+
+    def __init__(self) -> None:
+        self.inbox: deque = deque()
+        self.outputs: dict[str, list[TokenOutput]] = {}
+        self.control_replies: list[tuple[ControlReq, bool, dict]] = []
+
+    def recv(self, timeout_ms: int) -> list[GenerateReq | AbortReq | ControlReq]:
+        msgs = list(self.inbox)
+        self.inbox.clear()
+        return msgs
+
+    def send_outputs(self, outputs: list[TokenOutput], stop_strings: dict) -> None:
+        for o in outputs:
+            self.outputs.setdefault(o.rid, []).append(o)
+
+    def send_control(self, req: ControlReq, ok: bool, data: dict) -> None:
+        self.control_replies.append((req, ok, data))
 
 
 class Engine:
     """`Engine(model_path=None, overrides=[...])`; model_path None serves the embedded SmolLM2.
 
-    Overrides are Hydra override strings, e.g. "model.dtype=float32", "device=cpu".
+    Overrides are Hydra override strings, e.g. "model.dtype=float32", "device=cpu". Requests are
+    continuously batched by the same Scheduler the server uses.
     """
 
     def __init__(self, model_path: str | None = None, overrides: list[str] | tuple = ()):
-        from transformers import AutoTokenizer
-
-        from moeserve.models.embedded import embedded_model_path
-        from moeserve.runtime.generator import StaticBatchGenerator
-        from moeserve.runtime.model_runner import ModelRunner
+        from moeserve.scheduler.setup import build_scheduler
 
         overrides = list(overrides)
         if model_path is not None:
-            overrides.append(f"model.path={_quote(model_path)}")
+            overrides.append(f"model.path={quote_override(model_path)}")
         self.config = compose(overrides)
-        self.model_path = self.config.model.path or embedded_model_path()
-        self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
-        self.runner = ModelRunner(self.config, self.model_path)
-        self._generator = StaticBatchGenerator(self.runner, self._eos_ids(), self._decode)
+        self.io = InProcessIO()
+        self.scheduler, self.tokenizer = build_scheduler(self.config, self.io)
+        self.runner = self.scheduler.runner
         self._rid = itertools.count()
-
-    def _eos_ids(self) -> set[int]:
-        ids: set[int] = set()
-        for source in (self.runner.hf_config, getattr(self.tokenizer, "generation_config", None)):
-            eos = getattr(source, "eos_token_id", None)
-            ids.update(eos if isinstance(eos, (list, tuple)) else [eos] if eos is not None else [])
-        if self.tokenizer.eos_token_id is not None:
-            ids.add(self.tokenizer.eos_token_id)
-        return ids
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
@@ -52,13 +62,13 @@ class Engine:
     def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
         """Token ids of a chat prompt ending with the assistant turn's opening."""
         out = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        return list(out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out)
+        return list(out["input_ids"] if hasattr(out, "keys") else out)
 
     def generate(self, prompts: list[str] | str | None = None,
                  input_ids: list[list[int]] | None = None,
                  sampling_params: dict | list[dict] | None = None) -> list[dict[str, Any]]:
         """One result per prompt: {"text", "output_ids", "meta": {prompt_tokens, completion_tokens,
-        finish_reason}}. Exactly one of prompts / input_ids."""
+        cached_tokens, finish_reason}}. Exactly one of prompts / input_ids."""
         if (prompts is None) == (input_ids is None):
             raise ValueError("pass exactly one of prompts or input_ids")
         if isinstance(prompts, str):
@@ -66,11 +76,17 @@ class Engine:
         ids = input_ids if input_ids is not None else [
             self.tokenizer(p)["input_ids"] for p in prompts]
         params = self._params(sampling_params, len(ids))
-        reqs = [Req(str(next(self._rid)), list(x), p) for x, p in zip(ids, params)]
-        if any(not r.input_ids for r in reqs):
+        if any(not x for x in ids):
             raise ValueError("empty prompt")
-        self._generator.run(reqs)
-        return [self._result(r) for r in reqs]
+        rids = [f"engine-{next(self._rid)}" for _ in ids]
+        for rid, x, p in zip(rids, ids, params):
+            self.io.inbox.append(GenerateReq(rid=rid, input_ids=list(x), sampling=p))
+        self.scheduler.run_forever(should_stop=lambda: all(self._done(r) for r in rids))
+        return [self._result(rid) for rid in rids]
+
+    def _done(self, rid: str) -> bool:
+        outs = self.io.outputs.get(rid)
+        return bool(outs) and outs[-1].finish_reason is not None
 
     @staticmethod
     def _params(sampling_params: dict | list[dict] | None, n: int) -> list[SamplingParams]:
@@ -80,19 +96,29 @@ class Engine:
             return [SamplingParams.from_dict(d) for d in sampling_params]
         return [SamplingParams.from_dict(sampling_params)] * n
 
-    def _result(self, r: Req) -> dict[str, Any]:
-        text = self._decode(r.output_ids)
-        if r.finish is not None and isinstance(r.finish.matched, str):
-            text = text[: text.index(r.finish.matched)]  # OpenAI semantics: stop string excluded
-        return {"text": text, "output_ids": list(r.output_ids),
-                "meta": {"prompt_tokens": len(r.input_ids), "completion_tokens": len(r.output_ids),
-                         "finish_reason": r.finish.to_openai() if r.finish else None}}
+    def _result(self, rid: str) -> dict[str, Any]:
+        outs = self.io.outputs.pop(rid)
+        last = outs[-1]
+        if last.error:
+            raise ValueError(last.error)
+        output_ids = [t for o in outs for t in o.new_ids]
+        text = self._decode(output_ids)
+        if isinstance(last.finish_matched, str) and last.finish_matched in text:
+            text = text[: text.index(last.finish_matched)]  # OpenAI: the stop string is excluded
+        return {"text": text, "output_ids": output_ids,
+                "meta": {"prompt_tokens": last.prompt_tokens,
+                         "completion_tokens": last.completion_tokens,
+                         "cached_tokens": last.cached_tokens,
+                         "finish_reason": "length" if last.finish_reason == "length" else "stop"}}
 
     def shutdown(self) -> None:
-        self.runner = None  # type: ignore[assignment]
+        if self.scheduler is not None:
+            self.scheduler.worker.shutdown()
+            self.scheduler = None  # type: ignore[assignment]
 
     def __enter__(self) -> Engine:
         return self
 
     def __exit__(self, *exc) -> None:
         self.shutdown()
+_quote = quote_override  # older name

@@ -6,16 +6,20 @@ import torch
 
 
 class ReqToTokenPool:
-    """A [max_reqs, max_context] table of KV slot indices, one row per live request.
+    """Two [max_reqs, max_context] device tables, one row per live request:
+    `req_to_token` (position → KV slot) and `token_ids` (position → token id). The token table lets
+    the next decode step read tokens the previous step sampled on the device, before the host knows
+    them (overlap loop).
 
-    Rows are handed out by `alloc` and returned by `free`; the table contents of a freed row are stale
-    and must not be read.
+    Rows are handed out by `alloc` and returned by `free`; the contents of a freed row are stale and
+    must not be read.
     """
 
     def __init__(self, size: int, max_context_len: int, device: torch.device | str):
         self.size = size
         self.max_context_len = max_context_len
         self.req_to_token = torch.zeros((size, max_context_len), dtype=torch.int64, device=device)
+        self.token_ids = torch.zeros((size, max_context_len + 1), dtype=torch.int64, device=device)
         self._free: list[int] = list(range(size))
 
     def available_size(self) -> int:

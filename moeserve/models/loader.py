@@ -46,9 +46,11 @@ def checkpoint_files(path: str) -> list[str]:
     return files
 
 
-def iterate_weights(path: str, dtype: torch.dtype, progress: bool = True
+def iterate_weights(path: str, dtype: torch.dtype | None = None, progress: bool = True
                     ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (name, tensor) in `dtype`; FP8 weights with `weight_scale_inv` come out dequantized."""
+    """Yield (name, tensor), in `dtype` if given (else as stored, so that copying into a float32
+    parameter such as a router bias keeps full precision); FP8 weights with `weight_scale_inv`
+    come out dequantized."""
     files = checkpoint_files(path)
     pending_fp8: dict[str, torch.Tensor] = {}
     scales: dict[str, torch.Tensor] = {}
@@ -61,7 +63,7 @@ def iterate_weights(path: str, dtype: torch.dtype, progress: bool = True
                 elif tensor.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
                     pending_fp8[name] = tensor
                 else:
-                    yield name, tensor.to(dtype)
+                    yield name, tensor if dtype is None else tensor.to(dtype)
                 yield from _ready_fp8(pending_fp8, scales, dtype)
     if pending_fp8:
         raise WeightLoadError(f"FP8 tensor without weight_scale_inv: {next(iter(pending_fp8))}")
@@ -69,7 +71,8 @@ def iterate_weights(path: str, dtype: torch.dtype, progress: bool = True
 
 def _ready_fp8(pending: dict, scales: dict, dtype: torch.dtype):
     for name in [n for n in pending if n in scales]:
-        yield name, dequantize_fp8_blocks(pending.pop(name), scales.pop(name)).to(dtype)
+        w = dequantize_fp8_blocks(pending.pop(name), scales.pop(name))
+        yield name, w if dtype is None else w.to(dtype)
 
 
 def dequantize_fp8_blocks(weight: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
@@ -87,7 +90,10 @@ def load_weights(model: nn.Module, weights: Iterator[tuple[str, torch.Tensor]]) 
     for name, tensor in weights:
         if skip(name):
             continue
-        target, shard_key = _load_one(model, params, name, tensor)
+        try:
+            target, shard_key = _load_one(model, params, name, tensor)
+        except ValueError as e:  # a weight_loader's shape check
+            raise WeightLoadError(f"cannot load checkpoint tensor {name!r}: {e}") from e
         seen.setdefault(target, set()).add(shard_key)
     for target, param in params.items():
         expected = getattr(param, "expected_shards", {None})

@@ -83,7 +83,7 @@ class ModelRunner:
         if self.cfg.model.load_format == "dummy":
             _init_dummy(model, self.cfg.seed)
         else:
-            load_weights(model, iterate_weights(path, self.dtype))
+            load_weights(model, iterate_weights(path))
         return model.eval()
 
     def _model_kwargs(self, cls: type) -> dict:

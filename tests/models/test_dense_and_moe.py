@@ -46,11 +46,12 @@ def test_decode_over_paged_kv_equals_recompute(tiny_model, arch):
 
 def test_memory_returns_to_baseline(tiny_model):
     with Engine(tiny_model("qwen3_moe"), overrides=FP32_CPU) as engine:
-        mem = engine.runner.memory
-        free_slots, free_rows = mem.allocator.available_size(), mem.req_to_token.available_size()
+        sched = engine.scheduler
+        baseline = sched.cache.available()
         engine.generate(input_ids=[[5, 6, 7], [8, 9]], sampling_params={"max_new_tokens": 5})
-        assert mem.allocator.available_size() == free_slots
-        assert mem.req_to_token.available_size() == free_rows
+        assert sched.is_memory_clean()
+        assert sched.cache.available() == baseline  # free + evictable: the prefix cache kept 13
+        assert sched.cache.tree.total_size() == 3 + 4 + 2 + 4
 
 
 def test_bf16_runs_and_agrees_loosely(tiny_model):

@@ -1,0 +1,41 @@
+"""ScheduledBatch: the requests of one step and what processing its result needs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from moeserve.core import ForwardMode, Req
+from moeserve.scheduler.worker import ForwardInput
+
+
+@dataclass
+class ScheduledBatch:
+    mode: ForwardMode
+    reqs: list[Req]
+    epochs: list[int]  # req.epoch at scheduling time; a mismatch later means "drop this result"
+    partial: list[bool]  # EXTEND: the request's prompt is not complete after this chunk
+    kv_ends: list[int]  # each request's kv_len once this step has run
+    forward_input: ForwardInput
+
+    @classmethod
+    def build(cls, mode: ForwardMode, reqs: list[Req], extend_lens: list[int], slots,
+              partial: list[bool]) -> ScheduledBatch:
+        """Assign the new tokens' slots, advance kv_len/device_len and describe the step."""
+        prefix_lens = [r.kv_len for r in reqs]
+        new_ids = None
+        if mode == ForwardMode.EXTEND:
+            new_ids = [t for r, n in zip(reqs, extend_lens) for t in r.fill_ids[r.kv_len : r.kv_len + n]]
+        offset = 0
+        for r, n, part in zip(reqs, extend_lens, partial):
+            r.kv_slots.extend(slots[offset : offset + n].tolist())
+            offset += n
+            r.kv_len += n
+            if not part:
+                r.device_len = r.kv_len + 1  # the token this step samples
+        fi = ForwardInput(
+            mode=mode, rows=[r.req_pool_idx for r in reqs], prefix_lens=prefix_lens,
+            extend_lens=list(extend_lens), out_cache_loc=slots, new_token_ids=new_ids,
+            sampling=[r.sampling for r in reqs], generators=[r.generator for r in reqs],
+            top_logprobs_nums=[r.top_logprobs_num if r.return_logprob else -1 for r in reqs])
+        return cls(mode, list(reqs), [r.epoch for r in reqs], list(partial),
+                   [r.kv_len for r in reqs], fi)

@@ -1,0 +1,70 @@
+"""PrefillAdder: which waiting requests join the next prefill step, within token budgets."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from moeserve.core import Req
+
+
+class AddResult(enum.Enum):
+    ADDED = 1
+    CHUNKED = 2  # added with only part of its prompt; it continues next step
+    NO_ROOM = 3  # KV budget exhausted: stop admitting
+
+
+def reserved_decode_tokens(req: Req, new_token_ratio: float) -> int:
+    """KV a running request is expected to still need for its remaining output."""
+    remaining = max(req.sampling.max_new_tokens - len(req.output_ids), 0)
+    return int(remaining * new_token_ratio)
+
+
+@dataclass
+class PrefillAdder:
+    """Admits requests while (a) new prefill tokens fit in the chunk budget and (b) their prompt
+    plus a reservation for their output fit in the free + evictable KV minus what running decodes
+    are expected to need (a decaying new_token_ratio of their remaining max_new_tokens)."""
+
+    available_tokens: int
+    chunk_budget: int
+    new_token_ratio: float
+    running: list[Req]
+    page_size: int = 1
+    added: list[Req] = field(default_factory=list)
+    extend_lens: list[int] = field(default_factory=list)
+    chunked: Req | None = None
+
+    def __post_init__(self) -> None:
+        reserved = sum(reserved_decode_tokens(r, self.new_token_ratio) for r in self.running)
+        self.rem_total = self.available_tokens - reserved
+        self.rem_chunk = self.chunk_budget
+
+    def add_chunk_continuation(self, req: Req) -> AddResult:
+        """The request chunked in an earlier step always goes first."""
+        return self._add(req, len(req.fill_ids) - req.kv_len, reserve=0)
+
+    def add(self, req: Req, prefix_len: int) -> AddResult:
+        extend = len(req.fill_ids) - prefix_len
+        reserve = reserved_decode_tokens(req, self.new_token_ratio)
+        return self._add(req, extend, reserve)
+
+    def _add(self, req: Req, extend: int, reserve: int) -> AddResult:
+        if self.rem_chunk <= 0 or extend + min(reserve, 1) > self.rem_total:
+            return AddResult.NO_ROOM
+        if extend > self.rem_chunk:
+            take = self.rem_chunk // self.page_size * self.page_size or self.rem_chunk
+            self._take(req, take)
+            self.chunked = req
+            return AddResult.CHUNKED
+        if extend + reserve > self.rem_total and self.added:
+            return AddResult.NO_ROOM  # never starve: the first request may run on optimism
+        self._take(req, extend)
+        self.rem_total -= reserve
+        return AddResult.ADDED
+
+    def _take(self, req: Req, n: int) -> None:
+        self.added.append(req)
+        self.extend_lens.append(n)
+        self.rem_total -= n
+        self.rem_chunk -= n

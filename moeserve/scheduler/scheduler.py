@@ -1,0 +1,291 @@
+"""Scheduler: continuous batching for one rank — admit, batch, run, post-process.
+
+`event_loop_normal` runs recv → schedule → forward → process. `event_loop_overlap` launches step N,
+then processes step N-1's result while N runs (the forward runs on the worker thread); two
+consecutive prefills are not overlapped so the first one's tokens go out before the second runs.
+I/O is abstracted (`SchedulerIO`) so the offline Engine runs the same code in-process.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Protocol
+
+from moeserve.config import MoeserveConfig
+from moeserve.core import FinishReason, ForwardMode, Req
+from moeserve.ipc.messages import AbortReq, ControlReq, GenerateReq, TokenOutput
+from moeserve.runtime.model_runner import ModelRunner
+from moeserve.runtime.sampler import make_generator
+from moeserve.scheduler.batch import ScheduledBatch
+from moeserve.scheduler.cache import CacheManager
+from moeserve.scheduler.decode import NewTokenRatio, decodable, pick_retractions
+from moeserve.scheduler.prefill import AddResult, PrefillAdder
+from moeserve.scheduler.stop import StopChecker
+from moeserve.scheduler.worker import ForwardWorker
+
+logger = logging.getLogger(__name__)
+
+
+class SchedulerIO(Protocol):
+    def recv(self, timeout_ms: int) -> list[GenerateReq | AbortReq | ControlReq]: ...
+
+    def send_outputs(self, outputs: list[TokenOutput], stop_strings: dict[str, list[str]]) -> None: ...
+
+    def send_control(self, req: ControlReq, ok: bool, data: dict) -> None: ...
+
+
+class Scheduler:
+    def __init__(self, cfg: MoeserveConfig, runner: ModelRunner, io: SchedulerIO,
+                 eos_token_ids: set[int], decode_text: Callable[[list[int]], str]):
+        self.cfg, self.runner, self.io = cfg, runner, io
+        sc = cfg.scheduler
+        self.cache = CacheManager(runner.memory, cfg.cache.page_size, sc.disable_radix_cache)
+        self.worker = ForwardWorker(runner, threaded=sc.overlap)
+        self.stop = StopChecker(eos_token_ids, decode_text)
+        self.ratio = NewTokenRatio(sc.init_new_token_ratio, sc.min_new_token_ratio,
+                                   sc.new_token_ratio_decay)
+        self.waiting: list[Req] = []
+        self.running: list[Req] = []
+        self.chunked: Req | None = None
+        self.reqs: dict[str, Req] = {}
+        self.pending_stop_strings: dict[str, list[str]] = {}
+        self.stats = {"prompt_tokens": 0, "cache_hit_tokens": 0, "retractions": 0}
+        self.max_req_len = runner.context_len
+
+    # ---- intake -----------------------------------------------------------------------------
+    def handle(self, msg: GenerateReq | AbortReq | ControlReq) -> None:
+        if isinstance(msg, GenerateReq):
+            self.add_request(msg)
+        elif isinstance(msg, AbortReq):
+            self.abort(msg.rid)
+        else:
+            self.control(msg)
+
+    def add_request(self, msg: GenerateReq) -> None:
+        req = Req(msg.rid, list(msg.input_ids), msg.sampling, stream=msg.stream,
+                  return_logprob=msg.return_logprob, top_logprobs_num=msg.top_logprobs_num)
+        req.device_len = len(req.input_ids)
+        req.generator = make_generator(msg.sampling, self.runner.device)
+        total = len(req.input_ids) + msg.sampling.max_new_tokens
+        if not req.input_ids or total > self.max_req_len:
+            error = (f"prompt ({len(req.input_ids)} tokens) + max_new_tokens "
+                     f"({msg.sampling.max_new_tokens}) exceeds the context length {self.max_req_len}")
+            self.io.send_outputs([TokenOutput(rid=req.rid, new_ids=[], finish_reason="abort",
+                                              prompt_tokens=len(req.input_ids), error=error)], {})
+            return
+        self.reqs[req.rid] = req
+        self.waiting.append(req)
+        if msg.sampling.stop:
+            self.pending_stop_strings[req.rid] = list(msg.sampling.stop)
+
+    def abort(self, rid: str) -> None:
+        req = self.reqs.get(rid)
+        if req is None or req.finished:
+            return
+        self._finish(req, FinishReason("abort"))
+        self.io.send_outputs([self._output(req)], self._take_stop_strings([req]))
+
+    def control(self, msg: ControlReq) -> None:
+        if msg.op == "flush_cache":
+            ok = not self.running and not self.waiting and self.cache.flush()
+            self.io.send_control(msg, ok, {})
+        elif msg.op == "server_info":
+            self.io.send_control(msg, True, self.load())
+        else:
+            self.io.send_control(msg, False, {"error": f"unknown op {msg.op!r}"})
+
+    def load(self) -> dict:
+        return {"running": len(self.running) + (self.chunked is not None),
+                "waiting": len(self.waiting), "used_tokens": self.cache.used_tokens(),
+                "max_total_tokens": self.runner.memory.allocator.size, **self.stats}
+
+    # ---- scheduling -------------------------------------------------------------------------
+    def get_next_batch(self) -> ScheduledBatch | None:
+        return self._prefill_batch() or self._decode_batch()
+
+    def _prefill_batch(self) -> ScheduledBatch | None:
+        if not self.waiting and self.chunked is None:
+            return None
+        adder = PrefillAdder(self.cache.available(), self.cfg.scheduler.chunked_prefill_size,
+                             self.ratio.value, self.running, self.cfg.cache.page_size)
+        continuing, self.chunked = self.chunked, None
+        if continuing is not None and adder.add_chunk_continuation(continuing) == AddResult.NO_ROOM:
+            self.chunked = continuing  # wait for decodes to free memory
+            return None
+        free_rows = self.runner.memory.req_to_token.available_size()
+        max_running = self.cfg.cache.max_running_requests - len(self.running) - len(adder.added)
+        for req in self._ordered_waiting():
+            if adder.chunked is not None or min(free_rows, max_running) <= 0:
+                break
+            (row,) = self.runner.memory.req_to_token.alloc(1)
+            self.cache.admit(req, row)
+            result = adder.add(req, req.kv_len)
+            if result == AddResult.NO_ROOM:
+                self.cache.release(req)
+                break
+            self._on_admitted(req)
+            free_rows, max_running = free_rows - 1, max_running - 1
+        if not adder.added:
+            return None
+        return self._build_extend(adder)
+
+    def _ordered_waiting(self) -> list[Req]:
+        if self.cfg.scheduler.policy == "lpm" and len(self.waiting) <= 128:
+            prefix = {id(r): self.cache.match_prefix_len(r) for r in self.waiting}
+            return sorted(self.waiting, key=lambda r: -prefix[id(r)])
+        return list(self.waiting)
+
+    def _on_admitted(self, req: Req) -> None:
+        self.waiting.remove(req)
+        if req.retractions == 0:
+            req.cached_tokens = req.kv_len
+            self.stats["prompt_tokens"] += len(req.input_ids)
+            self.stats["cache_hit_tokens"] += req.kv_len
+
+    def _build_extend(self, adder: PrefillAdder) -> ScheduledBatch | None:
+        slots = self.cache.alloc_slots(sum(adder.extend_lens))
+        if slots is None:  # the budget said yes but eviction fell short: undo and wait
+            for req in adder.added:
+                self.cache.release(req)
+                req.device_len = len(req.fill_ids)
+            self.waiting[:0] = [r for r in adder.added]
+            return None
+        partial = [r is adder.chunked for r in adder.added]
+        batch = ScheduledBatch.build(ForwardMode.EXTEND, adder.added, adder.extend_lens, slots,
+                                     partial)
+        self.chunked = adder.chunked
+        self.running.extend(r for r, p in zip(adder.added, partial) if not p)
+        return batch
+
+    def _decode_batch(self) -> ScheduledBatch | None:
+        reqs = decodable(self.running, self.max_req_len)
+        if not reqs:
+            return None
+        if self.cache.available() < len(reqs):
+            victims = pick_retractions(reqs, self.cache.available())
+            for v in victims:
+                self._retract(v)
+            reqs = [r for r in reqs if r not in victims]
+            if not reqs:
+                return None
+        slots = self.cache.alloc_slots(len(reqs))
+        self.ratio.step()
+        return ScheduledBatch.build(ForwardMode.DECODE, reqs, [1] * len(reqs), slots,
+                                    [False] * len(reqs))
+
+    def _retract(self, req: Req) -> None:
+        """Give a running request's KV back and queue it again (its output so far is kept)."""
+        self.running.remove(req)
+        self.cache.release(req)
+        req.epoch += 1
+        req.retractions += 1
+        req.device_len = len(req.fill_ids)
+        self.waiting.insert(0, req)
+        self.stats["retractions"] += 1
+        self.ratio.on_retract()
+        logger.info("retracted %s (%d tokens out)", req.rid, len(req.output_ids))
+
+    # ---- results ----------------------------------------------------------------------------
+    def process_result(self, batch: ScheduledBatch, out) -> None:
+        """`out` is the finished step's ForwardOutput; no step older than the next is in flight."""
+        self.cache.free_deferred_rows()
+        touched: list[Req] = []
+        for i, req in enumerate(batch.reqs):
+            if req.finished or req.epoch != batch.epochs[i]:
+                continue  # finished, aborted or retracted since this step was scheduled
+            if batch.partial[i]:
+                self.cache.cache_unfinished(req, batch.kv_ends[i])
+                continue
+            req.output_ids.append(out.next_token_ids[i])
+            if out.logprobs is not None and req.return_logprob:
+                req.logprobs.append(out.logprobs[i])
+                req.top_logprobs.append(out.top_logprobs[i])
+            finish = self.stop.check(req)
+            if finish is not None:
+                self._finish(req, finish)
+            touched.append(req)
+        outputs = [self._output(r) for r in touched]
+        if outputs:
+            self.io.send_outputs(outputs, self._take_stop_strings(touched))
+
+    def _finish(self, req: Req, finish: FinishReason) -> None:
+        req.finish = finish
+        req.epoch += 1
+        if req in self.running:
+            self.running.remove(req)
+        if req is self.chunked:
+            self.chunked = None
+        if req in self.waiting:
+            self.waiting.remove(req)
+        if req.req_pool_idx is not None:
+            self.cache.release(req)
+        self.reqs.pop(req.rid, None)
+
+    def _output(self, req: Req) -> TokenOutput:
+        new = req.output_ids[req.sent_len :]
+        lp = req.logprobs[req.sent_len :] if req.return_logprob else None
+        top = req.top_logprobs[req.sent_len :] if req.return_logprob else None
+        req.sent_len = len(req.output_ids)
+        f = req.finish
+        return TokenOutput(rid=req.rid, new_ids=new, finish_reason=f.type if f else None,
+                           finish_matched=f.matched if f else None,
+                           prompt_tokens=len(req.input_ids), completion_tokens=len(req.output_ids),
+                           cached_tokens=req.cached_tokens, logprobs=lp, top_logprobs=top)
+
+    def _take_stop_strings(self, reqs: list[Req]) -> dict[str, list[str]]:
+        return {r.rid: self.pending_stop_strings.pop(r.rid) for r in reqs
+                if r.rid in self.pending_stop_strings}
+
+    # ---- loops ------------------------------------------------------------------------------
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self.chunked)
+
+    def _recv(self, block: bool) -> None:
+        for msg in self.io.recv(50 if block else 0):
+            self.handle(msg)
+
+    def step(self) -> bool:
+        """One iteration of the normal loop; False when there was nothing to run."""
+        self._recv(block=not self.has_work())
+        batch = self.get_next_batch()
+        if batch is None:
+            self.cache.free_deferred_rows()
+            return False
+        self.process_result(batch, self.worker.submit(batch.forward_input).result())
+        return True
+
+    def event_loop_normal(self, should_stop: Callable[[], bool] = lambda: False) -> None:
+        while not should_stop():
+            self.step()
+
+    def event_loop_overlap(self, should_stop: Callable[[], bool] = lambda: False) -> None:
+        last: tuple[ScheduledBatch, object] | None = None
+        while not should_stop():
+            self._recv(block=not self.has_work() and last is None)
+            batch = self.get_next_batch()
+            if last is not None and batch is not None and (
+                    batch.mode == last[0].mode == ForwardMode.EXTEND):
+                self.process_result(last[0], last[1].result())  # protect time-to-first-token
+                last = None
+            future = self.worker.submit(batch.forward_input) if batch is not None else None
+            if last is not None:
+                self.process_result(last[0], last[1].result())
+            elif future is None:
+                self.cache.free_deferred_rows()  # nothing in flight
+            last = (batch, future) if batch is not None else None
+        if last is not None:  # drain, so nothing runs behind the caller's back
+            self.process_result(last[0], last[1].result())
+
+    def run_forever(self, should_stop: Callable[[], bool] = lambda: False) -> None:
+        loop = self.event_loop_overlap if self.cfg.scheduler.overlap else self.event_loop_normal
+        loop(should_stop)
+        self.cache.free_deferred_rows()  # loops return with nothing in flight
+
+    def is_memory_clean(self) -> bool:
+        """With no requests left, every slot is free or owned (unlocked) by the prefix cache."""
+        mem, tree = self.runner.memory, self.cache.tree
+        return (not self.has_work() and tree.protected_size() == 0
+                and mem.allocator.available_size() + tree.total_size() == mem.allocator.size
+                and mem.req_to_token.available_size() == mem.req_to_token.size)

@@ -1,0 +1,52 @@
+"""Build a Scheduler (model runner, tokenizer, EOS ids) for a config; shared by Engine and process."""
+
+from __future__ import annotations
+
+import json
+import os
+
+from moeserve.config import MoeserveConfig
+from moeserve.runtime.model_runner import ModelRunner
+from moeserve.scheduler.scheduler import Scheduler, SchedulerIO
+
+
+def resolve_model_path(cfg: MoeserveConfig) -> str:
+    if cfg.model.path is not None:
+        return cfg.model.path
+    from moeserve.models.embedded import embedded_model_path
+
+    return embedded_model_path()
+
+
+def eos_token_ids(model_path: str, hf_config, tokenizer) -> set[int]:
+    """EOS ids from config.json, generation_config.json and the tokenizer, merged."""
+    ids: set[int] = set()
+
+    def add(value) -> None:
+        if isinstance(value, (list, tuple)):
+            ids.update(int(v) for v in value)
+        elif value is not None:
+            ids.add(int(value))
+
+    add(getattr(hf_config, "eos_token_id", None))
+    gen_path = os.path.join(model_path, "generation_config.json")
+    if os.path.exists(gen_path):
+        with open(gen_path) as f:
+            add(json.load(f).get("eos_token_id"))
+    add(tokenizer.eos_token_id)
+    return ids
+
+
+def build_scheduler(cfg: MoeserveConfig, io: SchedulerIO):
+    """→ (Scheduler, tokenizer)."""
+    from transformers import AutoTokenizer
+
+    path = resolve_model_path(cfg)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    runner = ModelRunner(cfg, path)
+    eos = eos_token_ids(path, runner.hf_config, tokenizer)
+
+    def decode_text(ids: list[int]) -> str:
+        return tokenizer.decode(ids, skip_special_tokens=True)
+
+    return Scheduler(cfg, runner, io, eos, decode_text), tokenizer

@@ -1,0 +1,107 @@
+"""ForwardWorker: executes ForwardInput records on the model, in order, inline or on a thread.
+
+Everything that touches device tables (slot map, token table) happens here, in submission order, so
+the overlap loop can build step N+1 on the host while step N still runs: step N+1 reads the tokens
+step N sampled from the device token table.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+
+from moeserve.core import ForwardMode, SamplingParams
+from moeserve.forward_batch import ForwardBatch
+from moeserve.runtime.model_runner import ModelRunner
+from moeserve.runtime.sampler import sample
+
+
+@dataclass
+class ForwardInput:
+    """Host-side description of one step; `prefix_lens[i]` is where request i's new tokens start."""
+
+    mode: ForwardMode
+    rows: list[int]  # req_pool_idx per request
+    prefix_lens: list[int]
+    extend_lens: list[int]
+    out_cache_loc: torch.Tensor  # [T] slots for the new tokens
+    new_token_ids: list[int] | None  # EXTEND: ids of the new tokens; DECODE: read from the table
+    sampling: list[SamplingParams]
+    generators: list[torch.Generator | None]
+    top_logprobs_nums: list[int]  # -1: no logprobs for this request
+    return_all_logits: bool = False
+
+
+@dataclass
+class ForwardOutput:
+    next_token_ids: list[int]  # [B]
+    logprobs: list[float] | None = None  # of the sampled tokens (raw distribution)
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    logits: torch.Tensor | None = None  # only with return_all_logits
+
+
+class ForwardWorker:
+    def __init__(self, runner: ModelRunner, threaded: bool):
+        self.runner = runner
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="forward") if threaded else None
+
+    def submit(self, fi: ForwardInput) -> Future:
+        """Queue a step; its result is a ForwardOutput."""
+        if self._pool is not None:
+            return self._pool.submit(self.run, fi)
+        fut: Future = Future()
+        fut.set_result(self.run(fi))
+        return fut
+
+    def shutdown(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+
+    @torch.inference_mode()
+    def run(self, fi: ForwardInput) -> ForwardOutput:
+        fb = self._prepare(fi)
+        logits = self.runner.forward(fb)
+        last = logits if not fi.return_all_logits else logits[fb.last_token_indices()]
+        next_ids = sample(last, fi.sampling, fi.generators)  # [B]
+        rows = torch.tensor(fi.rows, dtype=torch.int64, device=next_ids.device)
+        seq_lens = fb.seq_lens
+        self.runner.memory.req_to_token.token_ids[rows, seq_lens] = next_ids
+        out = ForwardOutput(next_ids.tolist())
+        if any(n >= 0 for n in fi.top_logprobs_nums):
+            out.logprobs, out.top_logprobs = _logprobs(last, next_ids, fi.top_logprobs_nums)
+        if fi.return_all_logits:
+            out.logits = logits
+        return out
+
+    def _prepare(self, fi: ForwardInput) -> ForwardBatch:
+        mem, dev = self.runner.memory, self.runner.device
+        row_of_tok = torch.repeat_interleave(torch.tensor(fi.rows), torch.tensor(fi.extend_lens))
+        positions = torch.cat([torch.arange(p, p + n) for p, n in zip(fi.prefix_lens,
+                                                                      fi.extend_lens)])
+        row_of_tok, positions = row_of_tok.to(dev), positions.to(dev)
+        mem.req_to_token.req_to_token[row_of_tok, positions] = fi.out_cache_loc.to(dev)
+        if fi.new_token_ids is not None:
+            ids = torch.tensor(fi.new_token_ids, dtype=torch.int64, device=dev)
+            mem.req_to_token.token_ids[row_of_tok, positions] = ids
+        input_ids = mem.req_to_token.token_ids[row_of_tok, positions]
+        seq_lens = [p + n for p, n in zip(fi.prefix_lens, fi.extend_lens)]
+        return ForwardBatch(
+            forward_mode=fi.mode, input_ids=input_ids, positions=positions,
+            out_cache_loc=fi.out_cache_loc.to(dev),
+            req_pool_indices=torch.tensor(fi.rows, dtype=torch.int64, device=dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int64, device=dev), seq_lens_cpu=seq_lens,
+            extend_prefix_lens_cpu=list(fi.prefix_lens), extend_seq_lens_cpu=list(fi.extend_lens),
+            req_to_token_pool=mem.req_to_token, kv_pool=mem.pool,
+            attn_backend=self.runner.attn_backend, return_all_logits=fi.return_all_logits)
+
+
+def _logprobs(logits: torch.Tensor, next_ids: torch.Tensor, nums: list[int]):
+    logp = torch.log_softmax(logits.float(), dim=-1)  # [B, V]
+    chosen = logp.gather(1, next_ids[:, None])[:, 0].tolist()
+    k = max(max(nums), 0)
+    top_v, top_i = logp.topk(k, dim=-1) if k else (None, None)
+    tops = [[(int(i), float(v)) for i, v in zip(top_i[b, :n].tolist(), top_v[b, :n].tolist())]
+            if k and n > 0 else [] for b, n in enumerate(nums)]
+    return chosen, tops
