@@ -1,0 +1,73 @@
+"""The scheduler process: ZMQ I/O around the Scheduler, ready handshake and load reports."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+import zmq
+
+from moeserve.config import MoeserveConfig
+from moeserve.ipc.messages import (ControlReply, ControlReq, LoadReport, ReadyMsg, SchedulerInput,
+                                   TokenOutput, TokenOutputBatch)
+from moeserve.ipc.queues import Endpoints, PullQueue, PushQueue
+
+logger = logging.getLogger(__name__)
+
+LOAD_REPORT_INTERVAL_S = 0.5
+
+
+class ZmqSchedulerIO:
+    """SchedulerIO over ZMQ: requests in, token outputs to the detokenizer, control replies and
+    periodic load reports to the tokenizer manager."""
+
+    def __init__(self, endpoints: Endpoints, rank: int):
+        self.ctx = zmq.Context()
+        self.inbox: PullQueue = PullQueue(self.ctx, endpoints.scheduler_in, SchedulerInput)
+        self.to_detok = PushQueue(self.ctx, endpoints.detokenizer_in)
+        self.to_manager = PushQueue(self.ctx, endpoints.manager_in)
+        self.rank = rank
+        self.load_fn: Callable[[], dict] | None = None
+        self._next_report = 0.0
+
+    def recv(self, timeout_ms: int):
+        self._maybe_report()
+        first = self.inbox.get(timeout_ms) if timeout_ms else None
+        return ([first] if first is not None else []) + self.inbox.get_nowait_all()
+
+    def send_outputs(self, outputs: list[TokenOutput], stop_strings: dict[str, list[str]]) -> None:
+        self.to_detok.put(TokenOutputBatch(outputs=outputs, stop_strings=stop_strings))
+
+    def send_control(self, req: ControlReq, ok: bool, data: dict) -> None:
+        self.to_manager.put(ControlReply(cid=req.cid, rank=self.rank, ok=ok, data=data))
+
+    def _maybe_report(self) -> None:
+        now = time.monotonic()
+        if self.load_fn is None or now < self._next_report:
+            return
+        self._next_report = now + LOAD_REPORT_INTERVAL_S
+        load = self.load_fn()
+        self.to_manager.put(LoadReport(
+            rank=self.rank, running=load["running"], waiting=load["waiting"],
+            used_tokens=load["used_tokens"], max_total_tokens=load["max_total_tokens"],
+            cache_hit_tokens=load["cache_hit_tokens"], prompt_tokens=load["prompt_tokens"]))
+
+
+def run_scheduler_process(cfg: MoeserveConfig, model_path: str, endpoints: Endpoints,
+                          rank: int = 0) -> None:
+    """Process entry: load the model, announce readiness with the KV capacity, serve forever."""
+    from dataclasses import replace
+
+    from moeserve.scheduler.setup import build_scheduler
+
+    io = ZmqSchedulerIO(endpoints, rank)
+    cfg = replace(cfg, model=replace(cfg.model, path=model_path))
+    scheduler, _ = build_scheduler(cfg, io)
+    io.load_fn = scheduler.load
+    info = {"max_total_tokens": scheduler.runner.memory.allocator.size,
+            "max_req_len": scheduler.max_req_len,
+            "max_running_requests": cfg.cache.max_running_requests}
+    io.to_manager.put(ReadyMsg(role="scheduler", rank=rank, info=info))
+    logger.info("scheduler %d ready: %s", rank, info)
+    scheduler.run_forever()
