@@ -161,9 +161,10 @@ def _default_dtype(dtype: torch.dtype):
 
 def _init_dummy(model: torch.nn.Module, seed: int) -> None:
     """Random weights for benchmarking real shapes without a checkpoint (norms stay at 1)."""
-    gen = torch.Generator(device="cpu").manual_seed(seed)
+    gens: dict[torch.device, torch.Generator] = {}
     for name, p in model.named_parameters():
         if "norm" in name:
             p.data.fill_(1.0)
-        else:
-            p.data.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float32) * 0.02)
+            continue
+        gen = gens.setdefault(p.device, torch.Generator(device=p.device).manual_seed(seed))
+        p.data.normal_(0.0, 0.02, generator=gen)  # on the device: full-size models init fast
