@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# Runs on a lent GPU machine (see the device tool): GPU tests, then benchmarks, logs under $OUT.
+#   scripts/gpu_check.sh [tests|one_batch|serving|all]
+# The image lacks some pure-Python deps: they travel as wheels in .whl/ (not committed).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/gpu_out}; mkdir -p "$OUT"
+if [ -d .whl ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site:$PWD
+else
+  export PYTHONPATH=$PWD
+fi
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+what=${1:-all}
+nvidia-smi --query-gpu=name,memory.total --format=csv | tee "$OUT/gpu.txt"
+
+if [[ $what == tests || $what == all ]]; then
+  python3 -m pytest tests/gpu -q -s -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log"
+fi
+
+if [[ $what == one_batch || $what == all ]]; then
+  python3 -m moeserve.tools.make_random --shape qwen3_30b_a3b --layers 4 --device cuda \
+    --out /tmp/q3moe_l4 >/dev/null
+  python3 -m moeserve.tools.make_random --shape llama3_8b --layers 4 --device cuda \
+    --out /tmp/llama8b_l4 >/dev/null
+  for m in /tmp/llama8b_l4 /tmp/q3moe_l4; do
+    python3 -m moeserve.bench.one_batch --model "$m" --batch 1 16 64 --input-len 512 \
+      --output-len 32 --compare-hf -o device=cuda -o cache.max_total_tokens=65536 \
+      2>&1 | grep -v Warning | tee -a "$OUT/one_batch.log"
+  done
+fi
+
+if [[ $what == serving || $what == all ]]; then
+  python3 -m moeserve.tools.make_random --shape qwen3_30b_a3b --config-only --out /tmp/q3moe_full \
+    >/dev/null
+  python3 -m launch.server model.path=/tmp/q3moe_full model.load_format=dummy device=cuda \
+    server.port=31000 cache.max_running_requests=256 > "$OUT/server.log" 2>&1 &
+  SERVER=$!
+  for _ in $(seq 1 180); do curl -sf http://127.0.0.1:31000/health >/dev/null && break; sleep 2; done
+  for c in 64 256; do
+    python3 -m moeserve.bench.serving --base-url http://127.0.0.1:31000 --num-prompts $((c * 2)) \
+      --max-concurrency $c --random-input-len 256 --random-output-len 128 --ignore-eos \
+      --tokenizer /tmp/q3moe_full --output-file "$OUT/serving.jsonl" 2>&1 | tee -a "$OUT/serving.log"
+  done
+  kill $SERVER; wait $SERVER
+fi
