@@ -29,7 +29,7 @@ def rope_inv_freq(hf_config: Any, rotary_dim: int) -> tuple[torch.Tensor, float]
     rope_type = params.get("rope_type", "default")
     if rope_type == "default":
         theta = params["rope_theta"]
-        exponent = torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim
+        exponent = torch.arange(0, rotary_dim, 2, dtype=torch.int64, device="cpu").float() / rotary_dim
         return 1.0 / (theta**exponent), 1.0
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
@@ -49,9 +49,13 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         self.rotary_dim = inv_freq.numel() * 2
         self.is_neox_style = is_neox_style
-        t = torch.arange(max_position, dtype=torch.float32)
+        # computed on the CPU in float32 (exact, device-independent), then moved to the default
+        # device, which a `with torch.device(...)` block around model construction sets
+        inv_freq = inv_freq.detach().to("cpu", torch.float32)
+        t = torch.arange(max_position, dtype=torch.float32, device="cpu")
         freqs = torch.outer(t, inv_freq)  # [P, d/2]
         cache = torch.cat([freqs.cos(), freqs.sin()], dim=-1) * attention_factor
+        cache = cache.to(torch.get_default_device())
         self.register_buffer("cos_sin_cache", cache, persistent=False)  # [P, d]
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):

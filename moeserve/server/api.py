@@ -1,8 +1,8 @@
 """FastAPI app: OpenAI routes, the native /generate, health/info/cache/metrics routes.
 
-Every error leaves in OpenAI's format `{"error": {"message", "type", "param", "code"}}` with a 4xx
-status: validation errors (including invalid JSON) are 400, not FastAPI's 422, so OpenAI clients raise
-`BadRequestError`. The heavy lifting lives in serving_*.py; this file only wires routes.
+Every error leaves in OpenAI's format `{"error": {"message", "type", "param", "code"}}` with a
+4xx status: validation errors (including invalid JSON) are 400, not FastAPI's 422, so OpenAI clients
+raise `BadRequestError`. The heavy lifting lives in serving_*.py; this file only wires routes.
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
-"""`serve(cfg)`: start the detokenizer and scheduler processes, wait for their ready handshakes, then
-run the HTTP server in this (main) process until a signal or a child's death.
+"""`serve(cfg)`: start the detokenizer and scheduler processes, wait for their ready handshakes,
+then run the HTTP server in this (main) process until a signal or a child's death.
 
 Shutdown contract (DESIGN.md §2): SIGINT/SIGTERM → children terminated and joined, exit 0; a child
-dying at any time → a log line naming it, the others terminated, exit 1; no orphans (children die with
-the launcher, see children.py); the ipc:// socket files are removed.
+dying at any time → a log line naming it, the others terminated, exit 1; no orphans (children die
+with the launcher, see children.py); the ipc:// socket files are removed.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ def _remove_ipc_files(endpoints: Endpoints) -> None:
 def serve(cfg: MoeserveConfig, scheduler_target: Callable[..., None] | None = None) -> int:
     """Run the server until shutdown; returns the process exit code (0: signal, 1: failure).
 
-    `scheduler_target(cfg, model_path, endpoints, rank)` replaces the real scheduler process (tests)."""
+    `scheduler_target(cfg, model_path, endpoints, rank)` replaces the real scheduler (tests)."""
     from moeserve.models.embedded import embedded_model_path
     from moeserve.tokenizer.detokenizer import run_detokenizer_process
 

@@ -1,8 +1,8 @@
 """Prometheus metrics of the serving process, in a registry owned by the app (not the global one).
 
-Two sources: the schedulers' periodic LoadReports (running/waiting requests, KV usage, cache hits) and
-the tokenizer manager's own timings of each request (TTFT, inter-token latency, end-to-end latency) and
-token counters. A private registry keeps several apps in one process (tests) from colliding.
+Two sources: the schedulers' periodic LoadReports (running/waiting requests, KV usage, cache
+hits) and the tokenizer manager's own timings of each request (TTFT, inter-token latency, end-to-end
+latency) and token counters. A private registry keeps several apps in one process (tests) from colliding.
 """
 
 from __future__ import annotations
@@ -45,6 +45,8 @@ class Metrics:
                                          registry=reg)
         self.requests = Counter(PREFIX + "requests", "Finished requests", ["finish_reason"],
                                 registry=reg)
+        self.aborted = Counter(PREFIX + "aborted_requests",
+                               "Requests aborted by the server (client gone, error)", registry=reg)
         self.ttft = Histogram(PREFIX + "time_to_first_token_seconds", "Time to first token",
                               buckets=_LATENCY_BUCKETS, registry=reg)
         self.itl = Histogram(PREFIX + "inter_token_latency_seconds", "Time between output tokens",

@@ -1,7 +1,7 @@
 """OpenAI-compatible request/response schemas (pydantic) and the OpenAI error body.
 
-Requests accept the fields the official clients send; unknown fields are ignored like OpenAI-compatible
-servers do, but fields that would silently change the meaning of a request (penalties, logit_bias,
+Requests accept the fields the official clients send; unknown fields are ignored like other
+OpenAI-compatible servers do, but fields that would silently change the meaning of a request (penalties, logit_bias,
 tools) are refused with a clear message rather than ignored.
 """
 

@@ -4,7 +4,6 @@ rendering, SSE framing and running a handler until the client disconnects."""
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass, field
@@ -103,10 +102,6 @@ def usage(states: list[ChoiceState], n: int) -> Usage:
                     sum(max(s.cached_tokens for s in g) for g in prompts))
 
 
-def finish_reason(reason: str | None) -> str | None:
-    return reason
-
-
 def token_text(manager: TokenizerManager, token_id: int) -> str:
     return manager.tokenizer.decode([token_id])
 
@@ -117,8 +112,10 @@ def chat_logprobs(manager: TokenizerManager, ids: list[int], logprobs: list[floa
         text = token_text(manager, tid)
         return cls(token=text, logprob=lp, bytes=list(text.encode()), **kw)
 
-    return [entry(TokenLogprob, tid, lp,
-                  top_logprobs=[entry(TopLogprob, t, v) for t, v in (top[k] if k < len(top) else [])])
+    def tops(k: int) -> list[TopLogprob]:
+        return [entry(TopLogprob, t, v) for t, v in (top[k] if k < len(top) else [])]
+
+    return [entry(TokenLogprob, tid, lp, top_logprobs=tops(k))
             for k, (tid, lp) in enumerate(zip(ids, logprobs))]
 
 
@@ -160,6 +157,3 @@ async def _wait_disconnect(request: Request) -> None:
     while (await request.receive())["type"] != "http.disconnect":
         pass
 
-
-def replace_seed(params: SamplingParams, seed: int | None) -> SamplingParams:
-    return dataclasses.replace(params, seed=seed)

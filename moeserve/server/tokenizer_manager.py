@@ -1,4 +1,4 @@
-"""The tokenizer manager: the main process's asyncio bridge between HTTP handlers and the schedulers.
+"""The tokenizer manager: the main process's asyncio bridge between HTTP handlers and schedulers.
 
 It tokenizes and validates requests, sends `GenerateReq`s, and one background task reads everything
 that comes back on `manager_in` (text outputs, control replies, ready handshakes, load reports) and
@@ -159,7 +159,7 @@ class TokenizerManager:
         return list(self.tokenizer(text)["input_ids"])
 
     def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]:
-        """Token ids of a chat prompt ending with the assistant turn's opening (as the Engine does)."""
+        """Ids of a chat prompt ending with the assistant turn's opening (as the Engine does)."""
         try:
             out = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
                                                      tokenize=True)
@@ -218,9 +218,11 @@ class TokenizerManager:
             self.abort([rids[i] for i in pending])
 
     def abort(self, rids: list[str]) -> None:
+        """Stop sub-requests nobody waits for any more (the scheduler frees their KV)."""
         for rid in rids:
             if self._routes.pop(rid, None) is not None:
                 self._push.put(AbortReq(rid=rid))
+                self.metrics.aborted.inc()
         if rids:
             logger.info("aborted %d request(s)", len(rids))
 

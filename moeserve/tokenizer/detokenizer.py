@@ -3,17 +3,18 @@
 Why incremental: decoding each new token alone breaks multi-byte UTF-8 characters split over several
 byte-level tokens (emoji, CJK) and loses the spaces that SentencePiece-style decoders attach to the
 following token. The prefix-offset / read-offset technique decodes a small window twice (the already
-emitted part and the part with the new tokens) and emits only the difference, waiting while the tail is
-an incomplete character (U+FFFD). Concatenated deltas equal `tokenizer.decode(all_ids)`.
+emitted part and the part with the new tokens) and emits only the difference, waiting while the tail
+is an incomplete character (U+FFFD). Concatenated deltas equal `tokenizer.decode(all_ids)`.
 
-Stop strings are detected by the scheduler; here the text is cut before the first occurrence (OpenAI
-semantics: the stop string and what follows are not returned), and while streaming any tail that could
-still become a stop string is held back.
+Stop strings are detected by the scheduler; here the text is cut before the first occurrence
+(OpenAI semantics: the stop string and what follows are not returned), and while streaming any tail
+that could still become a stop string is held back.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -61,9 +62,9 @@ class IncrementalDetokenizer:
 
     def step(self, rid: str, new_ids: Sequence[int], finished: bool = False,
              stop_token: int | None = None) -> str:
-        """Feed new ids; returns the text that may be shown now. `finished` flushes everything left
-        (cut at a stop string) and frees the state. `stop_token` (a matched stop token id at the end of
-        `new_ids`) is not rendered, like an eos."""
+        """Feed new ids; returns the text that may be shown now. `finished` flushes everything
+        left (cut at a stop string) and frees the state. `stop_token` (a matched stop token id at
+        the end of `new_ids`) is not rendered, like an eos."""
         self.add(rid)
         st = self._states[rid]
         ids = list(new_ids)
@@ -99,7 +100,7 @@ class IncrementalDetokenizer:
         st.read -= st.prefix
         st.prefix = 0
 
-    # ---- stop strings -----------------------------------------------------------------------------
+    # ---- stop strings ---------------------------------------------------------------------------
     def _first_stop(self, st: _DecodeState) -> int:
         """Index of the earliest complete stop string in st.text, or len(text) if none."""
         start = max(0, st.sent - max((len(s) for s in st.stop), default=0))
@@ -141,7 +142,8 @@ def to_text_output(detok: IncrementalDetokenizer, out: TokenOutput) -> TextOutpu
 
 # ---- the detokenizer process -------------------------------------------------------------------
 def run_detokenizer_process(model_path: str, endpoints: Any) -> None:
-    """Process entry: PULL TokenOutputBatch on detokenizer_in, PUSH TextOutputBatch to manager_in."""
+    """Process entry: PULL TokenOutputBatch on detokenizer_in, PUSH TextOutputBatch to
+    manager_in; a request's state is freed with its final output."""
     import zmq
     from transformers import AutoTokenizer
 
@@ -161,7 +163,7 @@ def run_detokenizer_process(model_path: str, endpoints: Any) -> None:
 
     handlers: dict[type, Callable[[Any], None]] = {TokenOutputBatch: on_tokens,
                                                    ControlReply: outbox.put}
-    outbox.put(ReadyMsg(role="detokenizer"))
+    outbox.put(ReadyMsg(role="detokenizer", info={"pid": os.getpid()}))
     logger.info("detokenizer ready")
     while True:
         msg = inbox.get()

@@ -1,5 +1,5 @@
-"""IncrementalDetokenizer: streamed deltas concatenate to tokenizer.decode(all ids); stop strings are
-cut (OpenAI semantics) and a tail that may still become a stop string is held back."""
+"""IncrementalDetokenizer: streamed deltas concatenate to tokenizer.decode(all ids); stop strings
+are cut (OpenAI semantics) and a tail that may still become a stop string is held back."""
 
 from __future__ import annotations
 
