@@ -1,0 +1,43 @@
+"""The typed config: Hydra composition against the schema, and refusal of bad values by key."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from hydra.errors import ConfigCompositionException
+
+from moeserve.config import ConfigError, compose
+
+
+def test_defaults_compose_and_are_frozen():
+    cfg = compose([])
+    assert cfg.model.path is None and cfg.server.host == "127.0.0.1" and cfg.server.port == 30000
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.model.path = "x"  # type: ignore[misc]
+
+
+def test_overrides_apply():
+    cfg = compose(["model.dtype=float32", "scheduler.overlap=false", "cache.page_size=4"])
+    assert cfg.model.dtype == "float32" and not cfg.scheduler.overlap and cfg.cache.page_size == 4
+
+
+@pytest.mark.parametrize("override", ["model.nonexistent=1", "cache.max_running_requests=abc",
+                                      "scheduler.overlap=maybe"])
+def test_unknown_keys_and_wrong_types_fail_in_hydra(override):
+    with pytest.raises(ConfigCompositionException):
+        compose([override])
+
+
+@pytest.mark.parametrize("override,key", [
+    ("model.dtype=int4", "model.dtype"),
+    ("cache.page_size=0", "cache.page_size"),
+    ("scheduler.policy=random", "scheduler.policy"),
+    ("server.port=70000", "server.port"),
+    ("cache.mem_fraction_static=1.5", "cache.mem_fraction_static"),
+    ("attention.backend=magic", "attention.backend"),
+])
+def test_invalid_values_name_the_key(override, key):
+    with pytest.raises(ConfigError) as err:
+        compose([override])
+    assert err.value.key == key and key in str(err.value)
