@@ -17,6 +17,9 @@ LOAD_FORMATS = ("safetensors", "dummy")
 ATTENTION_BACKENDS = ("torch",)
 DEVICES = ("auto", "cpu", "cuda")
 SCHEDULE_POLICIES = ("lpm", "fcfs")
+A2A_BACKENDS = ("a2a", "allgather", "deepep")
+DEEPEP_MODES = ("auto", "normal", "low_latency")
+DP_POLICIES = ("round_robin", "shortest_queue", "prefix_aware")
 
 
 class ConfigError(ValueError):
@@ -68,6 +71,35 @@ class ServerConfig:
 
 
 @dataclass(frozen=True)
+class ParallelConfig:
+    """Ranks: tp_size in all (= nnodes × ranks per node); attention is data-parallel over dp_size
+    groups of tp_size / dp_size ranks; MoE experts are spread over ep_size = tp_size ranks."""
+
+    tp_size: int = 1
+    dp_size: int = 1
+    ep_size: int | None = None  # None: tp_size (experts over every rank)
+    a2a_backend: str = "a2a"  # a2a | allgather | deepep (dispatch/combine of MoE tokens)
+    deepep_mode: str = "auto"  # auto: normal when any rank prefills, else low_latency
+    dp_policy: str = "round_robin"  # round_robin | shortest_queue | prefix_aware
+    prefix_aware_margin: int = 4  # prefix_aware: allowed extra queued requests on the cache owner
+    nnodes: int = 1
+    node_rank: int = 0
+    dist_init_addr: str | None = None  # host:port of the torch.distributed rendezvous
+
+    @property
+    def world_size(self) -> int:
+        return self.tp_size
+
+    @property
+    def attn_tp_size(self) -> int:
+        return self.tp_size // self.dp_size
+
+    @property
+    def ep(self) -> int:
+        return self.tp_size if self.ep_size is None else self.ep_size
+
+
+@dataclass(frozen=True)
 class AttentionConfig:
     backend: str = "torch"
 
@@ -78,6 +110,7 @@ class MoeserveConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     attention: AttentionConfig = field(default_factory=AttentionConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
     device: str = "auto"
     seed: int = 0
@@ -136,9 +169,29 @@ def validate(cfg: MoeserveConfig) -> MoeserveConfig:
     _check_positive("server.max_n", cfg.server.max_n, False)
     if not 0 < cfg.server.port < 65536:
         raise ConfigError("server.port", f"{cfg.server.port} is not a TCP port")
+    _validate_parallel(cfg.parallel)
     if not 0.0 < cfg.cache.mem_fraction_static <= 1.0:
         raise ConfigError("cache.mem_fraction_static", "must be in (0, 1]")
     return cfg
+
+
+def _validate_parallel(p: ParallelConfig) -> None:
+    _check_choice("parallel.a2a_backend", p.a2a_backend, A2A_BACKENDS)
+    _check_choice("parallel.deepep_mode", p.deepep_mode, DEEPEP_MODES)
+    _check_choice("parallel.dp_policy", p.dp_policy, DP_POLICIES)
+    for key in ("tp_size", "dp_size", "nnodes"):
+        _check_positive(f"parallel.{key}", getattr(p, key), False)
+    if p.tp_size % p.dp_size:
+        raise ConfigError("parallel.dp_size", f"{p.dp_size} does not divide tp_size {p.tp_size}")
+    if p.attn_tp_size != 1:
+        raise ConfigError("parallel.dp_size", "attention tensor parallelism (tp_size / dp_size > 1) "
+                          "is not supported: set dp_size = tp_size")
+    if p.ep_size is not None and p.ep_size not in (1, p.tp_size):
+        raise ConfigError("parallel.ep_size", f"must be 1 or tp_size ({p.tp_size}), got {p.ep_size}")
+    if p.tp_size % p.nnodes:
+        raise ConfigError("parallel.nnodes", f"{p.nnodes} nodes do not divide tp_size {p.tp_size}")
+    if not 0 <= p.node_rank < p.nnodes:
+        raise ConfigError("parallel.node_rank", f"must be in [0, {p.nnodes})")
 
 
 def compose(overrides: list[str] | tuple[str, ...] = ()) -> MoeserveConfig:
