@@ -5,8 +5,9 @@ Why each piece:
   not be duplicated into the children.
 - A child dies with its parent (PR_SET_PDEATHSIG on Linux, plus a thread that watches getppid() as a
   portable fallback), so a SIGKILLed launcher leaves no scheduler holding memory or a GPU.
-- Children ignore SIGINT: Ctrl-C reaches the whole process group, and only the launcher decides how
-  to shut down (otherwise the watchdog would see children die and report a crash).
+- Children ignore SIGINT: Ctrl-C reaches the whole process group, and only the launcher decides
+  how to shut down (otherwise the watchdog would see children die and report a crash). SIGTERM
+  exits cleanly; `stop()` SIGKILLs what is still alive after a grace period.
 """
 
 from __future__ import annotations
@@ -57,12 +58,18 @@ def _die_with_parent(parent: int) -> None:
     threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
+def _exit_on_sigterm(signum: int, _frame: Any) -> None:
+    """SIGTERM → SystemExit, so atexit hooks and finalizers run (shared-memory and semaphore
+    bookkeeping of multiprocessing's resource tracker, thread pools)."""
+    sys.exit(0)
+
+
 def child_entry(name: str, parent: int, log_level: str, target: Callable[..., Any],
                 args: tuple) -> None:
     """Top-level entry of every child: guard against orphaning, then run the role's function."""
     _die_with_parent(parent)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     setup_logging(log_level)
     target(*args)
 

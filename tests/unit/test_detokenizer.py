@@ -148,3 +148,16 @@ def test_to_text_output_carries_fields_and_frees(tokenizer):
         "stop", "STOP", 7, 2)
     assert last.new_ids == ids[3:] and last.logprobs == [-0.1] * (len(ids) - 3)
     assert "r" not in detok
+
+
+def test_load_decoder_decodes_like_transformers(tokenizer, tmp_path):
+    from moeserve.tokenizer.detokenizer import load_decoder
+
+    tokenizer.save_pretrained(tmp_path)
+    decoder = load_decoder(str(tmp_path))
+    rng = random.Random(1)
+    for _ in range(50):
+        ids = [rng.randrange(len(tokenizer)) for _ in range(rng.randint(1, 30))]
+        for skip in (True, False):
+            assert decoder.decode(ids, skip_special_tokens=skip) == tokenizer.decode(
+                ids, skip_special_tokens=skip)
