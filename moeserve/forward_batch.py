@@ -36,6 +36,7 @@ class ForwardBatch:
     kv_pool: KVPool
     attn_backend: AttentionBackend
     return_all_logits: bool = False  # prefill logits at every position (tests, logprobs)
+    global_forward_mode: ForwardMode | None = None  # across DP ranks: EXTEND if any rank extends
     attn_metadata: object = field(default=None, repr=False)  # filled by the backend
 
     @property

@@ -7,6 +7,9 @@ expert-parallel ranks wrap around this module; the math here is the torch refere
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
 import torch
 from torch import nn
 
@@ -97,3 +100,48 @@ class MoEExperts(nn.Module):
             start += n
         return out.to(x.dtype)
 
+
+
+class ExpertRecorder(Protocol):
+    """Receives each MoE layer's routing (logical expert ids) every forward; EPLB fills it in."""
+
+    def record(self, layer_id: int, topk_ids: torch.Tensor) -> None: ...
+
+
+class NullRecorder:
+    def record(self, layer_id: int, topk_ids: torch.Tensor) -> None:
+        pass
+
+
+@dataclass
+class MoEParallel:
+    """How routed experts are spread: this rank owns experts [ep_rank*E/ep_size, ...); tokens move
+    through `dispatcher` (None: all experts local, no communication)."""
+
+    ep_rank: int = 0
+    ep_size: int = 1
+    dispatcher: Any = None  # moeserve.ep.dispatcher.Dispatcher
+    recorder: ExpertRecorder = field(default_factory=NullRecorder)
+
+    def local_experts(self, num_experts: int) -> tuple[int, int]:
+        """(first expert, count) owned by this rank."""
+        if num_experts % self.ep_size:
+            raise ValueError(f"{num_experts} experts do not divide over ep_size {self.ep_size}")
+        n = num_experts // self.ep_size
+        return self.ep_rank * n, n
+
+    def make_experts(self, num_experts: int, hidden: int, intermediate: int) -> MoEExperts:
+        first, n = self.local_experts(num_experts)
+        return MoEExperts(num_experts, hidden, intermediate, first_expert=first, num_local=n)
+
+
+def run_routed_experts(experts: MoEExperts, x: torch.Tensor, topk_ids: torch.Tensor,
+                       topk_weights: torch.Tensor, par: MoEParallel | None,
+                       mode: Any) -> torch.Tensor:
+    """sum_k w[t,k] * expert_{ids[t,k]}(x[t]) over all experts, wherever they live: [T, H].
+    `mode` is the step's global forward mode (the DeepEP backend picks its kernels by it)."""
+    if par is None or par.dispatcher is None:
+        return experts(x, topk_ids, topk_weights)
+    d = par.dispatcher
+    out = d.dispatch(x, topk_ids, topk_weights, mode)
+    return d.combine(d.experts_forward(experts, out), out)

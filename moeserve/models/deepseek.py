@@ -24,7 +24,7 @@ from torch import nn
 
 from moeserve.forward_batch import ForwardBatch
 from moeserve.layers.attention import PagedAttention
-from moeserve.layers.moe import MoEExperts
+from moeserve.layers.moe import MoEParallel, run_routed_experts
 from moeserve.layers.norm import RMSNorm
 from moeserve.layers.rotary import get_rope, rope_parameters
 from moeserve.layers.router import RouterConfig, select_experts
@@ -113,19 +113,24 @@ class MoEGate(nn.Module):
 class DeepseekMoE(nn.Module):
     """Routed experts (grouped top-k) plus always-on shared experts."""
 
-    def __init__(self, cfg: Any, router: RouterConfig):
+    def __init__(self, cfg: Any, router: RouterConfig, layer_id: int,
+                 parallel: MoEParallel | None = None):
         super().__init__()
-        self.router = router
+        self.router, self.layer_id = router, layer_id
+        self.parallel = parallel or MoEParallel()
         self.gate = MoEGate(cfg.hidden_size, cfg.n_routed_experts, router.scoring == "sigmoid")
-        self.experts = MoEExperts(cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size)
+        self.experts = self.parallel.make_experts(cfg.n_routed_experts, cfg.hidden_size,
+                                                  cfg.moe_intermediate_size)
         n_shared = cfg.n_shared_experts or 0
         self.shared_experts = (MLP(cfg.hidden_size, cfg.moe_intermediate_size * n_shared)
                                if n_shared else None)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, fb: ForwardBatch | None = None) -> torch.Tensor:
         weights, ids = select_experts(self.gate(x), self.router,
                                       self.gate.e_score_correction_bias)  # [T, K] each
-        out = self.experts(x, ids, weights)
+        self.parallel.recorder.record(self.layer_id, ids)
+        mode = fb.global_forward_mode if fb is not None else None
+        out = run_routed_experts(self.experts, x, ids, weights, self.parallel, mode)
         return out if self.shared_experts is None else out + self.shared_experts(x)
 
 
@@ -142,7 +147,7 @@ class DeepseekDecoderLayer(nn.Module):
             self.input_layernorm(x), x)
         x = self.self_attn(x, positions, fb)
         x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
+        return self.mlp(x, fb), residual
 
 
 class SharedHead(nn.Module):
@@ -214,14 +219,14 @@ class DeepseekV2ForCausalLM(CausalLM):
                             topk_groups=cfg.topk_group if grouped else 1, group_score="max",
                             routed_scaling_factor=cfg.routed_scaling_factor)
 
-    def __init__(self, cfg: Any, load_mtp: bool = False):
+    def __init__(self, cfg: Any, load_mtp: bool = False, parallel: MoEParallel | None = None):
         n, router = cfg.num_hidden_layers, self.router_config(cfg)
         if load_mtp and (getattr(cfg, "num_nextn_predict_layers", 0) or 0) != 1:
             raise ValueError("model.load_mtp=true needs num_nextn_predict_layers == 1 "
                              "in config.json")
 
         def make_mlp(i: int) -> nn.Module:
-            return DeepseekMoE(cfg, router) if _is_moe_layer(cfg, i) else MLP(
+            return DeepseekMoE(cfg, router, i, parallel) if _is_moe_layer(cfg, i) else MLP(
                 cfg.hidden_size, cfg.intermediate_size)
 
         mtp = [DeepseekMTPLayer(cfg, n, make_mlp(n))] if load_mtp else []

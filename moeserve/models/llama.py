@@ -54,7 +54,7 @@ class MLP(nn.Module):
         self.gate_up_proj = MergedLinear(hidden_size, [intermediate_size] * 2, ["gate", "up"], bias)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, fb: ForwardBatch | None = None) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
@@ -73,7 +73,7 @@ class DecoderLayer(nn.Module):
             self.input_layernorm(x), x)
         x = self.self_attn(x, positions, fb)
         x, residual = self.post_attention_layernorm(x, residual)
-        return getattr(self, self.mlp_name)(x), residual
+        return getattr(self, self.mlp_name)(x, fb), residual
 
 
 class DecoderModel(nn.Module):
@@ -124,7 +124,7 @@ class CausalLM(nn.Module):
 class LlamaForCausalLM(CausalLM):
     qkv_bias, qk_norm = False, False
 
-    def __init__(self, cfg: Any):
+    def __init__(self, cfg: Any, parallel: Any = None):
         def make_layer(i: int) -> DecoderLayer:
             mlp = MLP(cfg.hidden_size, cfg.intermediate_size, getattr(cfg, "mlp_bias", False))
             return DecoderLayer(cfg, i, mlp, qkv_bias=self.qkv_bias or getattr(

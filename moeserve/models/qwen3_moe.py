@@ -7,7 +7,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from moeserve.layers.moe import MoEExperts
+from moeserve.forward_batch import ForwardBatch
+from moeserve.layers.moe import MoEParallel, run_routed_experts
 from moeserve.layers.router import RouterConfig, select_experts
 from moeserve.models.llama import MLP, CausalLM, DecoderLayer, DecoderModel
 
@@ -16,15 +17,18 @@ class SparseMoeBlock(nn.Module):
     """Router → top-k → experts. Parameter names follow the checkpoint (`gate`, `experts`)."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int,
-                 router: RouterConfig):
+                 router: RouterConfig, layer_id: int, parallel: MoEParallel | None = None):
         super().__init__()
-        self.router = router
+        self.router, self.layer_id = router, layer_id
+        self.parallel = parallel or MoEParallel()
         self.gate = nn.Linear(hidden_size, num_experts, bias=False)
-        self.experts = MoEExperts(num_experts, hidden_size, intermediate_size)
+        self.experts = self.parallel.make_experts(num_experts, hidden_size, intermediate_size)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, fb: ForwardBatch | None = None) -> torch.Tensor:
         weights, ids = select_experts(self.gate(x), self.router)  # [T, K] each
-        return self.experts(x, ids, weights)
+        self.parallel.recorder.record(self.layer_id, ids)
+        mode = fb.global_forward_mode if fb is not None else None
+        return run_routed_experts(self.experts, x, ids, weights, self.parallel, mode)
 
 
 def _is_moe_layer(cfg: Any, i: int) -> bool:
@@ -36,13 +40,13 @@ def _is_moe_layer(cfg: Any, i: int) -> bool:
 class Qwen3MoeForCausalLM(CausalLM):
     expert_weight_names = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
 
-    def __init__(self, cfg: Any):
+    def __init__(self, cfg: Any, parallel: MoEParallel | None = None):
         router = RouterConfig(top_k=cfg.num_experts_per_tok, renormalize=cfg.norm_topk_prob)
 
         def make_layer(i: int) -> DecoderLayer:
             if _is_moe_layer(cfg, i):
                 mlp = SparseMoeBlock(cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts,
-                                     router)
+                                     router, i, parallel)
             else:
                 mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
             return DecoderLayer(cfg, i, mlp, qk_norm=True)
@@ -55,12 +59,12 @@ class MixtralForCausalLM(CausalLM):
 
     expert_weight_names = {"w1": "gate", "w3": "up", "w2": "down"}
 
-    def __init__(self, cfg: Any):
+    def __init__(self, cfg: Any, parallel: MoEParallel | None = None):
         router = RouterConfig(top_k=cfg.num_experts_per_tok, renormalize=True)
 
         def make_layer(i: int) -> DecoderLayer:
             moe = SparseMoeBlock(cfg.hidden_size, cfg.intermediate_size, cfg.num_local_experts,
-                                 router)
+                                 router, i, parallel)
             return DecoderLayer(cfg, i, moe, mlp_name="block_sparse_moe")
 
         super().__init__(cfg, DecoderModel(cfg, make_layer))

@@ -15,7 +15,9 @@ from moeserve.core import ForwardMode
 from moeserve.forward_batch import ForwardBatch
 from moeserve.kvcache.allocator import TokenToKVPoolAllocator
 from moeserve.kvcache.pool import KVPool, MHAKVPool, MLAKVPool
+from moeserve.distributed import ParallelMesh, single_rank_mesh
 from moeserve.kvcache.table import ReqToTokenPool
+from moeserve.layers.moe import ExpertRecorder, MoEParallel
 from moeserve.models.loader import WeightLoadError, iterate_weights, load_weights
 from moeserve.models.registry import model_class
 
@@ -62,11 +64,14 @@ class KVMemory:
 
 
 class ModelRunner:
-    def __init__(self, cfg: MoeserveConfig, model_path: str):
+    def __init__(self, cfg: MoeserveConfig, model_path: str, mesh: ParallelMesh | None = None,
+                 recorder: ExpertRecorder | None = None):
         self.cfg = cfg
-        self.device = resolve_device(cfg.device)
+        self.mesh = mesh or single_rank_mesh(resolve_device(cfg.device))
+        self.device = self.mesh.device
         self.hf_config = load_hf_config(model_path)
         self.dtype = resolve_dtype(cfg.model.dtype, self.hf_config, self.device)
+        self.moe_parallel = self._moe_parallel(recorder)
         self.model = self._build_model(model_path)
         self.context_len = cfg.model.context_length or self.hf_config.max_position_embeddings
         self.memory = self._init_memory()
@@ -87,7 +92,27 @@ class ModelRunner:
         return model.eval()
 
     def _model_kwargs(self, cls: type) -> dict:
-        return {"load_mtp": self.cfg.model.load_mtp} if getattr(cls, "has_mtp", False) else {}
+        kwargs = {"parallel": self.moe_parallel}
+        if getattr(cls, "has_mtp", False):
+            kwargs["load_mtp"] = self.cfg.model.load_mtp
+        return kwargs
+
+    def _moe_parallel(self, recorder: ExpertRecorder | None) -> MoEParallel:
+        mesh = self.mesh
+        par = MoEParallel(ep_rank=mesh.ep_rank, ep_size=mesh.ep_size)
+        if recorder is not None:
+            par.recorder = recorder
+        if mesh.ep_size > 1:
+            from moeserve.ep.dispatcher import create_dispatcher
+
+            c = self.hf_config
+            num_experts = (getattr(c, "n_routed_experts", None) or getattr(c, "num_experts", None)
+                           or getattr(c, "num_local_experts", None))
+            if num_experts:
+                par.dispatcher = create_dispatcher(
+                    self.cfg.parallel.a2a_backend, mesh, num_experts, c.hidden_size, self.dtype,
+                    deepep_mode=self.cfg.parallel.deepep_mode)
+        return par
 
     def _init_memory(self) -> KVMemory:
         layout = self.model.kv_layout() if hasattr(self.model, "kv_layout") else self._mha_layout()
