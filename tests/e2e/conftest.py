@@ -16,6 +16,11 @@ import time
 
 import pytest
 
+try:
+    import httpx2 as httpx  # the HTTP client of openai >= 3
+except ImportError:  # pragma: no cover - older openai clients ship httpx
+    import httpx
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 START_TIMEOUT_S = 240
 
@@ -42,8 +47,6 @@ class LiveServer:
             return f.read()[-chars:]
 
     def wait_healthy(self, timeout: float = START_TIMEOUT_S) -> LiveServer:
-        import httpx2 as httpx
-
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

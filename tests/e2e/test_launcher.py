@@ -9,6 +9,11 @@ import signal
 
 import pytest
 
+try:
+    import httpx2 as httpx  # the HTTP client of openai >= 3
+except ImportError:  # pragma: no cover - older openai clients ship httpx
+    import httpx
+
 psutil = pytest.importorskip("psutil")
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
@@ -22,8 +27,6 @@ def children(server) -> list:
 
 def scheduler_process(server, kids: list):
     """The child that is not the detokenizer (which reports its pid when ready)."""
-    import httpx2 as httpx
-
     detok = httpx.get(server.url + "/server_info").json()["ready"]["detokenizer:0"]["pid"]
     return next(p for p in kids if p.pid != detok)
 
