@@ -1,8 +1,9 @@
 """Prometheus metrics of the serving process, in a registry owned by the app (not the global one).
 
 Two sources: the schedulers' periodic LoadReports (running/waiting requests, KV usage, cache
-hits) and the tokenizer manager's own timings of each request (TTFT, inter-token latency, end-to-end
-latency) and token counters. A private registry keeps several apps in one process (tests) from colliding.
+hits) and the tokenizer manager's own timings of each request (TTFT, inter-token latency,
+end-to-end latency) and token counters. A private registry keeps several apps in one process
+(tests) from colliding.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """OpenAI-compatible request/response schemas (pydantic) and the OpenAI error body.
 
 Requests accept the fields the official clients send; unknown fields are ignored like other
-OpenAI-compatible servers do, but fields that would silently change the meaning of a request (penalties, logit_bias,
-tools) are refused with a clear message rather than ignored.
+OpenAI-compatible servers do, but fields that would silently change the meaning of a request
+(penalties, logit_bias, tools) are refused with a clear message rather than ignored.
 """
 
 from __future__ import annotations

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any
 
@@ -80,13 +81,15 @@ async def chat_stream(manager: TokenizerManager, job: ChatJob
     states = [ChoiceState() for _ in job.inputs]
     yield chunk([ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
                  for i in range(len(job.inputs))])
-    async for i, out in manager.generate(job.inputs, stream=True):
-        states[i].update(out)
-        if not out.text_delta and out.finish_reason is None and not job.req.logprobs:
-            continue
-        delta = DeltaMessage(content=out.text_delta if out.text_delta else None)
-        yield chunk([ChatStreamChoice(
-            index=i, delta=delta, finish_reason=out.finish_reason, stop_reason=out.finish_matched,
-            logprobs=_logprobs(manager, job, out.new_ids, out.logprobs, out.top_logprobs))])
+    async with aclosing(manager.generate(job.inputs, stream=True)) as outputs:
+        async for i, out in outputs:
+            states[i].update(out)
+            if not out.text_delta and out.finish_reason is None and not job.req.logprobs:
+                continue
+            delta = DeltaMessage(content=out.text_delta if out.text_delta else None)
+            yield chunk([ChatStreamChoice(
+                index=i, delta=delta, finish_reason=out.finish_reason,
+                stop_reason=out.finish_matched,
+                logprobs=_logprobs(manager, job, out.new_ids, out.logprobs, out.top_logprobs))])
     if job.req.include_usage:
         yield chunk([], usage=usage(states, job.req.n))

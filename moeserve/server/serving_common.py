@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator, Awaitable
+from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -89,8 +90,9 @@ class ChoiceState:
 
 async def collect(stream: AsyncIterator[tuple[int, TextOutput]], num: int) -> list[ChoiceState]:
     states = [ChoiceState() for _ in range(num)]
-    async for i, out in stream:
-        states[i].update(out)
+    async with aclosing(stream):  # NOTE: an error here must abort the other sub-requests now
+        async for i, out in stream:
+            states[i].update(out)
     return states
 
 

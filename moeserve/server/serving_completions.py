@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from dataclasses import dataclass
 
 from moeserve.server.protocol import (APIError, CompletionChoice, CompletionChunk,
@@ -89,14 +90,16 @@ async def completion_stream(manager: TokenizerManager, job: CompletionJob
     echoes = [CompletionChoice(index=i, text=t) for i, t in enumerate(job.echo_texts) if t]
     if echoes:
         yield chunk(echoes)
-    async for i, out in manager.generate(job.inputs, stream=True):
-        offset = len(states[i].text)
-        states[i].update(out)
-        if not out.text_delta and out.finish_reason is None and job.req.logprobs is None:
-            continue
-        yield chunk([CompletionChoice(
-            index=i, text=out.text_delta, finish_reason=out.finish_reason,
-            stop_reason=out.finish_matched,
-            logprobs=_logprobs(manager, job, out.new_ids, out.logprobs, out.top_logprobs, offset))])
+    async with aclosing(manager.generate(job.inputs, stream=True)) as outputs:
+        async for i, out in outputs:
+            offset = len(states[i].text)
+            states[i].update(out)
+            if not out.text_delta and out.finish_reason is None and job.req.logprobs is None:
+                continue
+            logprobs = _logprobs(manager, job, out.new_ids, out.logprobs, out.top_logprobs,
+                                 offset)
+            yield chunk([CompletionChoice(
+                index=i, text=out.text_delta, finish_reason=out.finish_reason,
+                stop_reason=out.finish_matched, logprobs=logprobs)])
     if job.req.include_usage:
         yield chunk([], usage=usage(states, job.req.n))

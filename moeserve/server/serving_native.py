@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from typing import Any
 
 from moeserve.core import SamplingParams
@@ -74,6 +75,7 @@ async def native_response(manager: TokenizerManager, job: NativeJob) -> Any:
 async def native_stream(manager: TokenizerManager, job: NativeJob
                         ) -> AsyncIterator[dict[str, Any]]:
     states = [ChoiceState() for _ in job.inputs]
-    async for i, out in manager.generate(job.inputs, stream=True):
-        states[i].update(out)
-        yield _result(job, i, states[i])
+    async with aclosing(manager.generate(job.inputs, stream=True)) as outputs:
+        async for i, out in outputs:
+            states[i].update(out)
+            yield _result(job, i, states[i])
