@@ -18,6 +18,14 @@ class ScheduledBatch:
     forward_input: ForwardInput
 
     @classmethod
+    def idle(cls) -> ScheduledBatch:
+        return cls(ForwardMode.IDLE, [], [], [], [], ForwardInput.idle())
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.forward_input.extend_lens)
+
+    @classmethod
     def build(cls, mode: ForwardMode, reqs: list[Req], extend_lens: list[int], slots,
               partial: list[bool]) -> ScheduledBatch:
         """Assign the new tokens' slots, advance kv_len/device_len and describe the step."""

@@ -15,6 +15,8 @@ from typing import Protocol
 
 from moeserve.config import MoeserveConfig
 from moeserve.core import FinishReason, ForwardMode, Req
+from moeserve.distributed import ParallelMesh, single_rank_mesh
+from moeserve.dp_attention.sync import GlobalBatchInfo, dp_sync
 from moeserve.ipc.messages import AbortReq, ControlReq, GenerateReq, TokenOutput
 from moeserve.runtime.model_runner import ModelRunner
 from moeserve.runtime.sampler import make_generator
@@ -38,8 +40,11 @@ class SchedulerIO(Protocol):
 
 class Scheduler:
     def __init__(self, cfg: MoeserveConfig, runner: ModelRunner, io: SchedulerIO,
-                 eos_token_ids: set[int], decode_text: Callable[[list[int]], str]):
+                 eos_token_ids: set[int], decode_text: Callable[[list[int]], str],
+                 mesh: ParallelMesh | None = None):
         self.cfg, self.runner, self.io = cfg, runner, io
+        self.mesh = mesh or single_rank_mesh(runner.device)
+        self._global_idle = True  # from the last DP sync: no rank had work
         sc = cfg.scheduler
         self.cache = CacheManager(runner.memory, cfg.cache.page_size, sc.disable_radix_cache)
         self.worker = ForwardWorker(runner, threaded=sc.overlap)
@@ -242,29 +247,40 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.chunked)
 
-    def _recv(self, block: bool) -> None:
-        for msg in self.io.recv(50 if block else 0):
+    def _recv(self, may_block: bool) -> None:
+        for msg in self.io.recv(50 if may_block and self._global_idle and not self.has_work()
+                                else 0):
             self.handle(msg)
 
-    def step(self) -> bool:
-        """One iteration of the normal loop; False when there was nothing to run."""
-        self._recv(block=not self.has_work())
+    def next_synced_batch(self, stop: bool) -> tuple[ScheduledBatch | None, GlobalBatchInfo]:
+        """This rank's next batch after the DP sync: IDLE when only other ranks have work, None
+        when no rank has (then no rank runs a forward)."""
         batch = self.get_next_batch()
-        if batch is None:
-            self.cache.free_deferred_rows()
-            return False
-        self.process_result(batch, self.worker.submit(batch.forward_input).result())
-        return True
+        info = dp_sync(self.mesh, batch.num_tokens if batch else 0,
+                       batch.mode if batch else None, stop)
+        self._global_idle = not info.any_work
+        if batch is None and info.any_work:
+            batch = ScheduledBatch.idle()
+        if batch is not None:
+            batch.forward_input.global_mode = info.global_mode
+        return batch, info
 
     def event_loop_normal(self, should_stop: Callable[[], bool] = lambda: False) -> None:
-        while not should_stop():
-            self.step()
+        while True:
+            self._recv(may_block=True)
+            batch, info = self.next_synced_batch(should_stop())
+            if batch is None:
+                self.cache.free_deferred_rows()
+                if info.all_stop:
+                    return
+                continue
+            self.process_result(batch, self.worker.submit(batch.forward_input).result())
 
     def event_loop_overlap(self, should_stop: Callable[[], bool] = lambda: False) -> None:
         last: tuple[ScheduledBatch, object] | None = None
-        while not should_stop():
-            self._recv(block=not self.has_work() and last is None)
-            batch = self.get_next_batch()
+        while True:
+            self._recv(may_block=last is None)
+            batch, info = self.next_synced_batch(should_stop())
             if last is not None and batch is not None and (
                     batch.mode == last[0].mode == ForwardMode.EXTEND):
                 self.process_result(last[0], last[1].result())  # protect time-to-first-token
@@ -275,8 +291,8 @@ class Scheduler:
             elif future is None:
                 self.cache.free_deferred_rows()  # nothing in flight
             last = (batch, future) if batch is not None else None
-        if last is not None:  # drain, so nothing runs behind the caller's back
-            self.process_result(last[0], last[1].result())
+            if batch is None and info.all_stop:
+                return  # the same iteration on every rank: nothing is in flight anywhere
 
     def run_forever(self, should_stop: Callable[[], bool] = lambda: False) -> None:
         loop = self.event_loop_overlap if self.cfg.scheduler.overlap else self.event_loop_normal

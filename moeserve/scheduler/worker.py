@@ -32,6 +32,13 @@ class ForwardInput:
     generators: list[torch.Generator | None]
     top_logprobs_nums: list[int]  # -1: no logprobs for this request
     return_all_logits: bool = False
+    global_mode: ForwardMode | None = None  # set after the DP sync
+
+    @classmethod
+    def idle(cls) -> ForwardInput:
+        """Zero tokens: joins every collective of a forward that other ranks run."""
+        return cls(ForwardMode.IDLE, [], [], [], torch.empty(0, dtype=torch.int64), [], [], [],
+                   [])
 
 
 @dataclass
@@ -77,9 +84,11 @@ class ForwardWorker:
 
     def _prepare(self, fi: ForwardInput) -> ForwardBatch:
         mem, dev = self.runner.memory, self.runner.device
-        row_of_tok = torch.repeat_interleave(torch.tensor(fi.rows), torch.tensor(fi.extend_lens))
+        row_of_tok = torch.repeat_interleave(torch.tensor(fi.rows, dtype=torch.int64),
+                                             torch.tensor(fi.extend_lens, dtype=torch.int64))
         positions = torch.cat([torch.arange(p, p + n) for p, n in zip(fi.prefix_lens,
-                                                                      fi.extend_lens)])
+                                                                      fi.extend_lens)]
+                              or [torch.empty(0, dtype=torch.int64)])
         row_of_tok, positions = row_of_tok.to(dev), positions.to(dev)
         mem.req_to_token.req_to_token[row_of_tok, positions] = fi.out_cache_loc.to(dev)
         if fi.new_token_ids is not None:
@@ -94,7 +103,8 @@ class ForwardWorker:
             seq_lens=torch.tensor(seq_lens, dtype=torch.int64, device=dev), seq_lens_cpu=seq_lens,
             extend_prefix_lens_cpu=list(fi.prefix_lens), extend_seq_lens_cpu=list(fi.extend_lens),
             req_to_token_pool=mem.req_to_token, kv_pool=mem.pool,
-            attn_backend=self.runner.attn_backend, return_all_logits=fi.return_all_logits)
+            attn_backend=self.runner.attn_backend, return_all_logits=fi.return_all_logits,
+            global_forward_mode=fi.global_mode or fi.mode)
 
 
 def _logprobs(logits: torch.Tensor, next_ids: torch.Tensor, nums: list[int]):

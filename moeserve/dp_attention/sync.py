@@ -1,0 +1,54 @@
+"""Per-step lockstep of data-parallel ranks: one all-gather of a small int vector per step.
+
+Every rank runs the same sequence of forwards so that the collectives inside MoE layers match: a
+rank with no work runs an IDLE batch (zero tokens) whenever any other rank runs something. A rank
+never skips a collective.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from moeserve.core import ForwardMode
+from moeserve.distributed import ParallelMesh
+
+NO_BATCH = 0  # mode slot when the rank has nothing to run
+
+
+@dataclass(frozen=True)
+class GlobalBatchInfo:
+    num_tokens: list[int]  # per rank
+    modes: list[int]  # ForwardMode value per rank, NO_BATCH when idle
+    stop: list[bool]  # the rank's caller wants the loop to end (Engine runs)
+
+    @property
+    def any_work(self) -> bool:
+        return any(m != NO_BATCH for m in self.modes)
+
+    @property
+    def all_stop(self) -> bool:
+        return all(self.stop) and not self.any_work
+
+    @property
+    def global_mode(self) -> ForwardMode:
+        """EXTEND when any rank extends (DeepEP normal mode), else DECODE."""
+        extend = any(m not in (NO_BATCH, ForwardMode.DECODE) for m in self.modes)
+        return ForwardMode.EXTEND if extend else ForwardMode.DECODE
+
+
+def dp_sync(mesh: ParallelMesh, num_tokens: int, mode: ForwardMode | None,
+            stop: bool) -> GlobalBatchInfo:
+    """Gather (tokens, mode, stop) from every rank; a single-rank mesh answers locally."""
+    local = [num_tokens, int(mode) if mode is not None else NO_BATCH, int(stop)]
+    if not mesh.distributed:
+        rows = [local]
+    else:
+        mine = torch.tensor(local, dtype=torch.int64)
+        out = torch.empty(mesh.world_size * 3, dtype=torch.int64)
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        gather(out, mine, group=mesh.cpu_group)
+        rows = out.view(mesh.world_size, 3).tolist()
+    return GlobalBatchInfo([r[0] for r in rows], [r[1] for r in rows], [bool(r[2]) for r in rows])
