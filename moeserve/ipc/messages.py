@@ -35,6 +35,11 @@ class AbortReq(Msg):
     rid: str
 
 
+class Wake(Msg):
+    """Sent by the DP controller to the ranks that did not get a new request, so that every rank
+    leaves its idle wait and joins the next lockstep step promptly."""
+
+
 class ControlReq(Msg):
     """A control request; every rank answers with a ControlReply carrying the same `cid`."""
 
@@ -110,6 +115,6 @@ class LoadReport(Msg):
     prompt_tokens: int = 0  # cumulative prompt tokens admitted
 
 
-SchedulerInput = Union[GenerateReq, AbortReq, ControlReq]
+SchedulerInput = Union[GenerateReq, AbortReq, ControlReq, Wake]
 DetokenizerInput = Union[TokenOutputBatch, ControlReply]
 ManagerInput = Union[TextOutputBatch, ControlReply, ReadyMsg, LoadReport]

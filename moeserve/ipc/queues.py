@@ -19,13 +19,23 @@ T = TypeVar("T")
 class Endpoints:
     """The PULL addresses of each role (each role binds its own, everyone else connects)."""
 
-    scheduler_in: str  # tokenizer manager → scheduler (rank 0 of a DP group / controller)
+    scheduler_in: str  # tokenizer manager → scheduler (dp_size 1) or DP controller
     detokenizer_in: str  # schedulers → detokenizer
     manager_in: str  # detokenizer + schedulers → tokenizer manager
+    rank_in: tuple[str, ...] = ()  # dp_size > 1: DP controller → each rank's scheduler
+    controller_in: str | None = None  # dp_size > 1: ranks' load reports → DP controller
 
     @classmethod
-    def fresh(cls) -> Endpoints:
-        return cls(*(new_ipc_address(t) for t in ("sched", "detok", "mgr")))
+    def fresh(cls, dp_size: int = 1) -> Endpoints:
+        base = [new_ipc_address(t) for t in ("sched", "detok", "mgr")]
+        if dp_size == 1:
+            return cls(*base)
+        ranks = tuple(new_ipc_address(f"rank{r}") for r in range(dp_size))
+        return cls(*base, rank_in=ranks, controller_in=new_ipc_address("ctrl"))
+
+    def scheduler_address(self, dp_rank: int) -> str:
+        """Where the scheduler of `dp_rank` receives requests."""
+        return self.rank_in[dp_rank] if self.rank_in else self.scheduler_in
 
 _ENCODER = msgspec.msgpack.Encoder()
 
@@ -39,6 +49,7 @@ class PushQueue:
     def __init__(self, ctx: zmq.Context, address: str, bind: bool = False):
         self.socket = ctx.socket(zmq.PUSH)
         self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.setsockopt(zmq.SNDHWM, 0)  # never block a sender (the asyncio loop)
         (self.socket.bind if bind else self.socket.connect)(address)
 
     def put(self, msg: Any) -> None:
@@ -54,6 +65,7 @@ class PullQueue(Generic[T]):
     def __init__(self, ctx: zmq.Context, address: str, msg_type: Any, bind: bool = True):
         self.socket = ctx.socket(zmq.PULL)
         self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.setsockopt(zmq.RCVHWM, 0)
         (self.socket.bind if bind else self.socket.connect)(address)
         self.decoder = msgspec.msgpack.Decoder(msg_type)
 
@@ -77,6 +89,7 @@ class AsyncPullQueue(Generic[T]):
     def __init__(self, ctx: zmq.asyncio.Context, address: str, msg_type: Any, bind: bool = True):
         self.socket = ctx.socket(zmq.PULL)
         self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.setsockopt(zmq.RCVHWM, 0)
         (self.socket.bind if bind else self.socket.connect)(address)
         self.decoder = msgspec.msgpack.Decoder(msg_type)
 

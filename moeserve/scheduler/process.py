@@ -22,11 +22,14 @@ class ZmqSchedulerIO:
     """SchedulerIO over ZMQ: requests in, token outputs to the detokenizer, control replies and
     periodic load reports to the tokenizer manager."""
 
-    def __init__(self, endpoints: Endpoints, rank: int):
+    def __init__(self, endpoints: Endpoints, rank: int, dp_rank: int):
         self.ctx = zmq.Context()
-        self.inbox: PullQueue = PullQueue(self.ctx, endpoints.scheduler_in, SchedulerInput)
+        self.inbox: PullQueue = PullQueue(self.ctx, endpoints.scheduler_address(dp_rank),
+                                          SchedulerInput)
         self.to_detok = PushQueue(self.ctx, endpoints.detokenizer_in)
         self.to_manager = PushQueue(self.ctx, endpoints.manager_in)
+        self.to_controller = (PushQueue(self.ctx, endpoints.controller_in)
+                              if endpoints.controller_in else None)
         self.rank = rank
         self.load_fn: Callable[[], dict] | None = None
         self._next_report = 0.0
@@ -48,24 +51,42 @@ class ZmqSchedulerIO:
             return
         self._next_report = now + LOAD_REPORT_INTERVAL_S
         load = self.load_fn()
-        self.to_manager.put(LoadReport(
+        report = LoadReport(
             rank=self.rank, running=load["running"], waiting=load["waiting"],
             used_tokens=load["used_tokens"], max_total_tokens=load["max_total_tokens"],
-            cache_hit_tokens=load["cache_hit_tokens"], prompt_tokens=load["prompt_tokens"]))
+            cache_hit_tokens=load["cache_hit_tokens"], prompt_tokens=load["prompt_tokens"])
+        self.to_manager.put(report)
+        if self.to_controller is not None:
+            self.to_controller.put(report)
+
+
+def rank_device(device: str, rank: int):
+    """cuda:<local rank> on GPUs (one rank per GPU), cpu otherwise."""
+    import torch
+
+    from moeserve.runtime.model_runner import resolve_device
+
+    base = resolve_device(device)
+    if base.type != "cuda":
+        return base
+    return torch.device("cuda", rank % torch.cuda.device_count())
 
 
 def run_scheduler_process(cfg: MoeserveConfig, model_path: str, endpoints: Endpoints,
                           rank: int = 0) -> None:
-    """Process entry: load the model, announce readiness with the KV capacity, serve forever."""
+    """Process entry for global rank `rank`: join the process groups, load the model (its expert
+    shard), announce readiness with the KV capacity, serve forever."""
     from dataclasses import replace
 
+    from moeserve.distributed import init_mesh
     from moeserve.scheduler.setup import build_scheduler
 
-    io = ZmqSchedulerIO(endpoints, rank)
+    mesh = init_mesh(cfg.parallel, rank, rank_device(cfg.device, rank))
+    io = ZmqSchedulerIO(endpoints, rank, mesh.dp_rank)
     cfg = replace(cfg, model=replace(cfg.model, path=model_path))
-    scheduler, _ = build_scheduler(cfg, io)
+    scheduler, _ = build_scheduler(cfg, io, mesh)
     io.load_fn = scheduler.load
-    info = {"max_total_tokens": scheduler.runner.memory.allocator.size,
+    info = {"max_total_tokens": scheduler.runner.memory.allocator.size, "dp_rank": mesh.dp_rank,
             "max_req_len": scheduler.max_req_len,
             "max_running_requests": cfg.cache.max_running_requests}
     io.to_manager.put(ReadyMsg(role="scheduler", rank=rank, info=info))

@@ -17,7 +17,7 @@ from moeserve.config import MoeserveConfig
 from moeserve.core import FinishReason, ForwardMode, Req
 from moeserve.distributed import ParallelMesh, single_rank_mesh
 from moeserve.dp_attention.sync import GlobalBatchInfo, dp_sync
-from moeserve.ipc.messages import AbortReq, ControlReq, GenerateReq, TokenOutput
+from moeserve.ipc.messages import AbortReq, ControlReq, GenerateReq, TokenOutput, Wake
 from moeserve.runtime.model_runner import ModelRunner
 from moeserve.runtime.sampler import make_generator
 from moeserve.scheduler.batch import ScheduledBatch
@@ -31,7 +31,7 @@ logger = logging.getLogger(__name__)
 
 
 class SchedulerIO(Protocol):
-    def recv(self, timeout_ms: int) -> list[GenerateReq | AbortReq | ControlReq]: ...
+    def recv(self, timeout_ms: int) -> list[GenerateReq | AbortReq | ControlReq | Wake]: ...
 
     def send_outputs(self, outputs: list[TokenOutput], stop_strings: dict[str, list[str]]) -> None: ...
 
@@ -60,13 +60,14 @@ class Scheduler:
         self.max_req_len = runner.context_len
 
     # ---- intake -----------------------------------------------------------------------------
-    def handle(self, msg: GenerateReq | AbortReq | ControlReq) -> None:
+    def handle(self, msg: GenerateReq | AbortReq | ControlReq | Wake) -> None:
         if isinstance(msg, GenerateReq):
             self.add_request(msg)
         elif isinstance(msg, AbortReq):
             self.abort(msg.rid)
-        else:
+        elif isinstance(msg, ControlReq):
             self.control(msg)
+        # Wake: receiving it was the point
 
     def add_request(self, msg: GenerateReq) -> None:
         req = Req(msg.rid, list(msg.input_ids), msg.sampling, stream=msg.stream,

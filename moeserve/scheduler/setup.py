@@ -6,6 +6,7 @@ import json
 import os
 
 from moeserve.config import MoeserveConfig
+from moeserve.distributed import ParallelMesh
 from moeserve.runtime.model_runner import ModelRunner
 from moeserve.scheduler.scheduler import Scheduler, SchedulerIO
 
@@ -37,16 +38,16 @@ def eos_token_ids(model_path: str, hf_config, tokenizer) -> set[int]:
     return ids
 
 
-def build_scheduler(cfg: MoeserveConfig, io: SchedulerIO):
-    """→ (Scheduler, tokenizer)."""
+def build_scheduler(cfg: MoeserveConfig, io: SchedulerIO, mesh: ParallelMesh | None = None):
+    """→ (Scheduler, tokenizer) for one rank (single-rank mesh by default)."""
     from transformers import AutoTokenizer
 
     path = resolve_model_path(cfg)
     tokenizer = AutoTokenizer.from_pretrained(path)
-    runner = ModelRunner(cfg, path)
+    runner = ModelRunner(cfg, path, mesh)
     eos = eos_token_ids(path, runner.hf_config, tokenizer)
 
     def decode_text(ids: list[int]) -> str:
         return tokenizer.decode(ids, skip_special_tokens=True)
 
-    return Scheduler(cfg, runner, io, eos, decode_text), tokenizer
+    return Scheduler(cfg, runner, io, eos, decode_text, runner.mesh), tokenizer
