@@ -1,0 +1,95 @@
+"""`a2a` backend: torch.distributed all_to_all_single with uneven splits (NCCL and gloo).
+
+Dispatch follows DeepEP normal-mode semantics: each token goes ONCE to each rank that owns at least
+one of its top-k experts (not once per expert), with all K ids and weights; the receiver masks the
+ids it does not own. Combine sends each received token's partial output back and sums the copies
+per source token in float32.
+
+Start/wait: dispatch_start exchanges the per-rank row counts synchronously (the split sizes must be
+host ints: one small all_to_all plus a host sync), then launches the hidden/ids/weights all_to_alls
+with async_op=True; dispatch_wait waits on them. combine_start launches the reverse all_to_all
+async; combine_wait waits and does the index_add. Async works on gloo too (its worker threads run
+the collectives), so two dispatches can be in flight on both backends.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from moeserve.ep.comm import Pending, exchange_counts
+from moeserve.ep.dispatcher import (
+    STANDARD,
+    CombineHandle,
+    Dispatcher,
+    DispatchHandle,
+    DispatchOutput,
+    expert_owner,
+)
+
+
+def rank_mask(topk_ids: torch.Tensor, num_experts: int, ep_size: int) -> torch.Tensor:
+    """topk_ids [T, K] → is_token_in_rank [T, ep] bool (ids of -1 go nowhere)."""
+    owner = expert_owner(topk_ids, num_experts, ep_size)  # [T, K]
+    owner = torch.where(owner >= 0, owner, ep_size)  # -1 → a dummy column, dropped below
+    mask = torch.zeros(topk_ids.shape[0], ep_size + 1, dtype=torch.bool, device=topk_ids.device)
+    return mask.scatter_(1, owner, True)[:, :ep_size]
+
+
+@dataclass
+class _A2AHandle(DispatchHandle):
+    send_token: torch.Tensor | None = None  # [S] source token of each sent row, by dest rank
+    send_counts: list[int] | None = None  # [ep] rows sent to each rank
+    recv_counts: list[int] | None = None  # [ep] rows received from each rank
+    pending: Pending | None = None
+
+
+@dataclass
+class _A2ACombine(CombineHandle):
+    pending: Pending | None = None
+
+
+class A2ADispatcher(Dispatcher):
+    """Uneven all_to_all_single dispatch/combine; see the module docstring."""
+
+    def dispatch_start(self, x, topk_ids, topk_weights, forward_mode=None) -> DispatchHandle:
+        in_rank = rank_mask(topk_ids, self.num_experts, self.mesh.ep_size)  # [T, ep]
+        pairs = in_rank.t().nonzero()  # [S, 2] (dest rank, token), rank-major, tokens in order
+        send_token = pairs[:, 1]
+        send_counts = in_rank.sum(0)  # [ep]
+        recv_counts = exchange_counts(send_counts, self.group)
+        h = _A2AHandle(x.shape[0], x.dtype, send_token, send_counts.tolist(), recv_counts)
+        n_recv = sum(recv_counts)
+        srcs = (x, topk_ids.long(), topk_weights.float())
+        outs = [s.new_empty((n_recv, *s.shape[1:])) for s in srcs]  # hidden, ids, weights
+        sends = [s[send_token].contiguous() for s in srcs]
+        works = [dist.all_to_all_single(o, s, recv_counts, h.send_counts, group=self.group,
+                                        async_op=True) for o, s in zip(outs, sends)]
+        h.pending = Pending(works, lambda: outs, keep=tuple(sends))
+        return h
+
+    def dispatch_wait(self, handle: DispatchHandle) -> DispatchOutput:
+        assert isinstance(handle, _A2AHandle) and handle.pending is not None
+        hidden, ids, weights = handle.pending.wait()  # [R, H], [R, K], [R, K]
+        ids, weights, counts = self.local_view(ids, weights)
+        return DispatchOutput(STANDARD, hidden, counts, handle, ids, weights)
+
+    def _combine_start(self, expert_out, handle) -> CombineHandle:
+        assert isinstance(handle, _A2AHandle)
+        y = expert_out.contiguous()  # [R, H]
+        back = y.new_empty((handle.send_token.numel(), y.shape[1]))  # [S, H]
+        work = dist.all_to_all_single(back, y, handle.send_counts, handle.recv_counts,
+                                      group=self.group, async_op=True)
+
+        def finish() -> torch.Tensor:
+            out = torch.zeros(handle.num_tokens, y.shape[1], dtype=torch.float32, device=y.device)
+            out.index_add_(0, handle.send_token, back.float())  # sum the copies per source token
+            return out.to(handle.dtype)  # [T, H]
+
+        return _A2ACombine(handle.num_tokens, handle.dtype, Pending([work], finish, keep=(y,)))
+
+    def combine_wait(self, handle: CombineHandle) -> torch.Tensor:
+        assert isinstance(handle, _A2ACombine) and handle.pending is not None
+        return handle.pending.wait()
