@@ -1,0 +1,208 @@
+"""dispatch → local experts → combine equals one process holding all experts, for every backend.
+
+On 2 and 4 gloo ranks with uneven token counts (one rank idle, then all idle), and with two
+dispatches in flight. deepep runs against the in-repo emulation in fake_deep_ep.py.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import queue
+import socket
+import time
+import traceback
+
+import pytest
+import torch
+
+from moeserve.core import ForwardMode
+from moeserve.ep.dispatcher import LOW_LATENCY, STANDARD, create_dispatcher, expert_owner
+from moeserve.layers.moe import MoEExperts
+
+E, H, I, K = 8, 32, 24, 3
+MAX_LL_TOKENS = 16  # DeepEP low-latency: max tokens any rank dispatches in one step
+TOKENS = {2: [0, 11], 4: [5, 0, 13, 7]}  # per rank, step 0; later steps rotate it
+BACKENDS = ["a2a", "allgather", "deepep-normal", "deepep-low_latency", "deepep-auto"]
+EXTEND, DECODE = ForwardMode.EXTEND, ForwardMode.DECODE
+
+
+def _full_experts() -> MoEExperts:
+    m = MoEExperts(E, H, I)
+    g = torch.Generator().manual_seed(0)  # same weights on every rank
+    m.w13.data = torch.randn(m.w13.shape, generator=g) * 0.1
+    m.w2.data = torch.randn(m.w2.shape, generator=g) * 0.1
+    return m
+
+
+def _shard(full: MoEExperts, rank: int, world: int) -> MoEExperts:
+    n = E // world
+    m = MoEExperts(E, H, I, first_expert=rank * n, num_local=n)
+    own = slice(rank * n, (rank + 1) * n)
+    m.w13.data, m.w2.data = full.w13.data[own], full.w2.data[own]
+    return m
+
+
+def _inputs(rank: int, step: int, t: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    x = torch.randn(t, H, generator=g)
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(t)]) if t else \
+        torch.empty(0, K, dtype=torch.int64)
+    return x, ids, torch.rand(t, K, generator=g)
+
+
+def _steps(world: int, backend: str) -> list[tuple[list[int], ForwardMode]]:
+    """(tokens per rank, global forward mode) for each step: rotate the idle rank, then all idle."""
+    base = TOKENS[world]
+    counts = [base, base[1:] + base[:1], [0] * world, base[::-1]]
+    modes = [EXTEND, DECODE, DECODE, EXTEND] if backend == "deepep-auto" else [EXTEND] * 4
+    return list(zip(counts, modes))
+
+
+def _make(backend: str, mesh):
+    if not backend.startswith("deepep"):
+        return create_dispatcher(backend, mesh, E, H, torch.float32)
+    import fake_deep_ep
+
+    return create_dispatcher("deepep", mesh, E, H, torch.float32, deepep_mode=backend[7:],
+                             max_dispatch_tokens_per_rank=MAX_LL_TOKENS,
+                             deep_ep_module=fake_deep_ep)
+
+
+def _moe(d, experts, x, ids, w, mode):
+    out = d.dispatch(x, ids, w, mode)
+    return d.combine(d.experts_forward(experts, out), out), out.format
+
+
+def _check(rank, world, backend) -> None:
+    from moeserve.distributed import ParallelMesh
+
+    g = torch.distributed.group.WORLD
+    mesh = ParallelMesh(rank=rank, world_size=world, dp_rank=rank, dp_size=world, ep_rank=rank,
+                        ep_size=world, device=torch.device("cpu"), world_group=g, cpu_group=g,
+                        ep_group=g)
+    full = _full_experts()
+    local, d = _shard(full, rank, world), _make(backend, mesh)
+    formats = []
+    for step, (counts, mode) in enumerate(_steps(world, backend)):
+        x, ids, w = _inputs(rank, step, counts[rank])
+        got, fmt = _moe(d, local, x, ids, w, mode)
+        formats.append(fmt)
+        torch.testing.assert_close(got, full.forward_loop(x, ids, w), rtol=1e-5, atol=1e-5,
+                                   msg=lambda m, step=step: f"step {step}: {m}")
+    expected = {"deepep-low_latency": [LOW_LATENCY] * 4,
+                "deepep-auto": [STANDARD, LOW_LATENCY, LOW_LATENCY, STANDARD]}
+    assert formats == expected.get(backend, [STANDARD] * 4), formats
+    if backend == "deepep-auto":  # one normal → low-latency switch so far, with a buffer clean
+        assert d.buffer.calls.count("clean_low_latency_buffer") == 1, d.buffer.calls
+    _two_in_flight(d, full, local, rank, world, _steps(world, backend)[1][1])
+
+
+def _two_in_flight(d, full, local, rank, world, mode) -> None:
+    """start A, start B, wait A, wait B; then both combines in flight, waited in reverse order."""
+    a, b = _inputs(rank, 10, TOKENS[world][rank]), _inputs(rank, 11, TOKENS[world][-1 - rank])
+    ha, hb = d.dispatch_start(*a, mode), d.dispatch_start(*b, mode)
+    oa, ob = d.dispatch_wait(ha), d.dispatch_wait(hb)
+    ca = d.combine_start(d.experts_forward(local, oa), oa)
+    cb = d.combine_start(d.experts_forward(local, ob), ob)
+    yb, ya = d.combine_wait(cb), d.combine_wait(ca)
+    torch.testing.assert_close(ya, full.forward_loop(*a), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(yb, full.forward_loop(*b), rtol=1e-5, atol=1e-5)
+
+
+def _worker(rank: int, world: int, port: int, backend: str, results) -> None:
+    torch.set_num_threads(1)
+    try:
+        torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}",
+                                             rank=rank, world_size=world)
+        _check(rank, world, backend)
+        results.put((rank, None))
+    except BaseException:  # reported to the parent, which fails the test
+        results.put((rank, traceback.format_exc()))
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_ranks(world: int, backend: str, timeout_s: float = 90.0) -> None:
+    """Spawn `world` gloo ranks; fail with the first child traceback, a dead child or a hang."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_worker, args=(r, world, port, backend, results))
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    try:
+        errors = _collect(procs, results, timeout_s)
+    finally:
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+    if errors:
+        pytest.fail("\n".join(f"rank {r}:\n{e}" for r, e in sorted(errors.items())))
+
+
+def _collect(procs, results, timeout_s: float) -> dict[int, str]:
+    done: dict[int, str | None] = {}
+    deadline = time.monotonic() + timeout_s
+    while len(done) < len(procs):
+        try:
+            rank, err = results.get(timeout=1.0)
+            done[rank] = err
+            if err:
+                break  # the other ranks may now hang in a collective
+        except queue.Empty:
+            dead = [r for r, p in enumerate(procs) if r not in done and p.exitcode is not None]
+            if dead:
+                return {r: f"exited with code {procs[r].exitcode} without reporting" for r in dead}
+            if time.monotonic() > deadline:
+                missing = [r for r in range(len(procs)) if r not in done]
+                return {r: f"no result after {timeout_s:.0f}s (hang?)" for r in missing}
+    return {r: e for r, e in done.items() if e}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_dispatch_combine_equals_all_experts(world, backend):
+    run_ranks(world, backend)
+
+
+def test_expert_owner():
+    ids = torch.tensor([[0, 3, 4, 7], [-1, 5, 2, 6]])
+    assert expert_owner(ids, 8, 2).tolist() == [[0, 0, 1, 1], [-1, 1, 0, 1]]
+    assert expert_owner(ids, 8, 4).tolist() == [[0, 1, 2, 3], [-1, 2, 1, 3]]
+
+
+def test_single_rank_is_local():
+    from moeserve.distributed import single_rank_mesh
+
+    full = _full_experts()
+    d = create_dispatcher("a2a", single_rank_mesh(torch.device("cpu")), E, H, torch.float32)
+    for t in (0, 6):
+        x, ids, w = _inputs(0, 0, t)
+        got, fmt = _moe(d, full, x, ids, w, EXTEND)
+        assert fmt == STANDARD
+        torch.testing.assert_close(got, full.forward_loop(x, ids, w))
+
+
+def test_deepep_without_deep_ep_names_the_key():
+    from moeserve.ep.deepep import load_deep_ep
+
+    with pytest.raises(RuntimeError, match=r"parallel\.a2a_backend=deepep"):
+        load_deep_ep(torch.device("cpu"))
+
+
+def test_unknown_backend_names_the_key():
+    from moeserve.distributed import single_rank_mesh
+
+    with pytest.raises(ValueError, match=r"parallel\.a2a_backend"):
+        create_dispatcher("nope", single_rank_mesh(torch.device("cpu")), E, H, torch.float32)
