@@ -206,3 +206,14 @@ def test_unknown_backend_names_the_key():
 
     with pytest.raises(ValueError, match=r"parallel\.a2a_backend"):
         create_dispatcher("nope", single_rank_mesh(torch.device("cpu")), E, H, torch.float32)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_bench_ep_prints_a_row_per_backend(capfd):
+    from moeserve.bench.ep import main
+
+    main(["--world", "2", "--hidden", "64", "--experts", "8", "--topk", "2", "--tokens", "0", "8",
+          "--warmup", "1", "--iters", "2", "--dtype", "float32"])
+    table = [line.split()[0] for line in capfd.readouterr().out.splitlines()[2:]]
+    assert table == ["raw", "a2a", "allgather"] * 2, table

@@ -1,0 +1,172 @@
+"""`python -m moeserve.bench.ep`: dispatch + combine time and bandwidth of each EP backend.
+
+Spawns --world ranks (CUDA: one per GPU over NCCL; otherwise CPU processes over gloo). Each rank
+routes its tokens/rank tokens to uniform random top-k experts, then times dispatch → combine (the
+experts are skipped: combine gets the received hidden states back unchanged) and, for reference, a
+raw all_to_all_single pair that moves exactly the same hidden-state rows (no count exchange, no
+gather/scatter). Warmup, then the median of --iters timed iterations (CUDA events on GPU,
+perf_counter on CPU), each started after a barrier; the reported time is the slowest rank's median.
+
+Bandwidth. For this rank let S = (token, destination rank) pairs of its tokens (each token goes once
+to every rank owning one of its experts, DeepEP normal-mode routing) and R = rows it receives.
+Dispatch sends S rows and receives R, combine sends R and receives S, so the bytes moved by the rank
+are B = 2 (S + R) × hidden × element size, counting rows a rank sends to itself (1/world of them
+under uniform routing) and not counting ids, weights or counts. GB/s per GPU = B / time, averaged
+over ranks; every backend is charged the same B (effective bandwidth), so allgather, which moves
+more, shows lower. Because B counts both directions, "% peak" compares it with twice the NVLink
+peak per direction.
+"""
+
+from __future__ import annotations
+
+import argparse
+import socket
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from moeserve.core import ForwardMode
+from moeserve.distributed import ParallelMesh
+from moeserve.ep.a2a import rank_mask
+from moeserve.ep.comm import exchange_counts
+from moeserve.ep.dispatcher import create_dispatcher
+
+# H200 NVLink 4: NV18 (18 links) ≈ 478 GB/s per direction, the figure the EP issue measures against.
+NVLINK_PEAK_GBPS_PER_DIR = 478.0
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--backend", nargs="+", default=["a2a", "allgather"])
+    p.add_argument("--tokens", nargs="+", type=int, default=[128, 1024, 4096], help="per rank")
+    p.add_argument("--hidden", type=int, default=7168)
+    p.add_argument("--experts", type=int, default=256)
+    p.add_argument("--topk", type=int, default=8)
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
+    p.add_argument("--world", type=int, default=None, help="ranks (default: GPUs, else 2)")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--mode", choices=["extend", "decode"], default="extend",
+                   help="global forward mode passed to dispatch (deepep: normal vs low-latency)")
+    return p.parse_args(argv)
+
+
+def _routing(tokens: int, args: argparse.Namespace, device: torch.device, rank: int):
+    """Uniform random top-k: x [T, H], ids [T, K], weights [T, K] float32 (summing to 1)."""
+    g = torch.Generator().manual_seed(rank)
+    x = torch.randn(tokens, args.hidden, generator=g).to(device, DTYPES[args.dtype])
+    ids = torch.rand(tokens, args.experts, generator=g).topk(args.topk, dim=1).indices.to(device)
+    w = torch.rand(tokens, args.topk, generator=g)
+    return x, ids, (w / w.sum(1, keepdim=True)).to(device)
+
+
+def _time_ms(fn: Callable[[], object], device: torch.device, warmup: int, iters: int) -> float:
+    """Median over iters of one call's time, each after a barrier."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        dist.barrier()
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def _raw_a2a(x: torch.Tensor, ids: torch.Tensor, args, world: int) -> tuple[Callable, int, int]:
+    """The same rows as a2a dispatch + combine as two bare all_to_all_single: (fn, S, R)."""
+    in_rank = rank_mask(ids, args.experts, world)  # [T, ep]
+    send = x[in_rank.t().nonzero()[:, 1]]  # [S, H], grouped by destination
+    send_counts = in_rank.sum(0)
+    recv_counts = exchange_counts(send_counts, None)
+    recv = x.new_empty((sum(recv_counts), x.shape[1]))
+    back = torch.empty_like(send)
+    sc = send_counts.tolist()
+
+    def fn() -> None:
+        dist.all_to_all_single(recv, send, recv_counts, sc)
+        dist.all_to_all_single(back, recv, sc, recv_counts)
+
+    return fn, send.shape[0], recv.shape[0]
+
+
+def _bench_rank(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
+    use_cuda = torch.cuda.is_available() and torch.cuda.device_count() >= world
+    device = torch.device("cuda", rank) if use_cuda else torch.device("cpu")
+    if use_cuda:
+        torch.cuda.set_device(device)
+    else:
+        torch.set_num_threads(max(1, torch.get_num_threads() // world))
+    dist.init_process_group("nccl" if use_cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}",
+                            rank=rank, world_size=world)
+    g = dist.group.WORLD
+    mesh = ParallelMesh(rank=rank, world_size=world, dp_rank=rank, dp_size=world, ep_rank=rank,
+                        ep_size=world, device=device, world_group=g, cpu_group=g, ep_group=g)
+    mode = ForwardMode.DECODE if args.mode == "decode" else ForwardMode.EXTEND
+    rows = []
+    for tokens in args.tokens:
+        x, ids, w = _routing(tokens, args, device, rank)
+        raw, s, r = _raw_a2a(x, ids, args, world)
+        nbytes = 2 * (s + r) * args.hidden * x.element_size()
+        rows.append(("raw all_to_all", tokens, _time_ms(raw, device, args.warmup, args.iters),
+                     nbytes))
+        for backend in args.backend:
+            d = create_dispatcher(backend, mesh, args.experts, args.hidden, x.dtype,
+                                  max_dispatch_tokens_per_rank=max(args.tokens))
+
+            def step(d=d) -> torch.Tensor:
+                out = d.dispatch(x, ids, w, mode)
+                return d.combine(out.hidden, out)
+
+            rows.append((backend, tokens, _time_ms(step, device, args.warmup, args.iters), nbytes))
+    _report(rows, world, device, args)
+    dist.destroy_process_group()
+
+
+def _report(rows: list[tuple], world: int, device: torch.device, args) -> None:
+    """Slowest rank's time, rank-averaged GB/s; printed by rank 0."""
+    stats = torch.tensor([[ms, b] for _, _, ms, b in rows], dtype=torch.float64, device=device)
+    times, nbytes = stats[:, 0].clone(), stats[:, 1].clone()
+    dist.all_reduce(times, op=dist.ReduceOp.MAX)
+    dist.all_reduce(nbytes)
+    if dist.get_rank() != 0:
+        return
+    on_gpu = device.type == "cuda"
+    print(f"# {world} ranks on {'GPU, NCCL' if on_gpu else 'CPU, gloo'}: hidden {args.hidden} "
+          f"{args.dtype}, {args.experts} experts top-{args.topk}, mode {args.mode}")
+    print(f"{'backend':<16} {'tokens/rank':>11} {'time ms':>9} {'GB/s/GPU':>9} {'% peak':>7}")
+    for (name, tokens, _, _), ms, b in zip(rows, times.tolist(), nbytes.tolist()):
+        gbps = b / world / (ms * 1e-3) / 1e9
+        peak = f"{100 * gbps / (2 * NVLINK_PEAK_GBPS_PER_DIR):6.1f}%" if on_gpu else "    n/a"
+        print(f"{name:<16} {tokens:>11} {ms:>9.3f} {gbps:>9.2f} {peak:>7}")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    world = args.world or (torch.cuda.device_count() if torch.cuda.is_available() else 2)
+    if world < 2:
+        raise SystemExit("--world must be at least 2 (expert parallelism needs several ranks)")
+    mp.spawn(_bench_rank, args=(world, _free_port(), args), nprocs=world)
+
+
+if __name__ == "__main__":
+    main()
