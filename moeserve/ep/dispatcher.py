@@ -180,8 +180,10 @@ class Dispatcher(abc.ABC):
         local = (topk_ids >= self.first_expert) & (topk_ids < self.first_expert + self.num_local)
         ids = torch.where(local, topk_ids, -1)
         weights = torch.where(local, topk_weights, 0.0)
-        counts = torch.bincount((topk_ids - self.first_expert)[local], minlength=self.num_local)
-        return ids, weights, counts
+        slot = torch.where(local, topk_ids - self.first_expert, self.num_local).flatten()
+        counts = torch.zeros(self.num_local + 1, dtype=torch.int64, device=topk_ids.device)
+        counts.scatter_add_(0, slot, torch.ones_like(slot))  # no host sync (bincount syncs on CUDA)
+        return ids, weights, counts[: self.num_local]
 
 
 @dataclass

@@ -70,7 +70,18 @@ def _make(backend: str, mesh):
 
 def _moe(d, experts, x, ids, w, mode):
     out = d.dispatch(x, ids, w, mode)
-    return d.combine(d.experts_forward(experts, out), out), out.format
+    return d.combine(d.experts_forward(experts, out), out), out
+
+
+def _check_counts(out, ids: torch.Tensor, rank: int, world: int) -> None:
+    """tokens_per_expert of all ranks side by side = the global count of routed (token, expert)."""
+    n = E // world
+    got = torch.zeros(E, dtype=torch.int64)
+    got[rank * n : (rank + 1) * n] = out.tokens_per_expert.long()
+    want = torch.bincount(ids[ids >= 0], minlength=E)
+    torch.distributed.all_reduce(got)
+    torch.distributed.all_reduce(want)
+    assert got.tolist() == want.tolist(), (got, want)
 
 
 def _check(rank, world, backend) -> None:
@@ -85,8 +96,9 @@ def _check(rank, world, backend) -> None:
     formats = []
     for step, (counts, mode) in enumerate(_steps(world, backend)):
         x, ids, w = _inputs(rank, step, counts[rank])
-        got, fmt = _moe(d, local, x, ids, w, mode)
-        formats.append(fmt)
+        got, out = _moe(d, local, x, ids, w, mode)
+        formats.append(out.format)
+        _check_counts(out, ids, rank, world)
         torch.testing.assert_close(got, full.forward_loop(x, ids, w), rtol=1e-5, atol=1e-5,
                                    msg=lambda m, step=step: f"step {step}: {m}")
     expected = {"deepep-low_latency": [LOW_LATENCY] * 4,
@@ -189,8 +201,9 @@ def test_single_rank_is_local():
     d = create_dispatcher("a2a", single_rank_mesh(torch.device("cpu")), E, H, torch.float32)
     for t in (0, 6):
         x, ids, w = _inputs(0, 0, t)
-        got, fmt = _moe(d, full, x, ids, w, EXTEND)
-        assert fmt == STANDARD
+        got, out = _moe(d, full, x, ids, w, EXTEND)
+        assert out.format == STANDARD
+        assert out.tokens_per_expert.tolist() == torch.bincount(ids.flatten(), minlength=E).tolist()
         torch.testing.assert_close(got, full.forward_loop(x, ids, w))
 
 
