@@ -38,9 +38,10 @@ if [[ $what == serving || $what == all ]]; then
   python3 -m launch.server model.path=/tmp/q3moe_full model.load_format=dummy device=cuda \
     server.port=31000 cache.max_running_requests=256 > "$OUT/server.log" 2>&1 &
   SERVER=$!
-  for _ in $(seq 1 180); do curl -sf http://127.0.0.1:31000/health >/dev/null && break; sleep 2; done
+  for _ in $(seq 1 120); do curl -sf http://127.0.0.1:31000/health >/dev/null && break; sleep 2; done
+  tail -5 "$OUT/server.log"
   for c in 64 256; do
-    python3 -m moeserve.bench.serving --base-url http://127.0.0.1:31000 --num-prompts $((c * 2)) \
+    timeout 200 python3 -m moeserve.bench.serving --base-url http://127.0.0.1:31000 --num-prompts $((c * 2)) \
       --max-concurrency $c --random-input-len 256 --random-output-len 128 --ignore-eos \
       --tokenizer /tmp/q3moe_full --output-file "$OUT/serving.jsonl" 2>&1 | tee -a "$OUT/serving.log"
   done

@@ -47,21 +47,26 @@ def test_bf16_prefill_logits_as_accurate_as_transformers_bf16(tiny_model, arch):
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3_moe", "deepseek_v3"])
-def test_bf16_greedy_first_token_matches_transformers(tiny_model, arch):
+def test_bf16_greedy_agrees_where_the_choice_is_clear(tiny_model, arch):
+    """Random tiny models have near-tied logits; where transformers' fp32 model prefers its top
+    token by a clear margin, our bf16 engine must pick it too. Full-length agreement is reported."""
     path = tiny_model(arch)
-    ref = _hf(path, torch.bfloat16)
-    prompts = prompts_of_lengths([4, 9, 15, 21], 30000, seed=5)
+    ref16, ref32 = _hf(path, torch.bfloat16), _hf(path, torch.float32)
+    prompts = prompts_of_lengths([4, 9, 15, 21, 6, 12, 30, 3], 30000, seed=5)
     with Engine(path, overrides=BF16_CUDA) as eng:
         outs = eng.generate(input_ids=prompts, sampling_params={
             "temperature": 0, "max_new_tokens": 32, "ignore_eos": True})
-    same_prefix = []
+    same_prefix, clear = [], 0
     for out, p in zip(outs, prompts):
         with torch.no_grad():
-            theirs = ref.generate(torch.tensor([p], device="cuda"), max_new_tokens=32,
-                                  min_new_tokens=32, do_sample=False, pad_token_id=0)
+            theirs = ref16.generate(torch.tensor([p], device="cuda"), max_new_tokens=32,
+                                    min_new_tokens=32, do_sample=False, pad_token_id=0)
         theirs = theirs[0, len(p):].tolist()
         same_prefix.append(next((i for i, (a, b) in enumerate(zip(out["output_ids"], theirs))
                                  if a != b), 32))
-    print(f"\n[bf16 greedy] {arch}: identical-prefix lengths {same_prefix} of 32 "
-          "(random tiny models have near-tied logits; bf16 rounding decides later ties)")
-    assert min(same_prefix) >= 1
+        top2 = _hf_logits(ref32, p)[-1].topk(2).values
+        if float(top2[0] - top2[1]) > 0.05 * float(top2[0].abs()) + 1e-3:
+            clear += 1
+            assert out["output_ids"][0] == int(_hf_logits(ref32, p)[-1].argmax())
+    print(f"\n[bf16 greedy] {arch}: identical-prefix lengths vs transformers bf16 {same_prefix} "
+          f"of 32; {clear}/{len(prompts)} prompts with a clear first choice")
