@@ -10,7 +10,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING  # noqa: F401  (re-exported for YAML schemas)
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("safetensors", "dummy")
@@ -199,7 +198,6 @@ def compose(overrides: list[str] | tuple[str, ...] = ()) -> MoeserveConfig:
     from hydra import compose as hydra_compose
     from hydra import initialize_config_module
     from hydra.core.global_hydra import GlobalHydra
-    from omegaconf import OmegaConf
 
     register_configs()
     GlobalHydra.instance().clear()

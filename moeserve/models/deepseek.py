@@ -28,7 +28,7 @@ from moeserve.layers.moe import MoEParallel, run_routed_experts
 from moeserve.layers.norm import RMSNorm
 from moeserve.layers.rotary import get_rope, rope_parameters
 from moeserve.layers.router import RouterConfig, select_experts
-from moeserve.models.llama import MLP, CausalLM, DecoderModel
+from moeserve.models.llama import MLP, CausalLM, DecoderLayer, DecoderModel
 
 LORA_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm use the default eps, not rms_norm_eps
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.")
@@ -134,20 +134,9 @@ class DeepseekMoE(nn.Module):
         return out if self.shared_experts is None else out + self.shared_experts(x)
 
 
-class DeepseekDecoderLayer(nn.Module):
+class DeepseekDecoderLayer(DecoderLayer):
     def __init__(self, cfg: Any, layer_id: int, mlp: nn.Module):
-        super().__init__()
-        self.self_attn = MLAttention(cfg, layer_id)
-        self.mlp = mlp
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-
-    def forward(self, x, residual, positions, fb):
-        x, residual = self.input_layernorm(x, residual) if residual is not None else (
-            self.input_layernorm(x), x)
-        x = self.self_attn(x, positions, fb)
-        x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x, fb), residual
+        super().__init__(cfg, MLAttention(cfg, layer_id), mlp)
 
 
 class SharedHead(nn.Module):

@@ -59,10 +59,12 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: Any, layer_id: int, mlp: nn.Module, mlp_name: str = "mlp",
-                 **attn_kwargs):
+    """Pre-norm block: x + attn(norm(x)), then + mlp(norm(.)); the residual add is fused into the
+    next norm. `attn` is GQA (here) or MLA (DeepSeek)."""
+
+    def __init__(self, cfg: Any, attn: nn.Module, mlp: nn.Module, mlp_name: str = "mlp"):
         super().__init__()
-        self.self_attn = Attention(cfg, layer_id, **attn_kwargs)
+        self.self_attn = attn
         self.mlp_name = mlp_name  # checkpoint name of the feed-forward block
         setattr(self, mlp_name, mlp)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -127,8 +129,9 @@ class LlamaForCausalLM(CausalLM):
     def __init__(self, cfg: Any, parallel: Any = None):
         def make_layer(i: int) -> DecoderLayer:
             mlp = MLP(cfg.hidden_size, cfg.intermediate_size, getattr(cfg, "mlp_bias", False))
-            return DecoderLayer(cfg, i, mlp, qkv_bias=self.qkv_bias or getattr(
-                cfg, "attention_bias", False), qk_norm=self.qk_norm)
+            attn = Attention(cfg, i, qkv_bias=self.qkv_bias or getattr(cfg, "attention_bias", False),
+                             qk_norm=self.qk_norm)
+            return DecoderLayer(cfg, attn, mlp)
 
         super().__init__(cfg, DecoderModel(cfg, make_layer))
 

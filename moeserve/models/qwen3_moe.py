@@ -10,7 +10,7 @@ from torch import nn
 from moeserve.forward_batch import ForwardBatch
 from moeserve.layers.moe import MoEParallel, run_routed_experts
 from moeserve.layers.router import RouterConfig, select_experts
-from moeserve.models.llama import MLP, CausalLM, DecoderLayer, DecoderModel
+from moeserve.models.llama import MLP, Attention, CausalLM, DecoderLayer, DecoderModel
 
 
 class SparseMoeBlock(nn.Module):
@@ -49,7 +49,7 @@ class Qwen3MoeForCausalLM(CausalLM):
                                      router, i, parallel)
             else:
                 mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
-            return DecoderLayer(cfg, i, mlp, qk_norm=True)
+            return DecoderLayer(cfg, Attention(cfg, i, qk_norm=True), mlp)
 
         super().__init__(cfg, DecoderModel(cfg, make_layer))
 
@@ -65,6 +65,6 @@ class MixtralForCausalLM(CausalLM):
         def make_layer(i: int) -> DecoderLayer:
             moe = SparseMoeBlock(cfg.hidden_size, cfg.intermediate_size, cfg.num_local_experts,
                                  router, i, parallel)
-            return DecoderLayer(cfg, i, moe, mlp_name="block_sparse_moe")
+            return DecoderLayer(cfg, Attention(cfg, i), moe, mlp_name="block_sparse_moe")
 
         super().__init__(cfg, DecoderModel(cfg, make_layer))

@@ -9,7 +9,6 @@ I/O is abstracted (`SchedulerIO`) so the offline Engine runs the same code in-pr
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable
 from typing import Protocol
 

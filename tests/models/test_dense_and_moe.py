@@ -1,4 +1,6 @@
-"""Llama / Qwen2 / Qwen3 / Qwen3-MoE / Mixtral against transformers with the same weights (fp32)."""
+"""Every architecture against transformers with the same weights (fp32): Llama, Qwen2, Qwen3,
+Qwen3-MoE, Mixtral here for prefill logits; DeepSeek-V2/V3 prefill variants are in test_deepseek.py.
+Greedy generation and decode-over-paged-KV run for all seven here."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ from parity import (FP32_CPU, decode_vs_recompute, hf_greedy, hf_logits, hf_mode
 from moeserve import Engine
 
 ARCHS = ["llama", "qwen2", "qwen3", "qwen3_moe", "mixtral"]
+ALL_ARCHS = ARCHS + ["deepseek_v2", "deepseek_v3"]
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -21,7 +24,7 @@ def test_prefill_logits_match_transformers(tiny_model, arch):
         assert rel_err(ours, hf_logits(ref, prompt)) < 1e-4
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", ALL_ARCHS)
 def test_greedy_batch_matches_transformers(tiny_model, arch):
     path = tiny_model(arch)
     ref = hf_model(path)
@@ -35,7 +38,7 @@ def test_greedy_batch_matches_transformers(tiny_model, arch):
         assert out["meta"]["finish_reason"] == "length"
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", ALL_ARCHS)
 def test_decode_over_paged_kv_equals_recompute(tiny_model, arch):
     runner = make_runner(tiny_model(arch))
     prompt = prompts_of_lengths([7], runner.hf_config.vocab_size, seed=2)[0]
