@@ -22,10 +22,9 @@ _DONE_MARKER = ".moeserve-complete"
 
 def cache_root() -> str:
     """`$MOESERVE_CACHE_DIR`, else `~/.cache/moeserve`."""
-    # NOTE: read here rather than at import so tests can monkeypatch the variable.
-    return os.environ.get("MOESERVE_CACHE_DIR") or os.path.join(
-        os.path.expanduser("~"), ".cache", "moeserve"
-    )
+    from moeserve.env import env
+
+    return env().cache_dir
 
 
 def gguf_path() -> str:
