@@ -13,11 +13,17 @@ from moeserve.eplb.algorithm import (
     replicate_experts,
     trivial_rank_load,
 )
+from moeserve.eplb.location import ExpertLocation
+from moeserve.eplb.recorder import ExpertDistributionRecorder, ExpertDump, load_dump
 
 __all__ = [
+    "ExpertDistributionRecorder",
+    "ExpertDump",
+    "ExpertLocation",
     "Placement",
     "balanced_packing",
     "balancedness",
+    "load_dump",
     "rank_load",
     "rebalance_experts",
     "rebalance_experts_hierarchical",

@@ -17,7 +17,8 @@ from moeserve.eplb.algorithm import (
 
 # ---- hand-checkable ----
 def test_packing_pairs_heavy_with_light():
-    # heaviest first: 0 -> pack 0, 3 -> pack 1, 1 -> tie (10 vs 10) -> pack 0, 2 -> pack 1 (pack 0 full)
+    # heaviest first: 0 -> pack 0, 3 -> pack 1, 1 -> tie (10 vs 10) -> pack 0,
+    # 2 -> pack 1 (pack 0 is full)
     pack, rank = balanced_packing(torch.tensor([[10.0, 1.0, 1.0, 10.0]]), 2)
     assert pack.tolist() == [[0, 0, 1, 1]]
     assert rank.tolist() == [[0, 1, 1, 0]]
@@ -30,7 +31,7 @@ def test_packing_one_item_per_pack_is_identity():
 
 def test_packing_sizes_equal_and_greedy():
     w = torch.tensor([[9.0, 8.0, 7.0, 1.0, 1.0, 1.0]])
-    pack, rank = balanced_packing(w, 3)
+    pack, _ = balanced_packing(w, 3)
     assert torch.bincount(pack[0], minlength=3).tolist() == [2, 2, 2]
     # 9, 8, 7 open one pack each; the three 1s go to the lightest pack with room
     assert pack.tolist() == [[0, 1, 2, 2, 1, 0]]
@@ -143,8 +144,8 @@ def test_invariants_random(num_log, num_phy, groups, nodes, gpus):
             assert node_of_expert.setdefault(e, int(node_of_slot[slot])) == node_of_slot[slot]
         group_size = num_log // groups
         for g in range(groups):
-            nodes_of_group = {node_of_expert[e] for e in range(g * group_size, (g + 1) * group_size)}
-            assert len(nodes_of_group) == 1
+            members = range(g * group_size, (g + 1) * group_size)
+            assert len({node_of_expert[e] for e in members}) == 1
 
 
 @pytest.mark.parametrize("num_packs", [2, 4, 8])
