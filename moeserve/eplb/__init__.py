@@ -14,7 +14,12 @@ from moeserve.eplb.algorithm import (
     trivial_rank_load,
 )
 from moeserve.eplb.location import ExpertLocation
-from moeserve.eplb.recorder import ExpertDistributionRecorder, ExpertDump, load_dump
+from moeserve.eplb.recorder import (
+    ExpertDistributionRecorder,
+    ExpertDump,
+    load_dump,
+    load_init_placement,
+)
 
 __all__ = [
     "ExpertDistributionRecorder",
@@ -24,6 +29,7 @@ __all__ = [
     "balanced_packing",
     "balancedness",
     "load_dump",
+    "load_init_placement",
     "rank_load",
     "rebalance_experts",
     "rebalance_experts_hierarchical",

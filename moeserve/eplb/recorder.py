@@ -203,3 +203,28 @@ def load_dump(path: str) -> ExpertDump:
     if doc.get("format") != DUMP_FORMAT:
         raise ValueError(f"{path} is not a moeserve expert-distribution dump")
     return ExpertDump(doc["physical_counts"], doc["physical_to_logical"], dict(doc["metadata"]))
+
+
+def load_init_placement(
+    path: str,
+    ep_size: int,
+    num_nodes: int = 1,
+    num_redundant: int = 0,
+    num_groups: int = 1,
+    ep_rank: int = 0,
+    device: torch.device | str = "cpu",
+) -> ExpertLocation:
+    """`eplb.init_placement`: a placement.json as written, or a recorder dump run through EPLB
+    for this layout (so a dump from one deployment can seed another of a different size)."""
+    if path.endswith(".json"):
+        loc = ExpertLocation.load(path, ep_rank=ep_rank, device=device)
+        if (loc.ep_size, loc.num_nodes, loc.num_physical - loc.num_logical) != (
+            ep_size, num_nodes, num_redundant,
+        ):  # fmt: skip
+            raise ValueError(f"{path} was made for another layout (ep, nodes, redundant)")
+        return loc
+    dump = load_dump(path)
+    meta = {"model": dump.metadata.get("model"), "from_dump": path}
+    return ExpertLocation.from_algorithm(
+        dump.logical_load(), ep_size, num_nodes, num_redundant, num_groups, ep_rank, device, meta
+    )

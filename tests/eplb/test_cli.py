@@ -15,7 +15,7 @@ from moeserve.eplb.recorder import ExpertDistributionRecorder
 
 @pytest.fixture
 def dump_path(tmp_path) -> str:
-    """A skewed recording: 3 layers, 16 experts, ep 4, top-2, recorded under the trivial placement."""
+    """A skewed recording: 3 layers, 16 experts, ep 4, top-2, under the trivial placement."""
     gen = torch.Generator().manual_seed(0)
     loc = ExpertLocation.trivial(3, 16, ep_size=4)
     rec = ExpertDistributionRecorder(3, 16, location=loc)

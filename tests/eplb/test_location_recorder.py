@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from moeserve.eplb.location import ExpertLocation
-from moeserve.eplb.recorder import ExpertDistributionRecorder, load_dump
+from moeserve.eplb.recorder import ExpertDistributionRecorder, load_dump, load_init_placement
 
 # ---- ExpertLocation ----
 
@@ -190,6 +190,15 @@ def test_dump_load_round_trip(tmp_path):
     # slots 6, 7 hold experts 0, 1 again
     assert back.logical_load().tolist() == [[2, 2, 0, 0, 0, 0], [0, 0, 0, 0, 1, 1]]
     assert torch.equal(back.location().physical_to_logical, loc.physical_to_logical)
+    # a dump seeds a placement for another layout; a placement.json only for its own
+    init = load_init_placement(str(path), ep_size=4, num_redundant=2, ep_rank=3)
+    assert (init.num_physical, init.ep_size, init.ep_rank) == (8, 4, 3)
+    assert init.metadata["model"] == "tiny-v3"
+    init.save(str(tmp_path / "p.json"))
+    again = load_init_placement(str(tmp_path / "p.json"), ep_size=4, num_redundant=2)
+    assert torch.equal(again.physical_to_logical, init.physical_to_logical)
+    with pytest.raises(ValueError):
+        load_init_placement(str(tmp_path / "p.json"), ep_size=2, num_redundant=2)
 
 
 @pytest.mark.gpu
