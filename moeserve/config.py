@@ -19,6 +19,7 @@ SCHEDULE_POLICIES = ("lpm", "fcfs")
 A2A_BACKENDS = ("a2a", "allgather", "deepep")
 DEEPEP_MODES = ("auto", "normal", "low_latency")
 DP_POLICIES = ("round_robin", "shortest_queue", "prefix_aware")
+RECORD_MODES = ("off", "stat", "per_pass")
 
 
 class ConfigError(ValueError):
@@ -99,6 +100,16 @@ class ParallelConfig:
 
 
 @dataclass(frozen=True)
+class EPLBConfig:
+    """Expert placement: physical experts = logical + num_redundant_experts, spread over EP ranks."""
+
+    num_redundant_experts: int = 0
+    init_placement: str | None = None  # placement.json or a recorder dump (rebalanced on load)
+    record_mode: str = "off"  # off | stat (accumulate) | per_pass (window of record_window steps)
+    record_window: int = 1000
+
+
+@dataclass(frozen=True)
 class AttentionConfig:
     backend: str = "torch"
 
@@ -110,6 +121,7 @@ class MoeserveConfig:
     attention: AttentionConfig = field(default_factory=AttentionConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    eplb: EPLBConfig = field(default_factory=EPLBConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
     device: str = "auto"
     seed: int = 0
@@ -169,6 +181,10 @@ def validate(cfg: MoeserveConfig) -> MoeserveConfig:
     if not 0 < cfg.server.port < 65536:
         raise ConfigError("server.port", f"{cfg.server.port} is not a TCP port")
     _validate_parallel(cfg.parallel)
+    _check_choice("eplb.record_mode", cfg.eplb.record_mode, RECORD_MODES)
+    if cfg.eplb.num_redundant_experts < 0:
+        raise ConfigError("eplb.num_redundant_experts", "must be >= 0")
+    _check_positive("eplb.record_window", cfg.eplb.record_window, False)
     if not 0.0 < cfg.cache.mem_fraction_static <= 1.0:
         raise ConfigError("cache.mem_fraction_static", "must be in (0, 1]")
     return cfg

@@ -26,31 +26,36 @@ class MoEExperts(nn.Module):
     """
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int,
-                 first_expert: int = 0, num_local: int | None = None):
+                 first_expert: int = 0, num_local: int | None = None,
+                 slot_logical: list[int] | None = None):
+        """num_experts counts physical slots; `slot_logical[i]` is the checkpoint (logical)
+        expert whose weights local slot i holds (default: slot first_expert + i)."""
         super().__init__()
         self.num_experts = num_experts
         self.first_expert = first_expert
         self.num_local = num_experts if num_local is None else num_local
         self.intermediate_size = intermediate_size
+        self.slot_logical = slot_logical or list(range(first_expert, first_expert + self.num_local))
         self.w13 = nn.Parameter(torch.empty(self.num_local, 2 * intermediate_size, hidden_size))
         self.w2 = nn.Parameter(torch.empty(self.num_local, hidden_size, intermediate_size))
-        local = range(first_expert, first_expert + self.num_local)
         self.w13.weight_loader = self.w2.weight_loader = self.weight_loader
-        self.w13.expected_shards = {(e, s) for e in local for s in (GATE, UP)}
-        self.w2.expected_shards = {(e, DOWN) for e in local}
+        self.w13.expected_shards = {(e, s) for e in self.slot_logical for s in (GATE, UP)}
+        self.w2.expected_shards = {(e, DOWN) for e in self.slot_logical}
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, expert_id: int,
                       shard: str) -> None:
-        """Load one checkpoint tensor of one expert; experts owned by other ranks are skipped."""
-        local = expert_id - self.first_expert
-        if not 0 <= local < self.num_local:
-            return
+        """Load one checkpoint tensor of logical expert `expert_id` into every local slot that
+        holds it (redundant replicas get copies); experts held only elsewhere are skipped."""
         i = self.intermediate_size
-        dest = {GATE: param.data[local, :i], UP: param.data[local, i:], DOWN: param.data[local]}[shard]
-        if dest.shape != loaded.shape:
-            raise ValueError(f"expert {expert_id} {shard}: expected {tuple(dest.shape)}, "
-                             f"got {tuple(loaded.shape)}")
-        dest.copy_(loaded)
+        for local, logical in enumerate(self.slot_logical):
+            if logical != expert_id:
+                continue
+            dest = {GATE: param.data[local, :i], UP: param.data[local, i:],
+                    DOWN: param.data[local]}[shard]
+            if dest.shape != loaded.shape:
+                raise ValueError(f"expert {expert_id} {shard}: expected {tuple(dest.shape)}, "
+                                 f"got {tuple(loaded.shape)}")
+            dest.copy_(loaded)
 
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor,
                 topk_weights: torch.Tensor) -> torch.Tensor:
@@ -103,7 +108,8 @@ class MoEExperts(nn.Module):
 
 
 class ExpertRecorder(Protocol):
-    """Receives each MoE layer's routing (logical expert ids) every forward; EPLB fills it in."""
+    """Receives each MoE layer's routing every forward, as physical slot ids (= logical ids
+    without redundant experts); the EPLB recorder counts them on the device."""
 
     def record(self, layer_id: int, topk_ids: torch.Tensor) -> None: ...
 
@@ -115,31 +121,43 @@ class NullRecorder:
 
 @dataclass
 class MoEParallel:
-    """How routed experts are spread: this rank owns experts [ep_rank*E/ep_size, ...); tokens move
-    through `dispatcher` (None: all experts local, no communication)."""
+    """How routed experts are spread: physical slot p (logical experts + redundant replicas) lives
+    on rank p // (P / ep_size); `location` (an eplb ExpertLocation, None = identity) maps router
+    ids to slots; tokens move through `dispatcher` (None: all slots local, no communication)."""
 
     ep_rank: int = 0
     ep_size: int = 1
     dispatcher: Any = None  # moeserve.ep.dispatcher.Dispatcher
     recorder: ExpertRecorder = field(default_factory=NullRecorder)
+    location: Any = None  # moeserve.eplb.location.ExpertLocation
 
-    def local_experts(self, num_experts: int) -> tuple[int, int]:
-        """(first expert, count) owned by this rank."""
-        if num_experts % self.ep_size:
-            raise ValueError(f"{num_experts} experts do not divide over ep_size {self.ep_size}")
-        n = num_experts // self.ep_size
-        return self.ep_rank * n, n
+    def num_physical(self, num_logical: int) -> int:
+        return num_logical if self.location is None else self.location.num_physical
 
-    def make_experts(self, num_experts: int, hidden: int, intermediate: int) -> MoEExperts:
-        first, n = self.local_experts(num_experts)
-        return MoEExperts(num_experts, hidden, intermediate, first_expert=first, num_local=n)
+    def make_experts(self, num_logical: int, hidden: int, intermediate: int,
+                     layer_id: int) -> MoEExperts:
+        num_phy = self.num_physical(num_logical)
+        if num_phy % self.ep_size:
+            raise ValueError(f"{num_phy} physical experts do not divide over ep_size "
+                             f"{self.ep_size} (eplb.num_redundant_experts)")
+        n = num_phy // self.ep_size
+        first = self.ep_rank * n
+        slots = None
+        if self.location is not None:
+            slots = self.location.physical_to_logical[layer_id, first : first + n].tolist()
+        return MoEExperts(num_phy, hidden, intermediate, first_expert=first, num_local=n,
+                          slot_logical=slots)
 
 
 def run_routed_experts(experts: MoEExperts, x: torch.Tensor, topk_ids: torch.Tensor,
-                       topk_weights: torch.Tensor, par: MoEParallel | None,
-                       mode: Any) -> torch.Tensor:
+                       topk_weights: torch.Tensor, par: MoEParallel | None, mode: Any,
+                       layer_id: int = 0) -> torch.Tensor:
     """sum_k w[t,k] * expert_{ids[t,k]}(x[t]) over all experts, wherever they live: [T, H].
-    `mode` is the step's global forward mode (the DeepEP backend picks its kernels by it)."""
+    `topk_ids` are logical; `mode` is the step's global forward mode (DeepEP picks kernels by it)."""
+    if par is not None and par.location is not None:
+        topk_ids = par.location.to_physical(topk_ids, layer_id)  # [T, K] physical slots
+    if par is not None:
+        par.recorder.record(layer_id, topk_ids)
     if par is None or par.dispatcher is None:
         return experts(x, topk_ids, topk_weights)
     d = par.dispatcher

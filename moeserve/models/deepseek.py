@@ -120,7 +120,7 @@ class DeepseekMoE(nn.Module):
         self.parallel = parallel or MoEParallel()
         self.gate = MoEGate(cfg.hidden_size, cfg.n_routed_experts, router.scoring == "sigmoid")
         self.experts = self.parallel.make_experts(cfg.n_routed_experts, cfg.hidden_size,
-                                                  cfg.moe_intermediate_size)
+                                                  cfg.moe_intermediate_size, layer_id)
         n_shared = cfg.n_shared_experts or 0
         self.shared_experts = (MLP(cfg.hidden_size, cfg.moe_intermediate_size * n_shared)
                                if n_shared else None)
@@ -128,9 +128,9 @@ class DeepseekMoE(nn.Module):
     def forward(self, x: torch.Tensor, fb: ForwardBatch | None = None) -> torch.Tensor:
         weights, ids = select_experts(self.gate(x), self.router,
                                       self.gate.e_score_correction_bias)  # [T, K] each
-        self.parallel.recorder.record(self.layer_id, ids)
         mode = fb.global_forward_mode if fb is not None else None
-        out = run_routed_experts(self.experts, x, ids, weights, self.parallel, mode)
+        out = run_routed_experts(self.experts, x, ids, weights, self.parallel, mode,
+                                  self.layer_id)
         return out if self.shared_experts is None else out + self.shared_experts(x)
 
 

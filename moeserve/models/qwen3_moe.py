@@ -22,13 +22,14 @@ class SparseMoeBlock(nn.Module):
         self.router, self.layer_id = router, layer_id
         self.parallel = parallel or MoEParallel()
         self.gate = nn.Linear(hidden_size, num_experts, bias=False)
-        self.experts = self.parallel.make_experts(num_experts, hidden_size, intermediate_size)
+        self.experts = self.parallel.make_experts(num_experts, hidden_size, intermediate_size,
+                                                  layer_id)
 
     def forward(self, x: torch.Tensor, fb: ForwardBatch | None = None) -> torch.Tensor:
         weights, ids = select_experts(self.gate(x), self.router)  # [T, K] each
-        self.parallel.recorder.record(self.layer_id, ids)
         mode = fb.global_forward_mode if fb is not None else None
-        return run_routed_experts(self.experts, x, ids, weights, self.parallel, mode)
+        return run_routed_experts(self.experts, x, ids, weights, self.parallel, mode,
+                                  self.layer_id)
 
 
 def _is_moe_layer(cfg: Any, i: int) -> bool:

@@ -98,21 +98,41 @@ class ModelRunner:
         return kwargs
 
     def _moe_parallel(self, recorder: ExpertRecorder | None) -> MoEParallel:
-        mesh = self.mesh
+        mesh, c = self.mesh, self.hf_config
         par = MoEParallel(ep_rank=mesh.ep_rank, ep_size=mesh.ep_size)
+        num_logical = (getattr(c, "n_routed_experts", None) or getattr(c, "num_experts", None)
+                       or getattr(c, "num_local_experts", None))
+        if not num_logical:
+            return par  # a dense model
+        par.location = self._expert_location(num_logical)
         if recorder is not None:
             par.recorder = recorder
         if mesh.ep_size > 1:
             from moeserve.ep.dispatcher import create_dispatcher
 
-            c = self.hf_config
-            num_experts = (getattr(c, "n_routed_experts", None) or getattr(c, "num_experts", None)
-                           or getattr(c, "num_local_experts", None))
-            if num_experts:
-                par.dispatcher = create_dispatcher(
-                    self.cfg.parallel.a2a_backend, mesh, num_experts, c.hidden_size, self.dtype,
-                    deepep_mode=self.cfg.parallel.deepep_mode)
+            par.dispatcher = create_dispatcher(
+                self.cfg.parallel.a2a_backend, mesh, par.num_physical(num_logical), c.hidden_size,
+                self.dtype, deepep_mode=self.cfg.parallel.deepep_mode)
         return par
+
+    def _expert_location(self, num_logical: int):
+        """The expert placement (None = identity: no redundant experts, no placement file)."""
+        e = self.cfg.eplb
+        if e.num_redundant_experts == 0 and e.init_placement is None:
+            return None
+        from moeserve.eplb.location import ExpertLocation
+        from moeserve.eplb.recorder import load_init_placement
+
+        layers = self.hf_config.num_hidden_layers + int(self.cfg.model.load_mtp)
+        nodes, rank = self.cfg.parallel.nnodes, self.mesh.ep_rank
+        if e.init_placement is not None:
+            loc = load_init_placement(e.init_placement, self.mesh.ep_size, num_nodes=nodes,
+                                      num_redundant=e.num_redundant_experts, ep_rank=rank,
+                                      device=self.device)
+        else:
+            loc = ExpertLocation.trivial(layers, num_logical, self.mesh.ep_size,
+                                         e.num_redundant_experts, nodes, rank, self.device)
+        return _check_location(loc, layers, num_logical)
 
     def _init_memory(self) -> KVMemory:
         layout = self.model.kv_layout() if hasattr(self.model, "kv_layout") else self._mha_layout()
@@ -172,6 +192,13 @@ class ModelRunner:
         if not fb.return_all_logits:
             hidden = hidden[fb.last_token_indices()]
         return self.model.compute_logits(hidden)
+
+
+def _check_location(loc, layers: int, num_logical: int):
+    if loc.num_layers < layers or loc.num_logical != num_logical:
+        raise ValueError(f"eplb.init_placement: placement has {loc.num_layers} layers x "
+                         f"{loc.num_logical} experts, the model needs {layers} x {num_logical}")
+    return loc
 
 
 @contextlib.contextmanager
