@@ -228,3 +228,21 @@ def load_init_placement(
     return ExpertLocation.from_algorithm(
         dump.logical_load(), ep_size, num_nodes, num_redundant, num_groups, ep_rank, device, meta
     )
+
+
+def merge_rank_dumps(replies: list[dict[str, Any]], metadata: dict[str, Any]) -> ExpertDump:
+    """Sum the per-rank counts that each scheduler rank reports (`expert_record_dump` control op)
+    into one dump: each rank only sees the tokens it routed, all with the same placement."""
+    if not replies:
+        raise ValueError("no rank replied")
+    counts = sum(torch.tensor(r["counts"], dtype=torch.int64) for r in replies)  # [L, P]
+    first = replies[0]
+    layers, num_phy = counts.shape
+    phy2log = (torch.tensor(first["phy2log"], dtype=torch.int64) if first["phy2log"] is not None
+               else torch.arange(num_phy).expand(layers, -1).contiguous())
+    meta = {"num_layers": layers, "num_physical_experts": num_phy,
+            "num_logical_experts": first["num_logical"], "ep_size": first["ep_size"],
+            "num_nodes": first["num_nodes"], "mode": "stat", "steps": max(r["steps"] for r in replies),
+            "topk": first["topk"], "start_time": first["start_time"], "end_time": time.time(),
+            **metadata}
+    return ExpertDump(counts, phy2log, meta)

@@ -71,6 +71,7 @@ class ModelRunner:
         self.device = self.mesh.device
         self.hf_config = load_hf_config(model_path)
         self.dtype = resolve_dtype(cfg.model.dtype, self.hf_config, self.device)
+        self.recorder = None  # an ExpertDistributionRecorder for MoE models
         self.moe_parallel = self._moe_parallel(recorder)
         self.model = self._build_model(model_path)
         self.context_len = cfg.model.context_length or self.hf_config.max_position_embeddings
@@ -105,8 +106,7 @@ class ModelRunner:
         if not num_logical:
             return par  # a dense model
         par.location = self._expert_location(num_logical)
-        if recorder is not None:
-            par.recorder = recorder
+        par.recorder = recorder or self._make_recorder(par, num_logical)
         if mesh.ep_size > 1:
             from moeserve.ep.dispatcher import create_dispatcher
 
@@ -114,6 +114,21 @@ class ModelRunner:
                 self.cfg.parallel.a2a_backend, mesh, par.num_physical(num_logical), c.hidden_size,
                 self.dtype, deepep_mode=self.cfg.parallel.deepep_mode)
         return par
+
+    def _make_recorder(self, par: MoEParallel, num_logical: int):
+        """Per-physical-expert token counts on the device; records only once started (at load
+        when eplb.record_mode is set, else through the expert_record_* control ops)."""
+        from moeserve.eplb.recorder import ExpertDistributionRecorder
+
+        e = self.cfg.eplb
+        layers = self.hf_config.num_hidden_layers + int(self.cfg.model.load_mtp)
+        rec = ExpertDistributionRecorder(
+            layers, par.num_physical(num_logical), "stat" if e.record_mode == "off" else
+            e.record_mode, e.record_window, par.location, device=self.device)
+        if e.record_mode != "off":
+            rec.start()
+        self.recorder = rec
+        return rec
 
     def _expert_location(self, num_logical: int):
         """The expert placement (None = identity: no redundant experts, no placement file)."""
@@ -189,6 +204,8 @@ class ModelRunner:
         """→ float32 logits: [B, V] for each request's last token, or [T, V] if return_all_logits."""
         self.attn_backend.init_forward_metadata(fb)
         hidden = self.model(fb)
+        if self.recorder is not None:
+            self.recorder.step()
         if not fb.return_all_logits:
             hidden = hidden[fb.last_token_indices()]
         return self.model.compute_logits(hidden)

@@ -93,13 +93,47 @@ class Scheduler:
         self.io.send_outputs([self._output(req)], self._take_stop_strings([req]))
 
     def control(self, msg: ControlReq) -> None:
-        if msg.op == "flush_cache":
-            ok = not self.running and not self.waiting and self.cache.flush()
-            self.io.send_control(msg, ok, {})
-        elif msg.op == "server_info":
-            self.io.send_control(msg, True, self.load())
-        else:
+        handler = {"flush_cache": self._flush_cache, "server_info": lambda: (True, self.load()),
+                   "expert_record_start": self._record_start,
+                   "expert_record_stop": self._record_stop,
+                   "expert_record_dump": self._record_dump}.get(msg.op)
+        if handler is None:
             self.io.send_control(msg, False, {"error": f"unknown op {msg.op!r}"})
+            return
+        ok, data = handler()
+        self.io.send_control(msg, ok, data)
+
+    def _flush_cache(self) -> tuple[bool, dict]:
+        return (not self.running and not self.waiting and self.cache.flush()), {}
+
+    def _recorder_or_error(self):
+        rec = self.runner.recorder
+        return rec, (None if rec is not None else {"error": "not a MoE model"})
+
+    def _record_start(self) -> tuple[bool, dict]:
+        rec, err = self._recorder_or_error()
+        if rec is not None:
+            rec.reset()
+            rec.start()
+        return rec is not None, err or {}
+
+    def _record_stop(self) -> tuple[bool, dict]:
+        rec, err = self._recorder_or_error()
+        if rec is not None:
+            rec.stop()
+        return rec is not None, err or {}
+
+    def _record_dump(self) -> tuple[bool, dict]:
+        """This rank's counts; the caller sums the ranks' counts and writes the dump file."""
+        rec, err = self._recorder_or_error()
+        if rec is None:
+            return False, err
+        loc = rec.location
+        return True, {"counts": rec.physical_counts().cpu().tolist(), "steps": rec.steps,
+                      "topk": rec.topk, "start_time": rec.start_time,
+                      "phy2log": None if loc is None else loc.physical_to_logical.cpu().tolist(),
+                      "num_logical": rec.num_physical if loc is None else loc.num_logical,
+                      "ep_size": self.mesh.ep_size, "num_nodes": self.cfg.parallel.nnodes}
 
     def load(self) -> dict:
         return {"running": len(self.running) + (self.chunked is not None),

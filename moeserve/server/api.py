@@ -8,7 +8,10 @@ raise `BadRequestError`. The heavy lifting lives in serving_*.py; this file only
 from __future__ import annotations
 
 import logging
+import os
 import secrets
+import tempfile
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import asdict
 from typing import Any
@@ -167,6 +170,39 @@ def _add_native_routes(app: FastAPI, manager: TokenizerManager, cfg: MoeserveCon
             raise APIError("cache not flushed: requests are still running", status_code=400,
                            code="cache_busy")
         return JSONResponse({"ok": True, "ranks": len(replies)})
+
+    async def expert_record(op: str) -> dict[str, Any]:
+        replies = await manager.control(op, timeout=30.0)
+        bad = [r for r in replies if not r.ok]
+        if bad:
+            raise APIError(f"{op}: {bad[0].data.get('error', 'failed')}", status_code=400)
+        return {"ok": True, "ranks": len(replies), "replies": replies}
+
+    @app.post("/expert_distribution/start", dependencies=auth)
+    @app.post("/start_expert_distribution_record", dependencies=auth)  # SGLang's name
+    async def expert_record_start() -> dict[str, Any]:
+        return {"ok": True, "ranks": (await expert_record("expert_record_start"))["ranks"]}
+
+    @app.post("/expert_distribution/stop", dependencies=auth)
+    @app.post("/stop_expert_distribution_record", dependencies=auth)
+    async def expert_record_stop() -> dict[str, Any]:
+        return {"ok": True, "ranks": (await expert_record("expert_record_stop"))["ranks"]}
+
+    @app.post("/expert_distribution/dump", dependencies=auth)
+    @app.post("/dump_expert_distribution_record", dependencies=auth)
+    async def expert_record_dump(request: Request) -> dict[str, Any]:
+        """Sum every rank's counts into one dump file (for `python -m moeserve.eplb report`)."""
+        from moeserve.eplb.recorder import merge_rank_dumps
+
+        body = await request.json() if await request.body() else {}
+        path = body.get("path") if isinstance(body, dict) else None
+        path = path or os.path.join(tempfile.gettempdir(),
+                                    f"moeserve-experts-{int(time.time())}.pt")
+        replies = (await expert_record("expert_record_dump"))["replies"]
+        dump = merge_rank_dumps([r.data for r in replies], {"model": manager.model_path})
+        dump.save(path)
+        return {"ok": True, "path": path, "steps": dump.metadata["steps"],
+                "tokens": int(dump.physical_counts.sum())}
 
     @app.get("/metrics")
     async def metrics() -> Response:

@@ -9,7 +9,7 @@ import random
 import time
 
 import pytest
-from conftest import LiveServer
+from live_server import LiveServer
 from parity import FP32_CPU
 
 from moeserve import Engine

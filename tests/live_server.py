@@ -1,0 +1,73 @@
+"""A live `python -m launch.server` subprocess on a free loopback port, for end-to-end tests."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+import pytest
+
+try:
+    import httpx2 as httpx  # the HTTP client of openai >= 3
+except ImportError:  # pragma: no cover - older openai clients ship httpx
+    import httpx
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+START_TIMEOUT_S = 240
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LiveServer:
+    """One server subprocess; its combined output goes to a log file shown on failures."""
+
+    def __init__(self, args: list[str]):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = tempfile.NamedTemporaryFile("w+", prefix="moeserve-e2e-", suffix=".log",
+                                               delete=False)
+        cmd = [sys.executable, "-m", "launch.server", f"server.port={self.port}", *args]
+        self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=self.log, stderr=subprocess.STDOUT)
+
+    def log_tail(self, chars: int = 4000) -> str:
+        with open(self.log.name, errors="replace") as f:
+            return f.read()[-chars:]
+
+    def wait_healthy(self, timeout: float = START_TIMEOUT_S) -> LiveServer:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                pytest.fail(f"server exited with {self.proc.returncode}:\n{self.log_tail()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        self.stop()
+        pytest.fail(f"server not healthy after {timeout} s:\n{self.log_tail()}")
+
+    def stop(self, timeout: float = 30.0, keep_log: bool = False) -> int:
+        """SIGTERM (SIGKILL after `timeout`); the log file is deleted unless `keep_log`."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+        if keep_log:
+            print(f"server log kept at {self.log.name}")
+        elif os.path.exists(self.log.name):
+            os.unlink(self.log.name)
+        return self.proc.returncode
