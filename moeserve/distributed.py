@@ -56,7 +56,9 @@ def init_mesh(p: ParallelConfig, rank: int, device: torch.device,
                             world_size=p.world_size,
                             timeout=datetime.timedelta(seconds=timeout_s))
     world = dist.group.WORLD
-    cpu = dist.new_group(backend="gloo") if backend != "gloo" else world
+    # NOTE: its own group even on gloo: the DP sync (main thread) overlaps the previous step's
+    # EP collectives (worker thread); two threads on one gloo group interleave differently per rank.
+    cpu = dist.new_group(backend="gloo")
     ep_size = p.ep
     ep_group = world if ep_size == p.world_size else None
     dp_rank = rank // p.attn_tp_size
