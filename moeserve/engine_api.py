@@ -1,4 +1,5 @@
-"""Offline Engine: the real Scheduler with in-process I/O (no HTTP, no extra processes)."""
+"""Offline Engine: the real Scheduler with in-process I/O (one rank), or the DP controller and
+scheduler processes driven over ZMQ (several ranks, `dp_attention/engine_client.py`)."""
 
 from __future__ import annotations
 
@@ -6,9 +7,9 @@ import itertools
 from collections import deque
 from typing import Any
 
-from moeserve.config import compose
+from moeserve.config import MoeserveConfig, compose
 from moeserve.core import SamplingParams
-from moeserve.ipc.messages import AbortReq, ControlReq, GenerateReq, TokenOutput
+from moeserve.ipc.messages import AbortReq, ControlReply, ControlReq, GenerateReq, TokenOutput
 
 
 def quote_override(value: str) -> str:
@@ -37,24 +38,65 @@ class InProcessIO:
         self.control_replies.append((req, ok, data))
 
 
+class InProcessCore:
+    """One rank in this process: the real Scheduler over InProcessIO."""
+
+    def __init__(self, cfg: MoeserveConfig):
+        from moeserve.scheduler.setup import build_scheduler
+
+        self.io = InProcessIO()
+        self.scheduler, self.tokenizer = build_scheduler(cfg, self.io)
+
+    def run(self, reqs: list[GenerateReq]) -> dict[str, list[TokenOutput]]:
+        self.io.inbox.extend(reqs)
+        self.scheduler.run_forever(should_stop=lambda: all(self._done(r.rid) for r in reqs))
+        return {r.rid: self.io.outputs.pop(r.rid) for r in reqs}
+
+    def _done(self, rid: str) -> bool:
+        outs = self.io.outputs.get(rid)
+        return bool(outs) and outs[-1].finish_reason is not None
+
+    def control(self, op: str, args: dict | None = None) -> list[ControlReply]:
+        self.scheduler.control(ControlReq(cid=0, op=op, args=args or {}))
+        _, ok, data = self.io.control_replies.pop()
+        return [ControlReply(cid=0, rank=0, ok=ok, data=data)]
+
+    def shutdown(self) -> None:
+        self.scheduler.worker.shutdown()
+
+
 class Engine:
     """`Engine(model_path=None, overrides=[...])`; model_path None serves the embedded SmolLM2.
 
     Overrides are Hydra override strings, e.g. "model.dtype=float32", "device=cpu". Requests are
-    continuously batched by the same Scheduler the server uses.
+    continuously batched by the same Scheduler the server uses: in this process with one rank,
+    in a DP controller and one scheduler process per rank when parallel.tp_size > 1.
     """
 
     def __init__(self, model_path: str | None = None, overrides: list[str] | tuple = ()):
-        from moeserve.scheduler.setup import build_scheduler
-
         overrides = list(overrides)
         if model_path is not None:
             overrides.append(f"model.path={quote_override(model_path)}")
         self.config = compose(overrides)
-        self.io = InProcessIO()
-        self.scheduler, self.tokenizer = build_scheduler(self.config, self.io)
-        self.runner = self.scheduler.runner
+        self._core: Any = None
+        if self.config.parallel.world_size > 1:
+            self._core = _multi_rank_core(self.config)
+        else:
+            self._core = InProcessCore(self.config)
+        self.tokenizer = self._core.tokenizer
         self._rid = itertools.count()
+
+    @property
+    def scheduler(self):
+        """The in-process Scheduler (single-rank engines only)."""
+        scheduler = getattr(self._core, "scheduler", None)
+        if scheduler is None:
+            raise AttributeError("engine.scheduler exists only for a running single-rank engine")
+        return scheduler
+
+    @property
+    def runner(self):
+        return self.scheduler.runner
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
@@ -66,9 +108,11 @@ class Engine:
 
     def generate(self, prompts: list[str] | str | None = None,
                  input_ids: list[list[int]] | None = None,
-                 sampling_params: dict | list[dict] | None = None) -> list[dict[str, Any]]:
+                 sampling_params: dict | list[dict] | None = None,
+                 dp_ranks: list[int | None] | None = None) -> list[dict[str, Any]]:
         """One result per prompt: {"text", "output_ids", "meta": {prompt_tokens, completion_tokens,
-        cached_tokens, finish_reason}}. Exactly one of prompts / input_ids."""
+        cached_tokens, finish_reason}}. Exactly one of prompts / input_ids. `dp_ranks` pins
+        prompts to data-parallel ranks (multi-rank engines)."""
         if (prompts is None) == (input_ids is None):
             raise ValueError("pass exactly one of prompts or input_ids")
         if isinstance(prompts, str):
@@ -78,15 +122,15 @@ class Engine:
         params = self._params(sampling_params, len(ids))
         if any(not x for x in ids):
             raise ValueError("empty prompt")
-        rids = [f"engine-{next(self._rid)}" for _ in ids]
-        for rid, x, p in zip(rids, ids, params):
-            self.io.inbox.append(GenerateReq(rid=rid, input_ids=list(x), sampling=p))
-        self.scheduler.run_forever(should_stop=lambda: all(self._done(r) for r in rids))
-        return [self._result(rid) for rid in rids]
+        pins = dp_ranks if dp_ranks is not None else [None] * len(ids)
+        reqs = [GenerateReq(rid=f"engine-{next(self._rid)}", input_ids=list(x), sampling=p,
+                            dp_rank=pin) for x, p, pin in zip(ids, params, pins, strict=True)]
+        outputs = self._core.run(reqs)
+        return [self._result(outputs[r.rid]) for r in reqs]
 
-    def _done(self, rid: str) -> bool:
-        outs = self.io.outputs.get(rid)
-        return bool(outs) and outs[-1].finish_reason is not None
+    def server_info(self) -> list[dict[str, Any]]:
+        """Per-rank load and counters ({"rank", "running", "waiting", "used_tokens", ...})."""
+        return [{"rank": r.rank, **r.data} for r in self._core.control("server_info")]
 
     @staticmethod
     def _params(sampling_params: dict | list[dict] | None, n: int) -> list[SamplingParams]:
@@ -96,8 +140,7 @@ class Engine:
             return [SamplingParams.from_dict(d) for d in sampling_params]
         return [SamplingParams.from_dict(sampling_params)] * n
 
-    def _result(self, rid: str) -> dict[str, Any]:
-        outs = self.io.outputs.pop(rid)
+    def _result(self, outs: list[TokenOutput]) -> dict[str, Any]:
         last = outs[-1]
         if last.error:
             raise ValueError(last.error)
@@ -112,13 +155,25 @@ class Engine:
                          "finish_reason": "length" if last.finish_reason == "length" else "stop"}}
 
     def shutdown(self) -> None:
-        if self.scheduler is not None:
-            self.scheduler.worker.shutdown()
-            self.scheduler = None  # type: ignore[assignment]
+        if self._core is not None:
+            self._core.shutdown()
+            self._core = None
 
     def __enter__(self) -> Engine:
         return self
 
     def __exit__(self, *exc) -> None:
         self.shutdown()
+
+
+def _multi_rank_core(cfg: MoeserveConfig):
+    from transformers import AutoTokenizer
+
+    from moeserve.dp_attention.engine_client import MultiRankCore
+    from moeserve.scheduler.setup import resolve_model_path
+
+    path = resolve_model_path(cfg)
+    return MultiRankCore(cfg, path, AutoTokenizer.from_pretrained(path))
+
+
 _quote = quote_override  # older name

@@ -1,5 +1,6 @@
-"""`serve(cfg)`: start the detokenizer and scheduler processes, wait for their ready handshakes,
-then run the HTTP server in this (main) process until a signal or a child's death.
+"""`serve(cfg)`: start the detokenizer, the DP controller (dp_size > 1) and one scheduler process
+per rank, wait for their ready handshakes, then run the HTTP server in this (main) process until a
+signal or a child's death.
 
 Shutdown contract (DESIGN.md §2): SIGINT/SIGTERM → children terminated and joined, exit 0; a child
 dying at any time → a log line naming it, the others terminated, exit 1; no orphans (children die
@@ -9,9 +10,11 @@ with the launcher, see children.py); the ipc:// socket files are removed.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import signal
+import socket
 from collections.abc import Callable
 from typing import Any
 
@@ -32,13 +35,47 @@ def _raise_interrupt(signum: int, _frame: Any) -> None:
     raise KeyboardInterrupt(signal.Signals(signum).name)
 
 
-def _remove_ipc_files(endpoints: Endpoints) -> None:
-    for address in (endpoints.scheduler_in, endpoints.detokenizer_in, endpoints.manager_in):
+def remove_ipc_files(endpoints: Endpoints) -> None:
+    addresses = (endpoints.scheduler_in, endpoints.detokenizer_in, endpoints.manager_in,
+                 *endpoints.rank_in, endpoints.controller_in or "")
+    for address in addresses:
         if address.startswith("ipc://"):
             try:
                 os.unlink(address[len("ipc://"):])
             except OSError:
                 pass
+
+
+def free_tcp_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def with_rendezvous(cfg: MoeserveConfig) -> MoeserveConfig:
+    """cfg with `parallel.dist_init_addr` set to a free loopback port when several ranks need a
+    rendezvous and none was given (passed to the children; cfg itself is frozen)."""
+    p = cfg.parallel
+    if p.world_size == 1 or p.dist_init_addr is not None:
+        return cfg
+    addr = f"127.0.0.1:{free_tcp_port()}"
+    return dataclasses.replace(cfg, parallel=dataclasses.replace(p, dist_init_addr=addr))
+
+
+def start_ranks(procs: ProcessGroup, cfg: MoeserveConfig, model_path: str, endpoints: Endpoints,
+                scheduler_target: Callable[..., None] | None = None) -> set[tuple[str, int]]:
+    """Start the DP controller (dp_size > 1) and one scheduler process per rank; returns the
+    (role, rank) pairs whose ReadyMsg to wait for. Call from the main thread."""
+    from moeserve.dp_attention.controller import run_controller_process
+
+    expected = {("scheduler", r) for r in range(cfg.parallel.world_size)}
+    if cfg.parallel.dp_size > 1:
+        procs.start("dp-controller", run_controller_process, (cfg, endpoints))
+        expected.add(("controller", 0))
+    target = scheduler_target or _default_scheduler()
+    for rank in range(cfg.parallel.world_size):
+        procs.start(f"scheduler-{rank}", target, (cfg, model_path, endpoints, rank))
+    return expected
 
 
 def serve(cfg: MoeserveConfig, scheduler_target: Callable[..., None] | None = None) -> int:
@@ -50,15 +87,15 @@ def serve(cfg: MoeserveConfig, scheduler_target: Callable[..., None] | None = No
 
     setup_logging(cfg.server.log_level)
     model_path = cfg.model.path or embedded_model_path()
-    endpoints = Endpoints.fresh()
+    cfg = with_rendezvous(cfg)
+    endpoints = Endpoints.fresh(cfg.parallel.dp_size)
     procs = ProcessGroup(cfg.server.log_level)
     signal.signal(signal.SIGTERM, _raise_interrupt)
     signal.signal(signal.SIGINT, _raise_interrupt)
     try:
         procs.start("detokenizer", run_detokenizer_process, (model_path, endpoints))
-        procs.start("scheduler-0", scheduler_target or _default_scheduler(),
-                    (cfg, model_path, endpoints, 0))
-        asyncio.run(_serve_http(cfg, model_path, endpoints, procs))
+        expected = start_ranks(procs, cfg, model_path, endpoints, scheduler_target)
+        asyncio.run(_serve_http(cfg, model_path, endpoints, procs, expected))
         return 0
     except KeyboardInterrupt as e:
         logger.info("received %s; shutting down", e or "interrupt")
@@ -68,20 +105,20 @@ def serve(cfg: MoeserveConfig, scheduler_target: Callable[..., None] | None = No
         return 1
     finally:
         procs.stop()
-        _remove_ipc_files(endpoints)
+        remove_ipc_files(endpoints)
         logger.info("all child processes stopped")
 
 
 async def _serve_http(cfg: MoeserveConfig, model_path: str, endpoints: Endpoints,
-                      procs: ProcessGroup) -> None:
+                      procs: ProcessGroup, expected: set[tuple[str, int]]) -> None:
     import uvicorn
 
     from moeserve.server.api import create_app
     from moeserve.server.tokenizer_manager import TokenizerManager
 
-    manager = TokenizerManager(cfg, model_path, endpoints)
+    manager = TokenizerManager(cfg, model_path, endpoints, num_ranks=cfg.parallel.world_size)
     manager.start()
-    expected = {("detokenizer", 0), ("scheduler", 0)}
+    expected = expected | {("detokenizer", 0)}
     await manager.wait_ready(expected, cfg.server.startup_timeout_s, procs.check_alive)
     procs.start_watchdog(lambda child: _on_child_death(child, procs, endpoints))
     server = uvicorn.Server(uvicorn.Config(
@@ -99,11 +136,24 @@ async def _serve_http(cfg: MoeserveConfig, model_path: str, endpoints: Endpoints
 async def _announce(server: Any, manager: Any, cfg: MoeserveConfig) -> None:
     while not server.started:
         await asyncio.sleep(0.05)
-    info = manager.scheduler_info
-    logger.info("server ready on http://%s:%d (model %s: KV capacity %s tokens, context %s, "
-                "max running requests %s)", cfg.server.host, cfg.server.port,
-                manager.served_model_name, info.get("max_total_tokens"), info.get("max_req_len"),
-                info.get("max_running_requests"))
+    info = rank_summary(manager.ready)
+    logger.info("server ready on http://%s:%d (model %s: %d rank(s), KV capacity %s tokens in "
+                "all, context %s, max running requests %s)", cfg.server.host, cfg.server.port,
+                manager.served_model_name, info["ranks"], info.get("max_total_tokens"),
+                info.get("max_req_len"), info.get("max_running_requests"))
+
+
+def rank_summary(ready: dict[tuple[str, int], dict]) -> dict[str, Any]:
+    """The schedulers' ready infos combined: KV capacity and running slots summed over ranks,
+    context length the smallest (a request may land on any rank)."""
+    infos = [info for (role, _), info in ready.items() if role == "scheduler"]
+    out: dict[str, Any] = {"ranks": len(infos)}
+    for key, combine in (("max_total_tokens", sum), ("max_running_requests", sum),
+                         ("max_req_len", min)):
+        values = [i[key] for i in infos if key in i]
+        if values:
+            out[key] = combine(values)
+    return out
 
 
 def _on_child_death(child: Child, procs: ProcessGroup, endpoints: Endpoints) -> None:
@@ -111,6 +161,6 @@ def _on_child_death(child: Child, procs: ProcessGroup, endpoints: Endpoints) -> 
     logger.error("child process '%s' (pid %s) died with exit code %s; shutting the server down",
                  child.name, child.process.pid, child.process.exitcode)
     procs.stop()
-    _remove_ipc_files(endpoints)
+    remove_ipc_files(endpoints)
     logging.shutdown()
     os._exit(1)
