@@ -332,7 +332,7 @@ QUESTIONS = [f"Question {i}: {'tell me something ' * (i % 3 + 1)}" for i in rang
 
 @pytest.fixture(scope="module")
 def dp_server(tiny_model):
-    from e2e.conftest import LiveServer
+    from live_server import LiveServer
 
     path = tiny_model("deepseek_v3")
     live = LiveServer([f"model.path={path}", *FP32_CPU, *DP2, *ep_overrides("a2a"),
