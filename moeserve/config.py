@@ -20,6 +20,8 @@ A2A_BACKENDS = ("a2a", "allgather", "deepep")
 DEEPEP_MODES = ("auto", "normal", "low_latency")
 DP_POLICIES = ("round_robin", "shortest_queue", "prefix_aware")
 RECORD_MODES = ("off", "stat", "per_pass")
+CLUSTER_KINDS = ("local", "local_2node", "slurm")
+SPEC_ALGORITHMS = ("none", "nextn")
 
 
 class ConfigError(ValueError):
@@ -32,7 +34,8 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True)
 class ModelConfig:
-    path: str | None = None  # HF-format folder; None = the embedded SmolLM2-135M-Instruct
+    name: str = "embedded"  # the conf/model/ option; only "embedded" may leave path unset
+    path: str | None = None  # HF-format folder; None (name=embedded): the embedded SmolLM2-135M
     dtype: str = "auto"  # auto: bf16/checkpoint dtype on CUDA, float32 on CPU
     load_format: str = "safetensors"  # dummy: random weights from config.json alone
     context_length: int | None = None  # None: max_position_embeddings of the checkpoint
@@ -105,6 +108,7 @@ class EPLBConfig:
 
     num_redundant_experts: int = 0
     init_placement: str | None = None  # placement.json or a recorder dump (rebalanced on load)
+    require_placement: bool = False  # eplb=static: refuse to start without init_placement
     record_mode: str = "off"  # off | stat (accumulate) | per_pass (window of record_window steps)
     record_window: int = 1000
 
@@ -112,6 +116,42 @@ class EPLBConfig:
 @dataclass(frozen=True)
 class AttentionConfig:
     backend: str = "torch"
+
+
+@dataclass(frozen=True)
+class TBOConfig:
+    """Two-batch overlap. Schema only: enabling it is refused until it is implemented."""
+
+    enabled: bool = False
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    """MTP (NextN) speculative decoding. Schema only: enabling it is refused until implemented."""
+
+    algorithm: str = "none"  # none | nextn
+    num_draft_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    """Where the ranks run (`launch.multinode`). The node count is `parallel.nnodes`; each node
+    runs tp_size / nnodes ranks (one per GPU)."""
+
+    kind: str = "local"  # local: one host | local_2node: two simulated nodes on one host | slurm
+    gpus_per_node: int | None = None  # None: tp_size / nnodes; when set it must equal that
+    node_addr: str = "127.0.0.1"  # local_2node: host of every node (node 0 on slurm: from Slurm)
+    dist_port: int | None = None  # torch.distributed rendezvous port on node 0; None: a free one
+    zmq_base_port: int | None = None  # first of the tcp:// ZMQ ports; None: free ones (local_2node)
+    # slurm (submitit)
+    partition: str | None = None
+    account: str | None = None
+    time_min: int = 60
+    job_name: str = "moeserve"
+    cpus_per_task: int | None = None
+    setup: list[str] = field(default_factory=list)  # shell lines before srun (module load, venv)
+    folder: str = "submitit"  # submitit's job folder, relative to the Hydra run dir
+    dry_run: bool = False  # print the sbatch script that would be submitted and exit 0
 
 
 @dataclass(frozen=True)
@@ -123,6 +163,9 @@ class MoeserveConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     eplb: EPLBConfig = field(default_factory=EPLBConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
+    tbo: TBOConfig = field(default_factory=TBOConfig)
+    spec: SpecConfig = field(default_factory=SpecConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
     device: str = "auto"
     seed: int = 0
 
@@ -131,7 +174,15 @@ def register_configs() -> None:
     """Register the schemas so `conf/*.yaml` defaults lists can extend them."""
     cs = ConfigStore.instance()
     cs.store(name="moeserve_schema", node=_schema_node(MoeserveConfig))
-    cs.store(group="model", name="model_schema", node=_schema_node(ModelConfig))
+    for group, cls in GROUP_SCHEMAS.items():
+        cs.store(group=group, name=f"{group}_schema", node=_schema_node(cls))
+
+
+# One schema per conf/ group: each option's defaults list starts with `<group>_schema`.
+GROUP_SCHEMAS: dict[str, type] = {
+    "model": ModelConfig, "parallel": ParallelConfig,
+    "scheduler": SchedulerConfig, "server": ServerConfig, "eplb": EPLBConfig, "tbo": TBOConfig,
+    "spec": SpecConfig, "cluster": ClusterConfig}
 
 
 def _schema_node(cls: type) -> Any:
@@ -166,6 +217,9 @@ def _check_positive(key: str, value: int | float | None, allow_none: bool = True
 
 def validate(cfg: MoeserveConfig) -> MoeserveConfig:
     """Refuse impossible values and combinations; returns cfg unchanged."""
+    if cfg.model.path is None and cfg.model.name != "embedded":
+        raise ConfigError("model.path", f"model '{cfg.model.name}' needs model.path=<HF folder> "
+                          "(only the embedded default model has no path)")
     _check_choice("model.dtype", cfg.model.dtype, DTYPES)
     _check_choice("model.load_format", cfg.model.load_format, LOAD_FORMATS)
     _check_choice("attention.backend", cfg.attention.backend, ATTENTION_BACKENDS)
@@ -185,9 +239,46 @@ def validate(cfg: MoeserveConfig) -> MoeserveConfig:
     if cfg.eplb.num_redundant_experts < 0:
         raise ConfigError("eplb.num_redundant_experts", "must be >= 0")
     _check_positive("eplb.record_window", cfg.eplb.record_window, False)
+    if cfg.eplb.require_placement and cfg.eplb.init_placement is None:
+        raise ConfigError("eplb.init_placement", "eplb=static needs a placement file "
+                          "(eplb.init_placement=PATH)")
     if not 0.0 < cfg.cache.mem_fraction_static <= 1.0:
         raise ConfigError("cache.mem_fraction_static", "must be in (0, 1]")
+    _validate_not_implemented(cfg)
+    _validate_cluster(cfg.cluster, cfg.parallel)
     return cfg
+
+
+def _validate_not_implemented(cfg: MoeserveConfig) -> None:
+    """Schemas that exist ahead of their feature: enabling them is refused, never ignored."""
+    if cfg.tbo.enabled:
+        raise ConfigError("tbo.enabled", "two-batch overlap is not implemented yet")
+    _check_choice("spec.algorithm", cfg.spec.algorithm, SPEC_ALGORITHMS)
+    if cfg.spec.algorithm != "none":
+        raise ConfigError("spec.algorithm", "speculative decoding (MTP/NextN) is not implemented yet")
+    if cfg.spec.num_draft_tokens != 0:
+        raise ConfigError("spec.num_draft_tokens", "speculative decoding is not implemented yet "
+                          "(must be 0 with spec.algorithm=none)")
+
+
+def _validate_cluster(c: ClusterConfig, p: ParallelConfig) -> None:
+    _check_choice("cluster.kind", c.kind, CLUSTER_KINDS)
+    per_node = p.tp_size // p.nnodes  # nnodes divides tp_size (checked in _validate_parallel)
+    if c.gpus_per_node is not None and c.gpus_per_node != per_node:
+        raise ConfigError("cluster.gpus_per_node", f"{c.gpus_per_node} != tp_size / nnodes = "
+                          f"{p.tp_size} / {p.nnodes}; set parallel.tp_size/nnodes instead")
+    if c.kind == "local" and p.nnodes != 1:
+        raise ConfigError("parallel.nnodes", f"cluster.kind=local runs one node, got {p.nnodes}")
+    if c.kind == "local_2node" and p.nnodes != 2:
+        raise ConfigError("parallel.nnodes", f"cluster.kind=local_2node needs 2, got {p.nnodes}")
+    if c.kind != "local" and p.dp_size != p.tp_size:
+        raise ConfigError("parallel.dp_size", "several nodes need one DP rank per scheduler rank "
+                          "(dp_size = tp_size)")
+    _check_positive("cluster.time_min", c.time_min, False)
+    for key in ("dist_port", "zmq_base_port"):
+        port = getattr(c, key)
+        if port is not None and not 0 < port < 65536:
+            raise ConfigError(f"cluster.{key}", f"{port} is not a TCP port")
 
 
 def _validate_parallel(p: ParallelConfig) -> None:
@@ -226,7 +317,13 @@ def to_config(raw: Any) -> MoeserveConfig:
     """Turn a composed DictConfig into the frozen dataclass tree and validate it."""
     from omegaconf import OmegaConf
 
-    obj = OmegaConf.to_object(raw)
+    from omegaconf.errors import MissingMandatoryValue
+
+    try:
+        obj = OmegaConf.to_object(raw)
+    except MissingMandatoryValue as e:
+        raise ConfigError(str(e.full_key), "is mandatory (??? in the config): give it as an "
+                          "override") from None
     if not isinstance(obj, MoeserveConfig):  # composed without the schema
         raise ConfigError("<root>", "config was not composed against moeserve_schema")
     return validate(obj)

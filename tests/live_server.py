@@ -35,7 +35,9 @@ class LiveServer:
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.NamedTemporaryFile("w+", prefix="moeserve-e2e-", suffix=".log",
                                                delete=False)
-        cmd = [sys.executable, "-m", "launch.server", f"server.port={self.port}", *args]
+        self.run_dir = tempfile.mkdtemp(prefix="moeserve-run-")  # Hydra's run dir: config + log
+        cmd = [sys.executable, "-m", "launch.server", f"server.port={self.port}",
+               f"hydra.run.dir={self.run_dir}", *args]
         self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=self.log, stderr=subprocess.STDOUT)
 
     def log_tail(self, chars: int = 4000) -> str:

@@ -33,6 +33,27 @@ class Endpoints:
         ranks = tuple(new_ipc_address(f"rank{r}") for r in range(dp_size))
         return cls(*base, rank_in=ranks, controller_in=new_ipc_address("ctrl"))
 
+    @classmethod
+    def tcp(cls, host: str, base_port: int, dp_size: int,
+            rank_hosts: tuple[str, ...] | None = None) -> Endpoints:
+        """tcp:// addresses for ranks on several nodes (every process derives the same ones):
+        scheduler_in, detokenizer_in, manager_in, controller_in on `host` (node 0) at base_port
+        .. base_port+3, rank r's inbox on rank_hosts[r] (default `host`) at base_port+4+r.
+        dp_size must be > 1: a multi-node deployment has one DP rank per scheduler rank."""
+        if dp_size < 2:
+            raise ValueError(f"Endpoints.tcp needs dp_size > 1, got {dp_size}")
+        hosts = rank_hosts or (host,) * dp_size
+        if len(hosts) != dp_size:
+            raise ValueError(f"{len(hosts)} rank hosts for dp_size {dp_size}")
+        at = [f"tcp://{host}:{base_port + i}" for i in range(4)]
+        ranks = tuple(f"tcp://{h}:{base_port + 4 + r}" for r, h in enumerate(hosts))
+        return cls(at[0], at[1], at[2], rank_in=ranks, controller_in=at[3])
+
+    @staticmethod
+    def tcp_port_count(dp_size: int) -> int:
+        """How many consecutive ports `tcp(...)` uses from base_port."""
+        return 4 + dp_size
+
     def scheduler_address(self, dp_rank: int) -> str:
         """Where the scheduler of `dp_rank` receives requests."""
         return self.rank_in[dp_rank] if self.rank_in else self.scheduler_in

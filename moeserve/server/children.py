@@ -36,8 +36,12 @@ class ChildDied(RuntimeError):
         self.name, self.exitcode = name, exitcode
 
 
-def setup_logging(level: str) -> None:
-    logging.basicConfig(level=level.upper(), format=LOG_FORMAT, stream=sys.stderr, force=True)
+def setup_logging(level: str, log_file: str | None = None) -> None:
+    """Log to stderr, and also append to `log_file` (the launcher's run dir) when given."""
+    handlers: list[logging.Handler] = [logging.StreamHandler(sys.stderr)]
+    if log_file is not None:
+        handlers.append(logging.FileHandler(log_file))
+    logging.basicConfig(level=level.upper(), format=LOG_FORMAT, handlers=handlers, force=True)
 
 
 def _die_with_parent(parent: int) -> None:
@@ -65,12 +69,12 @@ def _exit_on_sigterm(signum: int, _frame: Any) -> None:
 
 
 def child_entry(name: str, parent: int, log_level: str, target: Callable[..., Any],
-                args: tuple) -> None:
+                args: tuple, log_file: str | None = None) -> None:
     """Top-level entry of every child: guard against orphaning, then run the role's function."""
     _die_with_parent(parent)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
-    setup_logging(log_level)
+    setup_logging(log_level, log_file)
     target(*args)
 
 
@@ -83,16 +87,18 @@ class Child:
 class ProcessGroup:
     """The server's children; `stop()` is idempotent and silences the watchdog first."""
 
-    def __init__(self, log_level: str = "info"):
+    def __init__(self, log_level: str = "info", log_file: str | None = None):
         self._ctx = mp.get_context("spawn")
         self._log_level = log_level
+        self._log_file = log_file
         self.children: list[Child] = []
         self.stopping = threading.Event()
 
     def start(self, name: str, target: Callable[..., Any], args: tuple) -> None:
         """Start a child; call from the main thread (PDEATHSIG follows the forking thread)."""
         proc = self._ctx.Process(target=child_entry, name=name, daemon=False,
-                                 args=(name, os.getpid(), self._log_level, target, args))
+                                 args=(name, os.getpid(), self._log_level, target, args,
+                                       self._log_file))
         proc.start()
         logger.info("started %s (pid %d)", name, proc.pid)
         self.children.append(Child(name, proc))

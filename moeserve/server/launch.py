@@ -15,6 +15,7 @@ import logging
 import os
 import signal
 import socket
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -62,37 +63,53 @@ def with_rendezvous(cfg: MoeserveConfig) -> MoeserveConfig:
     return dataclasses.replace(cfg, parallel=dataclasses.replace(p, dist_init_addr=addr))
 
 
+def node_ranks(cfg: MoeserveConfig) -> range:
+    """The global ranks of this node: rank = node_rank * ranks_per_node + local_rank."""
+    p = cfg.parallel
+    per_node = p.world_size // p.nnodes
+    return range(p.node_rank * per_node, (p.node_rank + 1) * per_node)
+
+
 def start_ranks(procs: ProcessGroup, cfg: MoeserveConfig, model_path: str, endpoints: Endpoints,
                 scheduler_target: Callable[..., None] | None = None) -> set[tuple[str, int]]:
-    """Start the DP controller (dp_size > 1) and one scheduler process per rank; returns the
-    (role, rank) pairs whose ReadyMsg to wait for. Call from the main thread."""
+    """Start the DP controller (dp_size > 1, node 0 only) and one scheduler process per rank of
+    this node; returns the (role, rank) pairs whose ReadyMsg to wait for (every node's ranks).
+    Call from the main thread."""
     from moeserve.dp_attention.controller import run_controller_process
 
     expected = {("scheduler", r) for r in range(cfg.parallel.world_size)}
-    if cfg.parallel.dp_size > 1:
+    if cfg.parallel.dp_size > 1 and cfg.parallel.node_rank == 0:
         procs.start("dp-controller", run_controller_process, (cfg, endpoints))
         expected.add(("controller", 0))
     target = scheduler_target or _default_scheduler()
-    for rank in range(cfg.parallel.world_size):
+    for rank in node_ranks(cfg):
         procs.start(f"scheduler-{rank}", target, (cfg, model_path, endpoints, rank))
     return expected
 
 
-def serve(cfg: MoeserveConfig, scheduler_target: Callable[..., None] | None = None) -> int:
-    """Run the server until shutdown; returns the process exit code (0: signal, 1: failure).
+def serve(cfg: MoeserveConfig, scheduler_target: Callable[..., None] | None = None,
+          log_file: str | None = None, endpoints: Endpoints | None = None,
+          start_first: Callable[[ProcessGroup], None] | None = None) -> int:
+    """Run the server (node 0) until shutdown; returns the process exit code (0: signal,
+    1: failure).
 
-    `scheduler_target(cfg, model_path, endpoints, rank)` replaces the real scheduler (tests)."""
+    `scheduler_target(cfg, model_path, endpoints, rank)` replaces the real scheduler (tests);
+    `log_file` gets every process's log lines too; `endpoints` (default: fresh ipc:// ones) are
+    tcp:// ones when other nodes run ranks; `start_first(procs)` starts extra supervised children
+    before the others (local_2node: node 1's process tree)."""
     from moeserve.models.embedded import embedded_model_path
     from moeserve.tokenizer.detokenizer import run_detokenizer_process
 
-    setup_logging(cfg.server.log_level)
+    setup_logging(cfg.server.log_level, log_file)
     model_path = cfg.model.path or embedded_model_path()
     cfg = with_rendezvous(cfg)
-    endpoints = Endpoints.fresh(cfg.parallel.dp_size)
-    procs = ProcessGroup(cfg.server.log_level)
+    endpoints = endpoints or Endpoints.fresh(cfg.parallel.dp_size)
+    procs = ProcessGroup(cfg.server.log_level, log_file)
     signal.signal(signal.SIGTERM, _raise_interrupt)
     signal.signal(signal.SIGINT, _raise_interrupt)
     try:
+        if start_first is not None:
+            start_first(procs)
         procs.start("detokenizer", run_detokenizer_process, (model_path, endpoints))
         expected = start_ranks(procs, cfg, model_path, endpoints, scheduler_target)
         asyncio.run(_serve_http(cfg, model_path, endpoints, procs, expected))
@@ -107,6 +124,35 @@ def serve(cfg: MoeserveConfig, scheduler_target: Callable[..., None] | None = No
         procs.stop()
         remove_ipc_files(endpoints)
         logger.info("all child processes stopped")
+
+
+def serve_node(cfg: MoeserveConfig, endpoints: Endpoints, log_file: str | None = None,
+               scheduler_target: Callable[..., None] | None = None) -> int:
+    """A node other than 0: run only this node's scheduler ranks (they connect to node 0's
+    tcp:// endpoints and torch.distributed rendezvous) until a signal (exit 0) or a rank's death
+    (exit 1, the other ranks stopped)."""
+    from moeserve.models.embedded import embedded_model_path
+
+    if cfg.parallel.node_rank == 0 or cfg.parallel.dist_init_addr is None:
+        raise ValueError("serve_node runs a node_rank > 0 with parallel.dist_init_addr set")
+    setup_logging(cfg.server.log_level, log_file)
+    model_path = cfg.model.path or embedded_model_path()
+    procs = ProcessGroup(cfg.server.log_level, log_file)
+    signal.signal(signal.SIGTERM, _raise_interrupt)
+    signal.signal(signal.SIGINT, _raise_interrupt)
+    try:
+        start_ranks(procs, cfg, model_path, endpoints, scheduler_target)
+        procs.start_watchdog(lambda child: _on_child_death(child, procs, endpoints))
+        logger.info("node %d: ranks %s started; rendezvous %s", cfg.parallel.node_rank,
+                    list(node_ranks(cfg)), cfg.parallel.dist_init_addr)
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt as e:
+        logger.info("node %d received %s; shutting down", cfg.parallel.node_rank, e or "interrupt")
+        return 0
+    finally:
+        procs.stop()
+        logger.info("node %d: all child processes stopped", cfg.parallel.node_rank)
 
 
 async def _serve_http(cfg: MoeserveConfig, model_path: str, endpoints: Endpoints,
@@ -157,7 +203,10 @@ def rank_summary(ready: dict[tuple[str, int], dict]) -> dict[str, Any]:
 
 
 def _on_child_death(child: Child, procs: ProcessGroup, endpoints: Endpoints) -> None:
-    """Watchdog callback (a thread): one child died, so the whole server goes down with exit 1."""
+    """Watchdog callback (a thread): one child died, so the whole server goes down with exit 1.
+    The first dead child in start order is named (a dead node-1 tree, started first, is the cause
+    when its peers' collectives fail after it)."""
+    child = procs.dead() or child
     logger.error("child process '%s' (pid %s) died with exit code %s; shutting the server down",
                  child.name, child.process.pid, child.process.exitcode)
     procs.stop()
