@@ -151,7 +151,7 @@ class ClusterConfig:
     cpus_per_task: int | None = None
     setup: list[str] = field(default_factory=list)  # shell lines before srun (module load, venv)
     folder: str = "submitit"  # submitit's job folder, relative to the Hydra run dir
-    dry_run: bool = False  # print the sbatch script that would be submitted and exit 0
+    dry_run: bool = False  # print what would be submitted (slurm: the sbatch script) and exit 0
 
 
 @dataclass(frozen=True)

@@ -39,6 +39,12 @@ _NODE_KEYS = ("parallel.node_rank", "parallel.dist_init_addr", "cluster.zmq_base
 
 def run(cfg: MoeserveConfig, run_dir: str, log_file: str | None, task_overrides: list[str]) -> int:
     kind = cfg.cluster.kind
+    if cfg.cluster.dry_run and kind != "slurm":
+        p = cfg.parallel
+        print(f"# cluster.dry_run: would start {kind}: {p.nnodes} node(s) x "
+              f"{p.tp_size // p.nnodes} rank(s), dp {p.dp_size}, ep {p.ep}; nothing started",
+              flush=True)
+        return 0
     if kind == "local":
         return serve(cfg, log_file=log_file)
     if kind == "local_2node":
