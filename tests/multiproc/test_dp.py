@@ -393,3 +393,42 @@ def test_http_killed_rank_brings_server_down(dp_server):
     log = live.log_tail(20000)
     assert re.search(rf"child process 'scheduler-[01]' \(pid {victim.pid}\) died with exit code -9",
                      log), log[-3000:]
+
+
+# ---- dp4 x ep4 (4 processes) and EPLB placements across ranks -----------------------------------
+DP4 = ["parallel.tp_size=4", "parallel.dp_size=4"]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("arch,backend,policy", [("deepseek_v3", "a2a", "shortest_queue"),
+                                                 ("qwen3_moe", "allgather", "round_robin")])
+def test_dp4_ep4_matches_single_process(reference, arch, backend, policy):
+    ref = reference(arch)
+    overrides = FP32_CPU + DP4 + ep_overrides(backend) + [f"parallel.dp_policy={policy}"]
+    with Engine(ref["path"], overrides) as eng:
+        prompts, params = workload()
+        assert ids_of(eng.generate(input_ids=prompts, sampling_params=params)) == ref["workload"]
+        assert ids_of(eng.generate(input_ids=ONE[0], sampling_params=ONE[1])) == ref["one"]
+        ranks = eng.server_info()
+        assert [r["rank"] for r in ranks] == [0, 1, 2, 3]
+        assert sum(r["prompt_tokens"] > 0 for r in ranks) >= 3  # work spread over ranks
+
+
+@pytest.mark.timeout(200)
+def test_dp2_ep2_redundant_experts_and_eplb_placement(reference, tmp_path):
+    """Physical experts = logical + 2 replicas over 2 ranks, trivial and EPLB placements: the
+    same greedy outputs as one process without any placement."""
+    import torch
+
+    from moeserve.eplb.location import ExpertLocation
+
+    ref = reference("deepseek_v3")
+    load = torch.rand(4, 16, generator=torch.Generator().manual_seed(0)) ** 3 * 1000
+    placement = str(tmp_path / "placement.json")
+    ExpertLocation.from_algorithm(load, ep_size=2, num_redundant=2).save(placement)
+    prompts, params = workload()
+    for extra in (["eplb.num_redundant_experts=2"],
+                  ["eplb.num_redundant_experts=2", f"eplb.init_placement={placement}"]):
+        with Engine(ref["path"], FP32_CPU + DP2 + ep_overrides("a2a") + extra) as eng:
+            assert ids_of(eng.generate(input_ids=prompts, sampling_params=params)) == \
+                ref["workload"]
