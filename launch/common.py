@@ -22,10 +22,14 @@ def resolved(raw: DictConfig) -> tuple[MoeserveConfig, str]:
     except ConfigError as e:
         print(f"moeserve: {e}", file=sys.stderr, flush=True)
         sys.exit(2)
+    from moeserve.server.children import setup_logging
+
     run_dir = HydraConfig.get().runtime.output_dir
     print(OmegaConf.to_yaml(raw, resolve=True), flush=True)
     print(f"run dir: {run_dir}", flush=True)
-    return cfg, os.path.join(run_dir, "moeserve.log")
+    log_file = os.path.join(run_dir, "moeserve.log")
+    setup_logging(cfg.server.log_level, log_file)
+    return cfg, log_file
 
 
 def finish(code: int) -> int:

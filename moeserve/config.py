@@ -316,7 +316,6 @@ def compose(overrides: list[str] | tuple[str, ...] = ()) -> MoeserveConfig:
 def to_config(raw: Any) -> MoeserveConfig:
     """Turn a composed DictConfig into the frozen dataclass tree and validate it."""
     from omegaconf import OmegaConf
-
     from omegaconf.errors import MissingMandatoryValue
 
     try:
