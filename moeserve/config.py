@@ -111,6 +111,7 @@ class EPLBConfig:
     require_placement: bool = False  # eplb=static: refuse to start without init_placement
     record_mode: str = "off"  # off | stat (accumulate) | per_pass (window of record_window steps)
     record_window: int = 1000
+    rebalance_interval: int = 0  # forward steps between live rebalances (0: only on request)
 
 
 @dataclass(frozen=True)

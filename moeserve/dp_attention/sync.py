@@ -16,6 +16,7 @@ from moeserve.core import ForwardMode
 from moeserve.distributed import ParallelMesh
 
 NO_BATCH = 0  # mode slot when the rank has nothing to run
+OP_REBALANCE = 1  # an EPLB rebalance was requested
 
 
 @dataclass(frozen=True)
@@ -23,6 +24,7 @@ class GlobalBatchInfo:
     num_tokens: list[int]  # per rank
     modes: list[int]  # ForwardMode value per rank, NO_BATCH when idle
     stop: list[bool]  # the rank's caller wants the loop to end (Engine runs)
+    ops: list[int]  # per rank: bitmask of pending lockstep operations (OP_*)
 
     @property
     def any_work(self) -> bool:
@@ -32,6 +34,10 @@ class GlobalBatchInfo:
     def all_stop(self) -> bool:
         return all(self.stop) and not self.any_work
 
+    def all_have(self, op: int) -> bool:
+        """Every rank has `op` pending: they run it now, at the same step."""
+        return all(o & op for o in self.ops)
+
     @property
     def global_mode(self) -> ForwardMode:
         """EXTEND when any rank extends (DeepEP normal mode), else DECODE."""
@@ -39,16 +45,17 @@ class GlobalBatchInfo:
         return ForwardMode.EXTEND if extend else ForwardMode.DECODE
 
 
-def dp_sync(mesh: ParallelMesh, num_tokens: int, mode: ForwardMode | None,
-            stop: bool) -> GlobalBatchInfo:
-    """Gather (tokens, mode, stop) from every rank; a single-rank mesh answers locally."""
-    local = [num_tokens, int(mode) if mode is not None else NO_BATCH, int(stop)]
+def dp_sync(mesh: ParallelMesh, num_tokens: int, mode: ForwardMode | None, stop: bool,
+            ops: int = 0) -> GlobalBatchInfo:
+    """Gather (tokens, mode, stop, ops) from every rank; a single-rank mesh answers locally."""
+    local = [num_tokens, int(mode) if mode is not None else NO_BATCH, int(stop), ops]
     if not mesh.distributed:
         rows = [local]
     else:
         mine = torch.tensor(local, dtype=torch.int64)
-        out = torch.empty(mesh.world_size * 3, dtype=torch.int64)
+        out = torch.empty(mesh.world_size * len(local), dtype=torch.int64)
         gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
         gather(out, mine, group=mesh.cpu_group)
-        rows = out.view(mesh.world_size, 3).tolist()
-    return GlobalBatchInfo([r[0] for r in rows], [r[1] for r in rows], [bool(r[2]) for r in rows])
+        rows = out.view(mesh.world_size, len(local)).tolist()
+    return GlobalBatchInfo([r[0] for r in rows], [r[1] for r in rows],
+                           [bool(r[2]) for r in rows], [r[3] for r in rows])

@@ -130,6 +130,7 @@ class MoEParallel:
     dispatcher: Any = None  # moeserve.ep.dispatcher.Dispatcher
     recorder: ExpertRecorder = field(default_factory=NullRecorder)
     location: Any = None  # moeserve.eplb.location.ExpertLocation
+    experts_by_layer: dict[int, MoEExperts] = field(default_factory=dict)  # for live rebalance
 
     def num_physical(self, num_logical: int) -> int:
         return num_logical if self.location is None else self.location.num_physical
@@ -145,8 +146,10 @@ class MoEParallel:
         slots = None
         if self.location is not None:
             slots = self.location.physical_to_logical[layer_id, first : first + n].tolist()
-        return MoEExperts(num_phy, hidden, intermediate, first_expert=first, num_local=n,
-                          slot_logical=slots)
+        experts = MoEExperts(num_phy, hidden, intermediate, first_expert=first, num_local=n,
+                             slot_logical=slots)
+        self.experts_by_layer[layer_id] = experts
+        return experts
 
 
 def run_routed_experts(experts: MoEExperts, x: torch.Tensor, topk_ids: torch.Tensor,

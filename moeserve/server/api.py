@@ -204,6 +204,14 @@ def _add_native_routes(app: FastAPI, manager: TokenizerManager, cfg: MoeserveCon
         return {"ok": True, "path": path, "steps": dump.metadata["steps"],
                 "tokens": int(dump.physical_counts.sum())}
 
+    @app.post("/expert_distribution/rebalance", dependencies=auth)
+    @app.post("/rebalance_experts", dependencies=auth)
+    async def rebalance_experts() -> dict[str, Any]:
+        """Live EPLB rebalance from the recorded load: all ranks move expert weights at the same
+        step; requests keep running."""
+        replies = (await expert_record("rebalance"))["replies"]
+        return {"ok": True, "ranks": [r.data for r in replies]}
+
     @app.get("/metrics")
     async def metrics() -> Response:
         return Response(manager.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)

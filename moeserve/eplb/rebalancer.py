@@ -1,0 +1,111 @@
+"""Live rebalance: new placement from the recorded load, expert weights moved between ranks with
+batched point-to-point ops, placement tensors swapped in place — all ranks at the same step.
+
+Called by every rank's scheduler between two forwards (nothing in flight), so the EP group is
+free for the transfers and every rank sees the same load and computes the same placement.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from moeserve.distributed import ParallelMesh
+from moeserve.eplb.algorithm import balancedness, rank_load
+from moeserve.eplb.location import ExpertLocation
+from moeserve.layers.moe import MoEExperts
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RebalanceResult:
+    balancedness_before: float  # mean over MoE layers of mean/max tokens per rank
+    balancedness_after: float
+    moved_slots: int  # local slots whose expert changed on this rank
+
+
+def global_logical_load(counts: torch.Tensor, loc: ExpertLocation,
+                        mesh: ParallelMesh) -> torch.Tensor:
+    """Physical counts [L, P] of this rank → logical load [L, E] summed over all ranks."""
+    counts = counts.detach().to("cpu", torch.int64).clone()
+    if mesh.distributed:
+        dist.all_reduce(counts, group=mesh.cpu_group)
+    out = torch.zeros(counts.shape[0], loc.num_logical, dtype=torch.int64)
+    return out.scatter_add_(1, loc.physical_to_logical.cpu(), counts)
+
+
+def placement_balancedness(loc: ExpertLocation, load: torch.Tensor, layers: list[int]) -> float:
+    per_rank = rank_load(loc.physical_to_logical.cpu(), load.float(), loc.logical_count.cpu(),
+                         loc.ep_size)  # [L, ep]
+    return float(balancedness(per_rank[layers]).mean())
+
+
+def rebalance(experts: dict[int, MoEExperts], loc: ExpertLocation, counts: torch.Tensor,
+              mesh: ParallelMesh, num_groups: int = 1) -> RebalanceResult:
+    """Collective over the mesh: move weights to the EPLB placement for the recorded load and
+    update `loc` in place. `experts` maps MoE layer id → this rank's experts module."""
+    load = global_logical_load(counts, loc, mesh)  # [L, E]
+    layers = sorted(experts)
+    new = ExpertLocation.from_algorithm(load, loc.ep_size, loc.num_nodes,
+                                        loc.num_physical - loc.num_logical, num_groups,
+                                        loc.ep_rank, device=loc.physical_to_logical.device)
+    before = placement_balancedness(loc, load, layers)
+    moved = sum(_move_layer(experts[layer], loc, new, layer, mesh) for layer in layers)
+    loc.update_(new)
+    after = placement_balancedness(loc, load, layers)
+    logger.info("EPLB rebalance: balancedness %.3f -> %.3f, %d local slots changed", before,
+                after, moved)
+    return RebalanceResult(before, after, moved)
+
+
+def _move_layer(ex: MoEExperts, old: ExpertLocation, new: ExpertLocation, layer: int,
+                mesh: ParallelMesh) -> int:
+    """Fill each local slot with its new logical expert, copied locally when this rank already
+    holds it, else received from the rank of its lowest old replica (every rank agrees)."""
+    old_p2l = old.physical_to_logical[layer].tolist()
+    new_p2l = new.physical_to_logical[layer].tolist()
+    per_rank = old.slots_per_rank
+    source = {}  # logical expert → the old slot that serves it to other ranks
+    for slot, e in enumerate(old_p2l):
+        source.setdefault(e, slot)
+    w13, w2 = ex.w13.data.clone(), ex.w2.data.clone()
+    ops, recv = [], []
+    for dst_slot, e in enumerate(new_p2l):
+        dst_rank, src_slot = dst_slot // per_rank, source[e]
+        src_rank = src_slot // per_rank
+        mine = [s for s in range(per_rank * mesh.ep_rank, per_rank * (mesh.ep_rank + 1))
+                if old_p2l[s] == e]
+        if dst_rank == mesh.ep_rank:
+            local = dst_slot - per_rank * mesh.ep_rank
+            if mine:  # already here (maybe in another slot): copy
+                w13[local], w2[local] = ex.w13.data[mine[0] - ex.first_expert], \
+                    ex.w2.data[mine[0] - ex.first_expert]
+            else:
+                bufs = (torch.empty_like(w13[local]), torch.empty_like(w2[local]))
+                ops += [dist.P2POp(dist.irecv, b, src_rank, group=mesh.ep_group) for b in bufs]
+                recv.append((local, bufs))
+        elif src_rank == mesh.ep_rank and not _holds(old_p2l, dst_rank, per_rank, e):
+            local_src = src_slot - ex.first_expert
+            ops += [dist.P2POp(dist.isend, ex.w13.data[local_src].contiguous(), dst_rank,
+                               group=mesh.ep_group),
+                    dist.P2POp(dist.isend, ex.w2.data[local_src].contiguous(), dst_rank,
+                               group=mesh.ep_group)]
+    if ops:
+        for req in dist.batch_isend_irecv(ops):
+            req.wait()
+    for local, (b13, b2) in recv:
+        w13[local], w2[local] = b13, b2
+    ex.w13.data.copy_(w13)
+    ex.w2.data.copy_(w2)
+    first = ex.first_expert
+    changed = sum(a != b for a, b in zip(ex.slot_logical, new_p2l[first : first + ex.num_local]))
+    ex.slot_logical = new_p2l[first : first + ex.num_local]
+    return changed
+
+
+def _holds(p2l: list[int], rank: int, per_rank: int, e: int) -> bool:
+    return e in p2l[rank * per_rank : (rank + 1) * per_rank]
