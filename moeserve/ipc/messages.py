@@ -113,6 +113,7 @@ class LoadReport(Msg):
     max_total_tokens: int
     cache_hit_tokens: int = 0  # cumulative prompt tokens served from the prefix cache
     prompt_tokens: int = 0  # cumulative prompt tokens admitted
+    eplb_balancedness: float = -1.0  # after the last live rebalance (-1: none yet)
 
 
 SchedulerInput = Union[GenerateReq, AbortReq, ControlReq, Wake]

@@ -54,7 +54,8 @@ class ZmqSchedulerIO:
         report = LoadReport(
             rank=self.rank, running=load["running"], waiting=load["waiting"],
             used_tokens=load["used_tokens"], max_total_tokens=load["max_total_tokens"],
-            cache_hit_tokens=load["cache_hit_tokens"], prompt_tokens=load["prompt_tokens"])
+            cache_hit_tokens=load["cache_hit_tokens"], prompt_tokens=load["prompt_tokens"],
+            eplb_balancedness=load.get("eplb_balancedness", -1.0))
         self.to_manager.put(report)
         if self.to_controller is not None:
             self.to_controller.put(report)

@@ -48,6 +48,10 @@ class Metrics:
                                 registry=reg)
         self.aborted = Counter(PREFIX + "aborted_requests",
                                "Requests aborted by the server (client gone, error)", registry=reg)
+        self.eplb_balancedness = Gauge(PREFIX + "eplb_balancedness",
+                                       "Mean/max expected tokens per EP rank under the current "
+                                       "expert placement, after the last rebalance", rank,
+                                       registry=reg)
         self.ttft = Histogram(PREFIX + "time_to_first_token_seconds", "Time to first token",
                               buckets=_LATENCY_BUCKETS, registry=reg)
         self.itl = Histogram(PREFIX + "inter_token_latency_seconds", "Time between output tokens",
@@ -62,6 +66,8 @@ class Metrics:
         self.kv_usage.labels(rank).set(report.used_tokens / max(report.max_total_tokens, 1))
         if report.prompt_tokens > 0:
             self.cache_hit_rate.labels(rank).set(report.cache_hit_tokens / report.prompt_tokens)
+        if report.eplb_balancedness >= 0:
+            self.eplb_balancedness.labels(rank).set(report.eplb_balancedness)
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 
 import pytest
 from live_server import LiveServer
@@ -53,5 +54,8 @@ def test_live_rebalance_under_streaming_load(tiny_model):
         assert outs == expected
         info = httpx.get(live.url + "/server_info").json()["ranks"]
         assert all(r["eplb_rebalances"] == 1 for r in info)
+        time.sleep(1.2)  # the next load report carries the balancedness to /metrics
+        metrics = httpx.get(live.url + "/metrics").text
+        assert 'moeserve:eplb_balancedness{rank="0"}' in metrics
     finally:
         live.stop()
