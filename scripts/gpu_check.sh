@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Runs on a lent GPU machine (see the device tool): GPU tests, then benchmarks, logs under $OUT.
-#   scripts/gpu_check.sh [tests|one_batch|serving|all]
+#   scripts/gpu_check.sh [tests|one_batch|serving|multigpu|all]   (multigpu: 2+ GPUs)
 # The image lacks some pure-Python deps: they travel as wheels in .whl/ (not committed).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -30,6 +30,13 @@ if [[ $what == one_batch || $what == all ]]; then
       --output-len 32 --compare-hf -o device=cuda -o cache.max_total_tokens=65536 \
       2>&1 | grep -v Warning | tee -a "$OUT/one_batch.log"
   done
+fi
+
+if [[ $what == multigpu ]]; then
+  n=$(nvidia-smi -L | wc -l)
+  python3 -m moeserve.bench.ep --world "$n" --backend a2a allgather --tokens 128 1024 4096 \
+    2>&1 | grep -v Warning | tee "$OUT/bench_ep.log"
+  python3 scripts/gpu_dp_check.py 2>&1 | grep -E "identical|Error" | tee "$OUT/dp_check.log"
 fi
 
 if [[ $what == serving || $what == all ]]; then
