@@ -4,7 +4,7 @@ greedy outputs, skewed loads), and the HTTP server with tp2/dp2 (concurrent Open
 a killed rank takes the server down).
 
 Rank processes run with OMP_NUM_THREADS=1 (the CPU has 2 cores). MoE models use expert parallelism
-(ep_size = tp_size) once `moeserve.ep.dispatcher.create_dispatcher` exists, else ep_size=1.
+(ep_size = tp_size) with the a2a and allgather dispatchers.
 """
 
 from __future__ import annotations
@@ -28,15 +28,7 @@ from moeserve.dp_attention.controller import PrefixIndex, Router, block_hashes
 from moeserve.ipc.messages import LoadReport
 
 
-def _has_ep() -> bool:
-    try:
-        from moeserve.ep.dispatcher import create_dispatcher  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
-
-EP = _has_ep()
 DP2 = ["parallel.tp_size=2", "parallel.dp_size=2"]
 GREEDY = {"temperature": 0, "ignore_eos": True}
 
@@ -231,10 +223,10 @@ def reference(tiny_model):
 
 
 def ep_overrides(backend: str) -> list[str]:
-    return [f"parallel.a2a_backend={backend}"] if EP else ["parallel.ep_size=1"]
+    return [f"parallel.a2a_backend={backend}"]  # ep_size defaults to tp_size: real EP
 
 
-# (model, policy, a2a backend, loop): every policy and (with EP) every backend on each model
+# (model, policy, a2a backend, loop): every policy and every CPU backend on each model
 DP_CASES = [("qwen3_moe", "round_robin", "a2a", "overlap"),
             ("qwen3_moe", "shortest_queue", "allgather", "overlap"),
             ("qwen3_moe", "prefix_aware", "a2a", "normal"),
