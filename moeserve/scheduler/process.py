@@ -82,7 +82,15 @@ def run_scheduler_process(cfg: MoeserveConfig, model_path: str, endpoints: Endpo
     from moeserve.distributed import init_mesh
     from moeserve.scheduler.setup import build_scheduler
 
-    mesh = init_mesh(cfg.parallel, rank, rank_device(cfg.device, rank))
+    device = rank_device(cfg.device, rank)
+    if device.type == "cpu" and cfg.parallel.world_size > 1:
+        import os
+
+        import torch
+
+        local_ranks = cfg.parallel.world_size // cfg.parallel.nnodes
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_ranks))  # no oversubscription
+    mesh = init_mesh(cfg.parallel, rank, device)
     io = ZmqSchedulerIO(endpoints, rank, mesh.dp_rank)
     cfg = replace(cfg, model=replace(cfg.model, path=model_path))
     scheduler, _ = build_scheduler(cfg, io, mesh)
