@@ -1,9 +1,11 @@
-"""Live EPLB rebalance while 32 requests stream on dp2 x ep2 with redundant experts: every request
-succeeds and greedy outputs equal a single process without any placement."""
+"""Live EPLB rebalance while 32 requests are in flight (half of them streaming) on dp2 x ep2 with
+redundant experts: every request succeeds and greedy outputs equal a single process without any
+placement."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 import time
 
@@ -40,7 +42,18 @@ def test_live_rebalance_under_streaming_load(tiny_model):
                 assert r.status_code == 200, r.text
                 return r.json()["output_ids"]
 
-            tasks = [asyncio.create_task(one(p)) for p in prompts]
+            async def streamed(p):  # cumulative ids per event; the last one is the result
+                body = {"input_ids": p, "sampling_params": GREEDY, "stream": True}
+                last = None
+                async with c.stream("POST", "/generate", json=body) as r:
+                    assert r.status_code == 200
+                    async for line in r.aiter_lines():
+                        if line.startswith("data: {"):
+                            last = json.loads(line[6:])
+                return last["output_ids"]
+
+            tasks = [asyncio.create_task(streamed(p) if i % 2 else one(p))
+                     for i, p in enumerate(prompts)]
             await asyncio.sleep(1.0)  # mid-stream
             rebalanced = await c.post("/rebalance_experts")
             return await asyncio.gather(*tasks), rebalanced
