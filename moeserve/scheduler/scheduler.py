@@ -15,13 +15,14 @@ from typing import Protocol
 from moeserve.config import MoeserveConfig
 from moeserve.core import FinishReason, ForwardMode, Req
 from moeserve.distributed import ParallelMesh, single_rank_mesh
-from moeserve.dp_attention.sync import OP_REBALANCE, GlobalBatchInfo, dp_sync
+from moeserve.dp_attention.sync import GlobalBatchInfo, dp_sync
 from moeserve.ipc.messages import AbortReq, ControlReq, GenerateReq, TokenOutput, Wake
 from moeserve.runtime.model_runner import ModelRunner
 from moeserve.runtime.sampler import make_generator
 from moeserve.scheduler.batch import ScheduledBatch
 from moeserve.scheduler.cache import CacheManager
 from moeserve.scheduler.decode import NewTokenRatio, decodable, pick_retractions
+from moeserve.scheduler.ops import SchedulerOps
 from moeserve.scheduler.prefill import AddResult, PrefillAdder
 from moeserve.scheduler.stop import StopChecker
 from moeserve.scheduler.worker import ForwardWorker
@@ -44,8 +45,7 @@ class Scheduler:
         self.cfg, self.runner, self.io = cfg, runner, io
         self.mesh = mesh or single_rank_mesh(runner.device)
         self._global_idle = True  # from the last DP sync: no rank had work
-        self._rebalance_requests: list[ControlReq] = []  # answered once the rebalance ran
-        self._synced_steps = 0  # identical on every rank: drives eplb.rebalance_interval
+        self.ops = SchedulerOps(self)  # control requests and lockstep (EPLB) operations
         sc = cfg.scheduler
         self.cache = CacheManager(runner.memory, cfg.cache.page_size, sc.disable_radix_cache)
         self.worker = ForwardWorker(runner, threaded=sc.overlap)
@@ -95,54 +95,7 @@ class Scheduler:
         self.io.send_outputs([self._output(req)], self._take_stop_strings([req]))
 
     def control(self, msg: ControlReq) -> None:
-        handler = {"flush_cache": self._flush_cache, "server_info": lambda: (True, self.load()),
-                   "expert_record_start": self._record_start,
-                   "expert_record_stop": self._record_stop,
-                   "expert_record_dump": self._record_dump}.get(msg.op)
-        if msg.op == "rebalance":
-            if self.runner.moe_parallel.location is None:
-                self.io.send_control(msg, False, {"error": "EPLB is off: set "
-                                                  "eplb.num_redundant_experts or init_placement"})
-            else:
-                self._rebalance_requests.append(msg)  # runs at the next step all ranks agree on
-            return
-        if handler is None:
-            self.io.send_control(msg, False, {"error": f"unknown op {msg.op!r}"})
-            return
-        ok, data = handler()
-        self.io.send_control(msg, ok, data)
-
-    def _flush_cache(self) -> tuple[bool, dict]:
-        return (not self.running and not self.waiting and self.cache.flush()), {}
-
-    def _recorder_or_error(self):
-        rec = self.runner.recorder
-        return rec, (None if rec is not None else {"error": "not a MoE model"})
-
-    def _record_start(self) -> tuple[bool, dict]:
-        rec, err = self._recorder_or_error()
-        if rec is not None:
-            rec.reset()
-            rec.start()
-        return rec is not None, err or {}
-
-    def _record_stop(self) -> tuple[bool, dict]:
-        rec, err = self._recorder_or_error()
-        if rec is not None:
-            rec.stop()
-        return rec is not None, err or {}
-
-    def _record_dump(self) -> tuple[bool, dict]:
-        """This rank's counts; the caller sums the ranks' counts and writes the dump file."""
-        rec, err = self._recorder_or_error()
-        if rec is None:
-            return False, err
-        loc = rec.location
-        return True, {"counts": rec.physical_counts().cpu().tolist(), "steps": rec.steps,
-                      "topk": rec.topk, "start_time": rec.start_time,
-                      "phy2log": None if loc is None else loc.physical_to_logical.cpu().tolist(),
-                      "num_logical": rec.num_physical if loc is None else loc.num_logical,
-                      "ep_size": self.mesh.ep_size, "num_nodes": self.cfg.parallel.nnodes}
+        self.ops.handle(msg)
 
     def load(self) -> dict:
         return {"running": len(self.running) + (self.chunked is not None),
@@ -299,11 +252,10 @@ class Scheduler:
         """This rank's next batch after the DP sync: IDLE when only other ranks have work, None
         when no rank has (then no rank runs a forward)."""
         batch = self.get_next_batch()
-        ops = OP_REBALANCE if self._rebalance_requests else 0
         info = dp_sync(self.mesh, batch.num_tokens if batch else 0,
-                       batch.mode if batch else None, stop, ops)
+                       batch.mode if batch else None, stop, self.ops.pending())
         self._global_idle = not info.any_work
-        self._synced_steps += info.any_work
+        self.ops.synced_steps += info.any_work
         if batch is None and info.any_work:
             batch = ScheduledBatch.idle()
         if batch is not None:
@@ -314,7 +266,7 @@ class Scheduler:
         while True:
             self._recv(may_block=True)
             batch, info = self.next_synced_batch(should_stop())
-            self._maybe_rebalance(info)
+            self.ops.run_lockstep(info)
             if batch is None:
                 self.cache.free_deferred_rows()
                 if info.all_stop:
@@ -327,10 +279,10 @@ class Scheduler:
         while True:
             self._recv(may_block=last is None)
             batch, info = self.next_synced_batch(should_stop())
-            if last is not None and self._rebalance_due(info):  # nothing may be in flight
+            if last is not None and self.ops.lockstep_due(info):  # nothing may be in flight
                 self.process_result(last[0], last[1].result())
                 last = None
-            self._maybe_rebalance(info)
+            self.ops.run_lockstep(info)
             if last is not None and batch is not None and (
                     batch.mode == last[0].mode == ForwardMode.EXTEND):
                 self.process_result(last[0], last[1].result())  # protect time-to-first-token
@@ -343,29 +295,6 @@ class Scheduler:
             last = (batch, future) if batch is not None else None
             if batch is None and info.all_stop:
                 return  # the same iteration on every rank: nothing is in flight anywhere
-
-    def _rebalance_due(self, info: GlobalBatchInfo) -> bool:
-        interval = self.cfg.eplb.rebalance_interval
-        periodic = (interval > 0 and info.any_work and self._synced_steps % interval == 0
-                    and self.runner.moe_parallel.location is not None)
-        return info.all_have(OP_REBALANCE) or periodic
-
-    def _maybe_rebalance(self, info: GlobalBatchInfo) -> None:
-        """Every rank decides from the same sync result, so all rebalance at the same step."""
-        if not self._rebalance_due(info):
-            return
-        from moeserve.eplb.rebalancer import rebalance
-
-        par = self.runner.moe_parallel
-        result = rebalance(par.experts_by_layer, par.location,
-                           self.runner.recorder.physical_counts(), self.mesh)
-        self.stats["eplb_balancedness"] = result.balancedness_after
-        self.stats["eplb_rebalances"] = self.stats.get("eplb_rebalances", 0) + 1
-        for msg in self._rebalance_requests:
-            self.io.send_control(msg, True, {"balancedness_before": result.balancedness_before,
-                                             "balancedness_after": result.balancedness_after,
-                                             "moved_slots": result.moved_slots})
-        self._rebalance_requests = []
 
     def run_forever(self, should_stop: Callable[[], bool] = lambda: False) -> None:
         loop = self.event_loop_overlap if self.cfg.scheduler.overlap else self.event_loop_normal
