@@ -12,10 +12,7 @@ import time
 
 import pytest
 
-try:
-    import httpx2 as httpx  # the HTTP client of openai >= 3
-except ImportError:  # pragma: no cover - older openai clients ship httpx
-    import httpx
+import httpx
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 START_TIMEOUT_S = 240

@@ -29,10 +29,7 @@ from typing import Any
 
 import numpy as np
 
-try:
-    import httpx
-except ImportError:  # some environments ship the same client as `httpx2`
-    import httpx2 as httpx  # type: ignore[no-redef]
+import httpx
 
 BACKENDS = ("openai-completions", "openai-chat")
 DATASETS = ("random",)

@@ -7,10 +7,7 @@ import time
 
 import pytest
 
-try:
-    import httpx2 as httpx  # the HTTP client of openai >= 3
-except ImportError:  # pragma: no cover - older openai clients ship httpx
-    import httpx
+import httpx
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 

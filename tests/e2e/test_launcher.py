@@ -9,10 +9,7 @@ import signal
 
 import pytest
 
-try:
-    import httpx2 as httpx  # the HTTP client of openai >= 3
-except ImportError:  # pragma: no cover - older openai clients ship httpx
-    import httpx
+import httpx
 
 psutil = pytest.importorskip("psutil")
 

@@ -4,10 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-try:
-    import httpx2 as httpx  # the HTTP client of openai >= 3
-except ImportError:  # pragma: no cover - older openai clients ship httpx
-    import httpx
+import httpx
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 

@@ -14,10 +14,7 @@ from parity import FP32_CPU
 
 from moeserve import Engine
 
-try:
-    import httpx2 as httpx  # the HTTP client of openai >= 3
-except ImportError:  # pragma: no cover
-    import httpx
+import httpx
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 

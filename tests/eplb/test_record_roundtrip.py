@@ -15,10 +15,7 @@ from moeserve.eplb.algorithm import balancedness
 from moeserve.eplb.cli import main as eplb_main
 from moeserve.eplb.recorder import load_dump
 
-try:
-    import httpx2 as httpx
-except ImportError:  # pragma: no cover
-    import httpx
+import httpx
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 DP2 = ["parallel.tp_size=2", "parallel.dp_size=2", "parallel.dp_policy=round_robin"]

@@ -18,10 +18,7 @@ import time
 import pytest
 from parity import FP32_CPU
 
-try:
-    import httpx2 as httpx  # the HTTP client of openai >= 3
-except ImportError:  # pragma: no cover - older openai clients ship httpx
-    import httpx
+import httpx
 
 from moeserve import Engine
 from moeserve.dp_attention.controller import PrefixIndex, Router, block_hashes

@@ -15,10 +15,7 @@ from parity import FP32_CPU
 
 from moeserve import Engine
 
-try:
-    import httpx2 as httpx
-except ImportError:  # pragma: no cover
-    import httpx
+import httpx
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 GREEDY = {"temperature": 0, "ignore_eos": True, "max_new_tokens": 24}
