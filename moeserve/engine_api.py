@@ -174,6 +174,3 @@ def _multi_rank_core(cfg: MoeserveConfig):
 
     path = resolve_model_path(cfg)
     return MultiRankCore(cfg, path, AutoTokenizer.from_pretrained(path))
-
-
-_quote = quote_override  # older name

@@ -70,3 +70,32 @@ class LiveServer:
         elif os.path.exists(self.log.name):
             os.unlink(self.log.name)
         return self.proc.returncode
+
+
+def assert_concurrent_chats_match_engine(url: str, model_path: str, questions: list[str],
+                                         lens: list[int], engine_overrides: list[str]) -> None:
+    """len(lens) concurrent greedy chat requests through the official openai client produce the
+    same text and token counts as the single-process Engine on the same chat prompts."""
+    import concurrent.futures as cf
+
+    import openai
+
+    from moeserve import Engine
+
+    client = openai.OpenAI(api_key="unused", base_url=url + "/v1", timeout=120, max_retries=0)
+    model = client.models.list().data[0].id
+
+    def ask(i: int):
+        return client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": questions[i]}], temperature=0,
+            max_tokens=lens[i], extra_body={"ignore_eos": True})
+
+    with cf.ThreadPoolExecutor(len(lens)) as pool:
+        answers = list(pool.map(ask, range(len(lens))))
+    with Engine(model_path, engine_overrides) as eng:
+        chats = [eng.apply_chat_template([{"role": "user", "content": q}])
+                 for q in questions[: len(lens)]]
+        expected = eng.generate(input_ids=chats, sampling_params=[
+            {"temperature": 0, "ignore_eos": True, "max_new_tokens": n} for n in lens])
+    assert [a.usage.completion_tokens for a in answers] == lens
+    assert [a.choices[0].message.content for a in answers] == [e["text"] for e in expected]

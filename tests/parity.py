@@ -30,8 +30,8 @@ def prefill_logits(runner: ModelRunner, prompts: list[list[int]]) -> list[torch.
         mem.req_to_token.write(row, 0, slots[offset : offset + n])
         offset += n
     fb = runner.make_batch(ForwardMode.EXTEND, [t for p in prompts for t in p],
-                           [i for n in lens for i in range(n)], slots, rows, lens, [0] * len(lens),
-                           lens, return_all_logits=True)
+                           [i for n in lens for i in range(n)], slots, rows, [0] * len(lens), lens,
+                           return_all_logits=True)
     logits = runner.forward(fb)
     mem.allocator.free(slots)
     mem.req_to_token.free(rows)
@@ -48,13 +48,12 @@ def decode_vs_recompute(runner: ModelRunner, prompt: list[int], steps: int) -> t
     slots = mem.allocator.alloc(total)
     mem.req_to_token.write(row, 0, slots)
     n = len(prompt)
-    fb = runner.make_batch(ForwardMode.EXTEND, prompt, list(range(n)), slots[:n], [row], [n], [0],
-                           [n])
+    fb = runner.make_batch(ForwardMode.EXTEND, prompt, list(range(n)), slots[:n], [row], [0], [n])
     seq, logits = list(prompt), runner.forward(fb)
     for pos in range(n, total):
         seq.append(int(logits[0].argmax()))
         fb = runner.make_batch(ForwardMode.DECODE, [seq[-1]], [pos], slots[pos : pos + 1], [row],
-                               [pos + 1], [pos], [1])
+                               [pos], [1])
         logits = runner.forward(fb)
     mem.allocator.free(slots)
     mem.req_to_token.free(row)

@@ -37,7 +37,7 @@ def bench_moeserve(runner: ModelRunner, batch: int, input_len: int, output_len: 
     lens = [input_len] * batch
     fb = runner.make_batch(ForwardMode.EXTEND, [t for x in ids for t in x],
                            list(range(input_len)) * batch, per_req[:, :input_len].flatten(), rows,
-                           lens, [0] * batch, lens)
+                           [0] * batch, lens)
     _sync(runner.device)
     t0 = time.perf_counter()
     next_ids = runner.forward(fb).argmax(-1).tolist()
@@ -46,9 +46,8 @@ def bench_moeserve(runner: ModelRunner, batch: int, input_len: int, output_len: 
     t0 = time.perf_counter()
     for step in range(output_len - 1):
         pos = input_len + step
-        seq = [pos + 1] * batch
         fb = runner.make_batch(ForwardMode.DECODE, next_ids, [pos] * batch, per_req[:, pos], rows,
-                               seq, [pos] * batch, [1] * batch)
+                               [pos] * batch, [1] * batch)
         next_ids = runner.forward(fb).argmax(-1).tolist()
     _sync(runner.device)
     decode = time.perf_counter() - t0

@@ -36,7 +36,8 @@ def resolve_device(name: str) -> torch.device:
 
 
 def resolve_dtype(name: str, hf_config, device: torch.device) -> torch.dtype:
-    """auto: float32 on CPU (bf16 matmuls are slow there), else the checkpoint's 16-bit dtype."""
+    """auto: float32 on CPU (bf16 there sped up matmuls but not a whole serving step, and fp32
+    keeps exact parity with transformers), else the checkpoint's 16-bit dtype."""
     if name != "auto":
         return _DTYPES[name]
     if device.type == "cpu":
@@ -181,23 +182,26 @@ class ModelRunner:
         return max(int(budget // per_token), 1024)
 
     # ---- execution ----------------------------------------------------------------------------
-    def make_batch(self, mode: ForwardMode, input_ids: list[int], positions: list[int],
-                   out_cache_loc: torch.Tensor, req_pool_indices: list[int], seq_lens: list[int],
-                   prefix_lens: list[int], extend_lens: list[int],
-                   return_all_logits: bool = False) -> ForwardBatch:
+    def make_batch(self, mode: ForwardMode, input_ids: torch.Tensor | list[int],
+                   positions: torch.Tensor | list[int], out_cache_loc: torch.Tensor,
+                   req_pool_indices: list[int], prefix_lens: list[int], extend_lens: list[int],
+                   return_all_logits: bool = False,
+                   global_mode: ForwardMode | None = None) -> ForwardBatch:
+        """The one place a ForwardBatch is built; seq_lens = prefix_lens + extend_lens."""
         dev = self.device
+        seq_lens = [p + n for p, n in zip(prefix_lens, extend_lens)]
+
+        def ints(x) -> torch.Tensor:
+            return torch.as_tensor(x, dtype=torch.int64).to(dev)
+
         return ForwardBatch(
-            forward_mode=mode,
-            input_ids=torch.tensor(input_ids, dtype=torch.int64, device=dev),
-            positions=torch.tensor(positions, dtype=torch.int64, device=dev),
-            out_cache_loc=out_cache_loc.to(dev),
-            req_pool_indices=torch.tensor(req_pool_indices, dtype=torch.int64, device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int64, device=dev),
-            seq_lens_cpu=seq_lens, extend_prefix_lens_cpu=prefix_lens,
-            extend_seq_lens_cpu=extend_lens, req_to_token_pool=self.memory.req_to_token,
-            kv_pool=self.memory.pool, attn_backend=self.attn_backend,
-            return_all_logits=return_all_logits,
-        )
+            forward_mode=mode, input_ids=ints(input_ids), positions=ints(positions),
+            out_cache_loc=out_cache_loc.to(dev), req_pool_indices=ints(req_pool_indices),
+            seq_lens=ints(seq_lens), seq_lens_cpu=seq_lens,
+            extend_prefix_lens_cpu=list(prefix_lens), extend_seq_lens_cpu=list(extend_lens),
+            req_to_token_pool=self.memory.req_to_token, kv_pool=self.memory.pool,
+            attn_backend=self.attn_backend, return_all_logits=return_all_logits,
+            global_forward_mode=global_mode or mode)
 
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch) -> torch.Tensor:

@@ -83,28 +83,22 @@ class ForwardWorker:
         return out
 
     def _prepare(self, fi: ForwardInput) -> ForwardBatch:
+        """Write the step's slot map (and, for EXTEND, its token ids) into the request rows, then
+        read the input ids back from the token table (decode inputs were sampled on the device)."""
         mem, dev = self.runner.memory, self.runner.device
-        row_of_tok = torch.repeat_interleave(torch.tensor(fi.rows, dtype=torch.int64),
-                                             torch.tensor(fi.extend_lens, dtype=torch.int64))
-        positions = torch.cat([torch.arange(p, p + n) for p, n in zip(fi.prefix_lens,
-                                                                      fi.extend_lens)]
-                              or [torch.empty(0, dtype=torch.int64)])
+        lens = torch.tensor(fi.extend_lens, dtype=torch.int64)  # [B]
+        row_of_tok = torch.repeat_interleave(torch.tensor(fi.rows, dtype=torch.int64), lens)
+        starts = torch.tensor(fi.prefix_lens, dtype=torch.int64) - (lens.cumsum(0) - lens)  # [B]
+        positions = torch.arange(int(lens.sum())) + torch.repeat_interleave(starts, lens)  # [T]
         row_of_tok, positions = row_of_tok.to(dev), positions.to(dev)
         mem.req_to_token.req_to_token[row_of_tok, positions] = fi.out_cache_loc.to(dev)
         if fi.new_token_ids is not None:
             ids = torch.tensor(fi.new_token_ids, dtype=torch.int64, device=dev)
             mem.req_to_token.token_ids[row_of_tok, positions] = ids
         input_ids = mem.req_to_token.token_ids[row_of_tok, positions]
-        seq_lens = [p + n for p, n in zip(fi.prefix_lens, fi.extend_lens)]
-        return ForwardBatch(
-            forward_mode=fi.mode, input_ids=input_ids, positions=positions,
-            out_cache_loc=fi.out_cache_loc.to(dev),
-            req_pool_indices=torch.tensor(fi.rows, dtype=torch.int64, device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int64, device=dev), seq_lens_cpu=seq_lens,
-            extend_prefix_lens_cpu=list(fi.prefix_lens), extend_seq_lens_cpu=list(fi.extend_lens),
-            req_to_token_pool=mem.req_to_token, kv_pool=mem.pool,
-            attn_backend=self.runner.attn_backend, return_all_logits=fi.return_all_logits,
-            global_forward_mode=fi.global_mode or fi.mode)
+        return self.runner.make_batch(fi.mode, input_ids, positions, fi.out_cache_loc, fi.rows,
+                                      fi.prefix_lens, fi.extend_lens, fi.return_all_logits,
+                                      fi.global_mode)
 
 
 def _logprobs(logits: torch.Tensor, next_ids: torch.Tensor, nums: list[int]):

@@ -5,7 +5,6 @@ down with exit 1 and a log line naming it, leaving no process behind)."""
 
 from __future__ import annotations
 
-import concurrent.futures as cf
 import os
 import re
 import signal
@@ -14,6 +13,7 @@ import sys
 import time
 
 import pytest
+from live_server import assert_concurrent_chats_match_engine
 from parity import FP32_CPU
 
 import httpx
@@ -124,27 +124,8 @@ def two_nodes(tiny_model, tmp_path_factory):
 
 @pytest.mark.timeout(240)
 def test_two_nodes_chat_matches_single_process(two_nodes):
-    import openai
-
-    from moeserve import Engine
-
     _, url, path, run_dir, _ = two_nodes
-    client = openai.OpenAI(api_key="unused", base_url=url + "/v1", timeout=120, max_retries=0)
-    model = client.models.list().data[0].id
-
-    def ask(i: int):
-        return client.chat.completions.create(
-            model=model, messages=[{"role": "user", "content": QUESTIONS[i]}], temperature=0,
-            max_tokens=LENS[i], extra_body={"ignore_eos": True})
-
-    with cf.ThreadPoolExecutor(6) as pool:
-        answers = list(pool.map(ask, range(6)))
-    with Engine(path, FP32_CPU) as eng:
-        chats = [eng.apply_chat_template([{"role": "user", "content": q}]) for q in QUESTIONS]
-        expected = eng.generate(input_ids=chats, sampling_params=[
-            {"temperature": 0, "ignore_eos": True, "max_new_tokens": n} for n in LENS])
-    assert [a.usage.completion_tokens for a in answers] == LENS
-    assert [a.choices[0].message.content for a in answers] == [e["text"] for e in expected]
+    assert_concurrent_chats_match_engine(url, path, QUESTIONS, LENS, FP32_CPU)
 
     ranks = httpx.get(url + "/server_info", timeout=30).json()["ranks"]
     assert [r["rank"] for r in ranks] == [0, 1] and all(r["prompt_tokens"] > 0 for r in ranks)

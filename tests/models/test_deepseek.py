@@ -108,8 +108,8 @@ def test_mtp_layer_loads_strictly_and_matches_reference(tiny_model, arch):
     (row,) = runner.memory.req_to_token.alloc(1)
     slots = runner.memory.allocator.alloc(len(ids))
     runner.memory.req_to_token.write(row, 0, slots)
-    fb = runner.make_batch(ForwardMode.EXTEND, ids, list(range(len(ids))), slots, [row],
-                           [len(ids)], [0], [len(ids)], return_all_logits=True)
+    fb = runner.make_batch(ForwardMode.EXTEND, ids, list(range(len(ids))), slots, [row], [0],
+                           [len(ids)], return_all_logits=True)
     with torch.inference_mode():
         runner.attn_backend.init_forward_metadata(fb)
         hidden = model(fb)  # the target's hidden states feed the draft layer

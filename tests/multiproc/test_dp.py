@@ -9,13 +9,13 @@ Rank processes run with OMP_NUM_THREADS=1 (the CPU has 2 cores). MoE models use 
 
 from __future__ import annotations
 
-import concurrent.futures as cf
 import os
 import random
 import re
 import time
 
 import pytest
+from live_server import assert_concurrent_chats_match_engine
 from parity import FP32_CPU
 
 import httpx
@@ -332,26 +332,9 @@ def dp_server(tiny_model):
 
 @pytest.mark.timeout(240)
 def test_http_dp2_concurrent_chat_matches_engine(dp_server):
-    import openai
-
     live, path = dp_server
-    client = openai.OpenAI(api_key="unused", base_url=live.url + "/v1", timeout=120, max_retries=0)
-    model = client.models.list().data[0].id
-    lens = [4 + 3 * (i % 4) for i in range(8)]
-
-    def ask(i: int):
-        return client.chat.completions.create(
-            model=model, messages=[{"role": "user", "content": QUESTIONS[i]}], temperature=0,
-            max_tokens=lens[i], extra_body={"ignore_eos": True})
-
-    with cf.ThreadPoolExecutor(8) as pool:
-        answers = list(pool.map(ask, range(8)))
-    with Engine(path, FP32_CPU) as eng:
-        chats = [eng.apply_chat_template([{"role": "user", "content": q}]) for q in QUESTIONS]
-        expected = eng.generate(input_ids=chats, sampling_params=[
-            {**GREEDY, "max_new_tokens": n} for n in lens])
-    assert [a.usage.completion_tokens for a in answers] == lens
-    assert [a.choices[0].message.content for a in answers] == [e["text"] for e in expected]
+    assert_concurrent_chats_match_engine(live.url, path, QUESTIONS,
+                                         [4 + 3 * (i % 4) for i in range(8)], FP32_CPU)
 
 
 @pytest.mark.timeout(60)
