@@ -16,7 +16,7 @@ LOAD_FORMATS = ("safetensors", "dummy")
 ATTENTION_BACKENDS = ("torch",)
 DEVICES = ("auto", "cpu", "cuda")
 SCHEDULE_POLICIES = ("lpm", "fcfs")
-A2A_BACKENDS = ("a2a", "allgather", "deepep")
+A2A_BACKENDS = ("a2a", "allgather", "p2p", "deepep")
 DEEPEP_MODES = ("auto", "normal", "low_latency")
 DP_POLICIES = ("round_robin", "shortest_queue", "prefix_aware")
 RECORD_MODES = ("off", "stat", "per_pass")
@@ -81,7 +81,7 @@ class ParallelConfig:
     tp_size: int = 1
     dp_size: int = 1
     ep_size: int | None = None  # None: tp_size (experts over every rank)
-    a2a_backend: str = "a2a"  # a2a | allgather | deepep (dispatch/combine of MoE tokens)
+    a2a_backend: str = "a2a"  # a2a | allgather | p2p | deepep (dispatch/combine of MoE tokens)
     deepep_mode: str = "auto"  # auto: normal when any rank prefills, else low_latency
     dp_policy: str = "round_robin"  # round_robin | shortest_queue | prefix_aware
     prefix_aware_margin: int = 4  # prefix_aware: allowed extra queued requests on the cache owner

@@ -37,6 +37,7 @@ class ForwardBatch:
     attn_backend: AttentionBackend
     return_all_logits: bool = False  # prefill logits at every position (tests, logprobs)
     global_forward_mode: ForwardMode | None = None  # across DP ranks: EXTEND if any rank extends
+    global_num_tokens: list[int] | None = None  # every rank's token count (DP sync), for EP
     attn_metadata: object = field(default=None, repr=False)  # filled by the backend
 
     @property

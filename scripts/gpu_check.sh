@@ -34,8 +34,8 @@ fi
 
 if [[ $what == multigpu ]]; then
   n=$(nvidia-smi -L | wc -l)
-  python3 -m moeserve.bench.ep --world "$n" --backend a2a allgather --tokens 128 1024 4096 \
-    2>&1 | grep -v Warning | tee "$OUT/bench_ep.log"
+  python3 -m moeserve.bench.ep --world "$n" --backend a2a allgather p2p --tokens 128 1024 4096 \
+    --profile 2>&1 | grep -v -E "Warning|USDT" | tee "$OUT/bench_ep.log"
   python3 scripts/gpu_dp_check.py 2>&1 | grep -E "identical|Error" | tee "$OUT/dp_check.log"
 fi
 

@@ -22,7 +22,7 @@ def main() -> int:
     with Engine(path, base) as eng:
         ref = [o["output_ids"] for o in eng.generate(input_ids=prompts, sampling_params=sp)]
     ok = True
-    for backend in ("a2a", "allgather"):
+    for backend in ("a2a", "allgather", "p2p"):
         dp = base + ["parallel.tp_size=2", "parallel.dp_size=2", f"parallel.a2a_backend={backend}"]
         with Engine(path, dp) as eng:
             outs = [o["output_ids"] for o in eng.generate(input_ids=prompts, sampling_params=sp)]

@@ -7,14 +7,14 @@ raw all_to_all_single pair that moves exactly the same hidden-state rows (no cou
 gather/scatter). Warmup, then the median of --iters timed iterations (CUDA events on GPU,
 perf_counter on CPU), each started after a barrier; the reported time is the slowest rank's median.
 
-Bandwidth. For this rank let S = (token, destination rank) pairs of its tokens (each token goes once
-to every rank owning one of its experts, DeepEP normal-mode routing) and R = rows it receives.
-Dispatch sends S rows and receives R, combine sends R and receives S, so the bytes moved by the rank
-are B = 2 (S + R) × hidden × element size, counting rows a rank sends to itself (1/world of them
-under uniform routing) and not counting ids, weights or counts. GB/s per GPU = B / time, averaged
-over ranks; every backend is charged the same B (effective bandwidth), so allgather, which moves
-more, shows lower. Because B counts both directions, "% peak" compares it with twice the NVLink
-peak per direction.
+Bandwidth: what crosses NVLink, one direction. For this rank let S = (token, destination rank)
+pairs of its tokens (each token goes once to every rank owning one of its experts, DeepEP
+normal-mode routing), R = rows it receives, and L = its tokens routed to itself (in S and in R,
+never on a link). Dispatch sends S - L rows to other GPUs and combine sends R - L, so the bytes
+the rank puts on its links are B = (S + R - 2L) × hidden × element size (ids, weights and counts
+not counted; links carry as much inbound). GB/s/GPU = B / time, averaged over ranks, and "% peak"
+compares it with the NVLink peak per direction. Every backend is charged the same B (useful bytes),
+so a backend that sends more (allgather and p2p send every token to every rank) pays for it in time.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--backend", nargs="+", default=["a2a", "allgather"])
+    p.add_argument("--backend", nargs="+", default=["a2a", "allgather", "p2p"])
     p.add_argument("--tokens", nargs="+", type=int, default=[128, 1024, 4096], help="per rank")
     p.add_argument("--hidden", type=int, default=7168)
     p.add_argument("--experts", type=int, default=256)
@@ -51,6 +51,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--world", type=int, default=None, help="ranks (default: GPUs, else 2)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--profile", action="store_true",
+                   help="also print rank 0's torch.profiler table per backend at the last size")
     p.add_argument("--mode", choices=["extend", "decode"], default="extend",
                    help="global forward mode passed to dispatch (deepep: normal vs low-latency)")
     return p.parse_args(argv)
@@ -86,9 +88,11 @@ def _time_ms(fn: Callable[[], object], device: torch.device, warmup: int, iters:
     return statistics.median(times)
 
 
-def _raw_a2a(x: torch.Tensor, ids: torch.Tensor, args, world: int) -> tuple[Callable, int, int]:
-    """The same rows as a2a dispatch + combine as two bare all_to_all_single: (fn, S, R)."""
+def _raw_a2a(x: torch.Tensor, ids: torch.Tensor, args, world: int) -> tuple[Callable, int]:
+    """The same rows as a2a dispatch + combine as two bare all_to_all_single: (fn, remote rows
+    this rank sends: S + R - 2L)."""
     in_rank = rank_mask(ids, args.experts, world)  # [T, ep]
+    own = int(in_rank[:, dist.get_rank()].sum())
     send = x[in_rank.t().nonzero()[:, 1]]  # [S, H], grouped by destination
     send_counts = in_rank.sum(0)
     recv_counts = exchange_counts(send_counts, None)
@@ -100,7 +104,7 @@ def _raw_a2a(x: torch.Tensor, ids: torch.Tensor, args, world: int) -> tuple[Call
         dist.all_to_all_single(recv, send, recv_counts, sc)
         dist.all_to_all_single(back, recv, sc, recv_counts)
 
-    return fn, send.shape[0], recv.shape[0]
+    return fn, send.shape[0] + recv.shape[0] - 2 * own
 
 
 def _bench_rank(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
@@ -119,21 +123,42 @@ def _bench_rank(rank: int, world: int, port: int, args: argparse.Namespace) -> N
     rows = []
     for tokens in args.tokens:
         x, ids, w = _routing(tokens, args, device, rank)
-        raw, s, r = _raw_a2a(x, ids, args, world)
-        nbytes = 2 * (s + r) * args.hidden * x.element_size()
+        raw, remote_rows = _raw_a2a(x, ids, args, world)
+        nbytes = remote_rows * args.hidden * x.element_size()
         rows.append(("raw all_to_all", tokens, _time_ms(raw, device, args.warmup, args.iters),
                      nbytes))
         for backend in args.backend:
             d = create_dispatcher(backend, mesh, args.experts, args.hidden, x.dtype,
-                                  max_dispatch_tokens_per_rank=max(args.tokens))
+                                  max_dispatch_tokens_per_rank=max(args.tokens),
+                                  max_tokens_per_rank=max(args.tokens))
+            counts = [tokens] * world  # known to every rank, as the DP sync makes them
 
             def step(d=d) -> torch.Tensor:
-                out = d.dispatch(x, ids, w, mode)
+                out = d.dispatch(x, ids, w, mode, counts)
                 return d.combine(out.hidden, out)
 
             rows.append((backend, tokens, _time_ms(step, device, args.warmup, args.iters), nbytes))
+            if args.profile and tokens == args.tokens[-1]:
+                _profile(backend, step, device)
     _report(rows, world, device, args)
     dist.destroy_process_group()
+
+
+def _profile(name: str, fn: Callable[[], object], device: torch.device) -> None:
+    """Where one dispatch + combine spends its time (rank 0 prints; every rank runs fn)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    dist.barrier()
+    with profile(activities=acts) as prof:
+        for _ in range(3):
+            fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+    if dist.get_rank() == 0:
+        key = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+        print(f"## profile: {name}, 3 calls\n"
+              + prof.key_averages().table(sort_by=key, row_limit=14, max_name_column_width=48))
 
 
 def _report(rows: list[tuple], world: int, device: torch.device, args) -> None:
@@ -147,10 +172,11 @@ def _report(rows: list[tuple], world: int, device: torch.device, args) -> None:
     on_gpu = device.type == "cuda"
     print(f"# {world} ranks on {'GPU, NCCL' if on_gpu else 'CPU, gloo'}: hidden {args.hidden} "
           f"{args.dtype}, {args.experts} experts top-{args.topk}, mode {args.mode}")
-    print(f"{'backend':<16} {'tokens/rank':>11} {'time ms':>9} {'GB/s/GPU':>9} {'% peak':>7}")
+    print(f"{'backend':<16} {'tokens/rank':>11} {'time ms':>9} {'GB/s/GPU':>9} {'% peak':>7}"
+          f"   (bytes on NVLink, one direction; peak {NVLINK_PEAK_GBPS_PER_DIR:.0f} GB/s)")
     for (name, tokens, _, _), ms, b in zip(rows, times.tolist(), nbytes.tolist()):
         gbps = b / world / (ms * 1e-3) / 1e9
-        peak = f"{100 * gbps / (2 * NVLINK_PEAK_GBPS_PER_DIR):6.1f}%" if on_gpu else "    n/a"
+        peak = f"{100 * gbps / NVLINK_PEAK_GBPS_PER_DIR:6.1f}%" if on_gpu else "    n/a"
         print(f"{name:<16} {tokens:>11} {ms:>9.3f} {gbps:>9.2f} {peak:>7}")
 
 

@@ -54,7 +54,8 @@ class _A2ACombine(CombineHandle):
 class A2ADispatcher(Dispatcher):
     """Uneven all_to_all_single dispatch/combine; see the module docstring."""
 
-    def dispatch_start(self, x, topk_ids, topk_weights, forward_mode=None) -> DispatchHandle:
+    def dispatch_start(self, x, topk_ids, topk_weights, forward_mode=None,
+                       tokens_per_rank=None) -> DispatchHandle:
         in_rank = rank_mask(topk_ids, self.num_experts, self.mesh.ep_size)  # [T, ep]
         pairs = in_rank.t().nonzero()  # [S, 2] (dest rank, token), rank-major, tokens in order
         send_token = pairs[:, 1]

@@ -1,12 +1,12 @@
 """`allgather` backend: every rank sees every token, runs its local experts, then reduce-scatter.
 
 The path for systems without a usable all-to-all. Ranks hold different token counts, and all_gather
-needs equal sizes (gloo cannot gather uneven tensors at all), so the counts are all-gathered first
-(one host sync) and every rank pads to the largest count T_max; padding rows carry ids -1 and
-weights 0, so experts give 0 for them. Communication volume is ep × T_max × H each way regardless
-of routing.
+needs equal sizes (gloo cannot gather uneven tensors at all), so the counts come from the step's DP
+sync (`tokens_per_rank`) or are all-gathered first (one host sync), and every rank pads to the
+largest count T_max; padding rows carry ids -1 and weights 0, so experts give 0 for them.
+Communication volume is ep × T_max × H each way regardless of routing.
 
-Start/wait: dispatch_start gathers the counts synchronously and launches the hidden/ids/weights
+Start/wait: dispatch_start (after the counts) launches the hidden/ids/weights
 all_gathers with async_op=True; dispatch_wait waits. combine_start launches the reduce-scatter
 (NCCL; gloo: all_reduce + slice, see comm.reduce_scatter_start); combine_wait waits and drops the
 padding. When every rank has 0 tokens, all ranks know it from the counts and skip the data
@@ -50,8 +50,9 @@ def _pad_rows(t: torch.Tensor, rows: int, value: float) -> torch.Tensor:
 class AllGatherDispatcher(Dispatcher):
     """All-gather dispatch, reduce-scatter combine; see the module docstring."""
 
-    def dispatch_start(self, x, topk_ids, topk_weights, forward_mode=None) -> DispatchHandle:
-        counts = all_gather_counts(x.shape[0], x.device, self.group)
+    def dispatch_start(self, x, topk_ids, topk_weights, forward_mode=None,
+                       tokens_per_rank=None) -> DispatchHandle:
+        counts = tokens_per_rank or all_gather_counts(x.shape[0], x.device, self.group)
         t_max, ep = max(counts), self.mesh.ep_size
         h = _GatherHandle(x.shape[0], x.dtype, t_max)
         srcs = (_pad_rows(x, t_max, 0.0), _pad_rows(topk_ids.long(), t_max, -1),

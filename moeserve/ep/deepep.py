@@ -108,7 +108,8 @@ class DeepEPDispatcher(Dispatcher):
             return self.mode
         return LOW_LATENCY if forward_mode is not None and forward_mode.is_decode() else NORMAL
 
-    def dispatch_start(self, x, topk_ids, topk_weights, forward_mode=None) -> DispatchHandle:
+    def dispatch_start(self, x, topk_ids, topk_weights, forward_mode=None,
+                       tokens_per_rank=None) -> DispatchHandle:
         mode = self.step_mode(forward_mode)
         ids, w = topk_ids.long(), topk_weights.float()  # DeepEP: int64 topk_idx, float32 weights
         h = _DeepEPHandle(x.shape[0], x.dtype, mode, ids, w)

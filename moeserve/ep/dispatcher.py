@@ -140,8 +140,12 @@ class Dispatcher(abc.ABC):
 
     @abc.abstractmethod
     def dispatch_start(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-                       forward_mode: ForwardMode | None = None) -> DispatchHandle:
-        """x [T, H], topk_ids [T, K] global ids, topk_weights [T, K] float32. Collective."""
+                       forward_mode: ForwardMode | None = None,
+                       tokens_per_rank: list[int] | None = None) -> DispatchHandle:
+        """x [T, H], topk_ids [T, K] global ids, topk_weights [T, K] float32. Collective.
+
+        tokens_per_rank: every EP rank's T this step when the caller knows them (the DP sync
+        does), so that backends needing them skip their own count exchange (a host sync)."""
 
     @abc.abstractmethod
     def dispatch_wait(self, handle: DispatchHandle) -> DispatchOutput:
@@ -162,8 +166,10 @@ class Dispatcher(abc.ABC):
         return self._combine_start(expert_out, handle)
 
     def dispatch(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-                 forward_mode: ForwardMode | None = None) -> DispatchOutput:
-        return self.dispatch_wait(self.dispatch_start(x, topk_ids, topk_weights, forward_mode))
+                 forward_mode: ForwardMode | None = None,
+                 tokens_per_rank: list[int] | None = None) -> DispatchOutput:
+        return self.dispatch_wait(self.dispatch_start(x, topk_ids, topk_weights, forward_mode,
+                                                      tokens_per_rank))
 
     def combine(self, expert_out: torch.Tensor,
                 dispatched: DispatchOutput | DispatchHandle) -> torch.Tensor:
@@ -194,7 +200,8 @@ class _LocalHandle(DispatchHandle):
 class LocalDispatcher(Dispatcher):
     """ep_size == 1: every expert is local; dispatch and combine move nothing."""
 
-    def dispatch_start(self, x, topk_ids, topk_weights, forward_mode=None) -> DispatchHandle:
+    def dispatch_start(self, x, topk_ids, topk_weights, forward_mode=None,
+                       tokens_per_rank=None) -> DispatchHandle:
         h = _LocalHandle(x.shape[0], x.dtype)
         ids, w, counts = self.local_view(topk_ids, topk_weights)
         h.out = DispatchOutput(STANDARD, x, counts, h, ids, w)
@@ -222,6 +229,7 @@ class _LocalCombine(CombineHandle):
 _BACKENDS = {
     "a2a": ("moeserve.ep.a2a", "A2ADispatcher"),
     "allgather": ("moeserve.ep.allgather", "AllGatherDispatcher"),
+    "p2p": ("moeserve.ep.p2p", "P2PDispatcher"),
     "deepep": ("moeserve.ep.deepep", "DeepEPDispatcher"),  # imports deep_ep only when built
 }
 
@@ -229,11 +237,13 @@ _BACKENDS = {
 def create_dispatcher(backend: str, mesh: ParallelMesh, num_experts: int, hidden_size: int,
                       dtype: torch.dtype, deepep_mode: str = "auto",
                       max_dispatch_tokens_per_rank: int = 128,
-                      deep_ep_module: Any = None) -> Dispatcher:
+                      deep_ep_module: Any = None,
+                      max_tokens_per_rank: int = 2048) -> Dispatcher:
     """Build the `parallel.a2a_backend` dispatcher (lazy import); ep_size 1 needs no communication.
 
     deepep_mode / max_dispatch_tokens_per_rank / deep_ep_module only concern the deepep backend
-    (deep_ep_module injects an emulation for tests; None imports the real `deep_ep`).
+    (deep_ep_module injects an emulation for tests; None imports the real `deep_ep`);
+    max_tokens_per_rank sizes the p2p backend's buffers (the most tokens one rank forwards).
     """
     if backend not in _BACKENDS:
         raise ValueError(f"parallel.a2a_backend={backend!r}: expected one of {sorted(_BACKENDS)}")
@@ -245,4 +255,6 @@ def create_dispatcher(backend: str, mesh: ParallelMesh, num_experts: int, hidden
         return cls(mesh, num_experts, hidden_size, dtype, mode=deepep_mode,
                    max_dispatch_tokens_per_rank=max_dispatch_tokens_per_rank,
                    deep_ep_module=deep_ep_module)
+    if backend == "p2p":
+        return cls(mesh, num_experts, hidden_size, dtype, max_tokens_per_rank=max_tokens_per_rank)
     return cls(mesh, num_experts, hidden_size, dtype)

@@ -153,10 +153,11 @@ class MoEParallel:
 
 
 def run_routed_experts(experts: MoEExperts, x: torch.Tensor, topk_ids: torch.Tensor,
-                       topk_weights: torch.Tensor, par: MoEParallel | None, mode: Any,
+                       topk_weights: torch.Tensor, par: MoEParallel | None, fb: Any = None,
                        layer_id: int = 0) -> torch.Tensor:
     """sum_k w[t,k] * expert_{ids[t,k]}(x[t]) over all experts, wherever they live: [T, H].
-    `topk_ids` are logical; `mode` is the step's global forward mode (DeepEP picks kernels by it)."""
+    `topk_ids` are logical; `fb` (the ForwardBatch, None outside a served step) carries the step's
+    global forward mode (DeepEP picks kernels by it) and every rank's token count."""
     if par is not None and par.location is not None:
         topk_ids = par.location.to_physical(topk_ids, layer_id)  # [T, K] physical slots
     if par is not None:
@@ -164,5 +165,7 @@ def run_routed_experts(experts: MoEExperts, x: torch.Tensor, topk_ids: torch.Ten
     if par is None or par.dispatcher is None:
         return experts(x, topk_ids, topk_weights)
     d = par.dispatcher
-    out = d.dispatch(x, topk_ids, topk_weights, mode)
+    mode = fb.global_forward_mode if fb is not None else None
+    out = d.dispatch(x, topk_ids, topk_weights, mode,
+                     fb.global_num_tokens if fb is not None else None)
     return d.combine(d.experts_forward(experts, out), out)

@@ -128,9 +128,7 @@ class DeepseekMoE(nn.Module):
     def forward(self, x: torch.Tensor, fb: ForwardBatch | None = None) -> torch.Tensor:
         weights, ids = select_experts(self.gate(x), self.router,
                                       self.gate.e_score_correction_bias)  # [T, K] each
-        mode = fb.global_forward_mode if fb is not None else None
-        out = run_routed_experts(self.experts, x, ids, weights, self.parallel, mode,
-                                  self.layer_id)
+        out = run_routed_experts(self.experts, x, ids, weights, self.parallel, fb, self.layer_id)
         return out if self.shared_experts is None else out + self.shared_experts(x)
 
 

@@ -27,9 +27,7 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, fb: ForwardBatch | None = None) -> torch.Tensor:
         weights, ids = select_experts(self.gate(x), self.router)  # [T, K] each
-        mode = fb.global_forward_mode if fb is not None else None
-        return run_routed_experts(self.experts, x, ids, weights, self.parallel, mode,
-                                  self.layer_id)
+        return run_routed_experts(self.experts, x, ids, weights, self.parallel, fb, self.layer_id)
 
 
 def _is_moe_layer(cfg: Any, i: int) -> bool:

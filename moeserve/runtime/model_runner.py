@@ -113,7 +113,9 @@ class ModelRunner:
 
             par.dispatcher = create_dispatcher(
                 self.cfg.parallel.a2a_backend, mesh, par.num_physical(num_logical), c.hidden_size,
-                self.dtype, deepep_mode=self.cfg.parallel.deepep_mode)
+                self.dtype, deepep_mode=self.cfg.parallel.deepep_mode,
+                max_tokens_per_rank=max(self.cfg.scheduler.chunked_prefill_size,
+                                        self.cfg.cache.max_running_requests))
         return par
 
     def _make_recorder(self, par: MoEParallel, num_logical: int):
@@ -186,7 +188,8 @@ class ModelRunner:
                    positions: torch.Tensor | list[int], out_cache_loc: torch.Tensor,
                    req_pool_indices: list[int], prefix_lens: list[int], extend_lens: list[int],
                    return_all_logits: bool = False,
-                   global_mode: ForwardMode | None = None) -> ForwardBatch:
+                   global_mode: ForwardMode | None = None,
+                   global_num_tokens: list[int] | None = None) -> ForwardBatch:
         """The one place a ForwardBatch is built; seq_lens = prefix_lens + extend_lens."""
         dev = self.device
         seq_lens = [p + n for p, n in zip(prefix_lens, extend_lens)]
@@ -201,7 +204,7 @@ class ModelRunner:
             extend_prefix_lens_cpu=list(prefix_lens), extend_seq_lens_cpu=list(extend_lens),
             req_to_token_pool=self.memory.req_to_token, kv_pool=self.memory.pool,
             attn_backend=self.attn_backend, return_all_logits=return_all_logits,
-            global_forward_mode=global_mode or mode)
+            global_forward_mode=global_mode or mode, global_num_tokens=global_num_tokens)
 
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch) -> torch.Tensor:

@@ -260,6 +260,7 @@ class Scheduler:
             batch = ScheduledBatch.idle()
         if batch is not None:
             batch.forward_input.global_mode = info.global_mode
+            batch.forward_input.global_num_tokens = info.num_tokens
         return batch, info
 
     def event_loop_normal(self, should_stop: Callable[[], bool] = lambda: False) -> None:

@@ -33,6 +33,7 @@ class ForwardInput:
     top_logprobs_nums: list[int]  # -1: no logprobs for this request
     return_all_logits: bool = False
     global_mode: ForwardMode | None = None  # set after the DP sync
+    global_num_tokens: list[int] | None = None  # every rank's token count, from the DP sync
 
     @classmethod
     def idle(cls) -> ForwardInput:
@@ -98,7 +99,7 @@ class ForwardWorker:
         input_ids = mem.req_to_token.token_ids[row_of_tok, positions]
         return self.runner.make_batch(fi.mode, input_ids, positions, fi.out_cache_loc, fi.rows,
                                       fi.prefix_lens, fi.extend_lens, fi.return_all_logits,
-                                      fi.global_mode)
+                                      fi.global_mode, fi.global_num_tokens)
 
 
 def _logprobs(logits: torch.Tensor, next_ids: torch.Tensor, nums: list[int]):

@@ -1,7 +1,7 @@
 """dispatch → local experts → combine equals one process holding all experts, for every backend.
 
-On 2 and 4 gloo ranks with uneven token counts (one rank idle, then all idle), and with two
-dispatches in flight. deepep runs against the in-repo emulation in fake_deep_ep.py.
+On 2 and 4 gloo ranks with uneven token counts (one rank idle, then all idle), with and without the
+per-rank counts given, and with two dispatches in flight. p2p runs over shared-memory files. deepep runs against the in-repo emulation in fake_deep_ep.py.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from moeserve.layers.moe import MoEExperts
 E, H, I, K = 8, 32, 24, 3
 MAX_LL_TOKENS = 16  # DeepEP low-latency: max tokens any rank dispatches in one step
 TOKENS = {2: [0, 11], 4: [5, 0, 13, 7]}  # per rank, step 0; later steps rotate it
-BACKENDS = ["a2a", "allgather", "deepep-normal", "deepep-low_latency", "deepep-auto"]
+BACKENDS = ["a2a", "allgather", "p2p", "deepep-normal", "deepep-low_latency", "deepep-auto"]
 EXTEND, DECODE = ForwardMode.EXTEND, ForwardMode.DECODE
 
 
@@ -68,8 +68,8 @@ def _make(backend: str, mesh):
                              deep_ep_module=fake_deep_ep)
 
 
-def _moe(d, experts, x, ids, w, mode):
-    out = d.dispatch(x, ids, w, mode)
+def _moe(d, experts, x, ids, w, mode, tokens_per_rank=None):
+    out = d.dispatch(x, ids, w, mode, tokens_per_rank)
     return d.combine(d.experts_forward(experts, out), out), out
 
 
@@ -96,7 +96,8 @@ def _check(rank, world, backend) -> None:
     formats = []
     for step, (counts, mode) in enumerate(_steps(world, backend)):
         x, ids, w = _inputs(rank, step, counts[rank])
-        got, out = _moe(d, local, x, ids, w, mode)
+        # odd steps pass the counts as the DP sync would (no count exchange in the dispatcher)
+        got, out = _moe(d, local, x, ids, w, mode, counts if step % 2 else None)
         formats.append(out.format)
         _check_counts(out, ids, rank, world)
         torch.testing.assert_close(got, full.forward_loop(x, ids, w), rtol=1e-5, atol=1e-5,
@@ -229,4 +230,4 @@ def test_bench_ep_prints_a_row_per_backend(capfd):
     main(["--world", "2", "--hidden", "64", "--experts", "8", "--topk", "2", "--tokens", "0", "8",
           "--warmup", "1", "--iters", "2", "--dtype", "float32"])
     table = [line.split()[0] for line in capfd.readouterr().out.splitlines()[2:]]
-    assert table == ["raw", "a2a", "allgather"] * 2, table
+    assert table == ["raw", "a2a", "allgather", "p2p"] * 2, table

@@ -4,7 +4,7 @@ greedy outputs, skewed loads), and the HTTP server with tp2/dp2 (concurrent Open
 a killed rank takes the server down).
 
 Rank processes run with OMP_NUM_THREADS=1 (the CPU has 2 cores). MoE models use expert parallelism
-(ep_size = tp_size) with the a2a and allgather dispatchers.
+(ep_size = tp_size) with the a2a, allgather and p2p dispatchers.
 """
 
 from __future__ import annotations
@@ -226,8 +226,8 @@ def ep_overrides(backend: str) -> list[str]:
 # (model, policy, a2a backend, loop): every policy and every CPU backend on each model
 DP_CASES = [("qwen3_moe", "round_robin", "a2a", "overlap"),
             ("qwen3_moe", "shortest_queue", "allgather", "overlap"),
-            ("qwen3_moe", "prefix_aware", "a2a", "normal"),
-            ("deepseek_v3", "round_robin", "allgather", "overlap"),
+            ("qwen3_moe", "prefix_aware", "p2p", "normal"),
+            ("deepseek_v3", "round_robin", "p2p", "overlap"),
             ("deepseek_v3", "shortest_queue", "a2a", "normal"),
             ("deepseek_v3", "prefix_aware", "allgather", "overlap")]
 
@@ -373,7 +373,7 @@ DP4 = ["parallel.tp_size=4", "parallel.dp_size=4"]
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("arch,backend,policy", [("deepseek_v3", "a2a", "shortest_queue"),
-                                                 ("qwen3_moe", "allgather", "round_robin")])
+                                                 ("qwen3_moe", "p2p", "round_robin")])
 def test_dp4_ep4_matches_single_process(reference, arch, backend, policy):
     ref = reference(arch)
     overrides = FP32_CPU + DP4 + ep_overrides(backend) + [f"parallel.dp_policy={policy}"]

@@ -1,0 +1,1 @@
+"""Device kernels (Triton), each imported behind a check; torch fallbacks live beside them."""
