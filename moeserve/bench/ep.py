@@ -4,8 +4,8 @@ Spawns --world ranks (CUDA: one per GPU over NCCL; otherwise CPU processes over 
 routes its tokens/rank tokens to uniform random top-k experts, then times dispatch → combine (the
 experts are skipped: combine gets the received hidden states back unchanged) and, for reference, a
 raw all_to_all_single pair that moves exactly the same hidden-state rows (no count exchange, no
-gather/scatter). Warmup, then the median of --iters timed iterations (CUDA events on GPU,
-perf_counter on CPU), each started after a barrier; the reported time is the slowest rank's median.
+gather/scatter). Warmup, then --iters calls back to back between CUDA events (perf_counter on
+CPU), median over 5 such runs; the reported time is the slowest rank's (see _time_ms).
 
 Bandwidth: what crosses NVLink, one direction. For this rank let S = (token, destination rank)
 pairs of its tokens (each token goes once to every rank owning one of its experts, DeepEP
@@ -68,24 +68,29 @@ def _routing(tokens: int, args: argparse.Namespace, device: torch.device, rank: 
 
 
 def _time_ms(fn: Callable[[], object], device: torch.device, warmup: int, iters: int) -> float:
-    """Median over iters of one call's time, each after a barrier."""
+    """Steady-state time of one call: --iters calls back to back between two timestamps (after
+    a barrier), divided by iters, the median over 5 such runs. Back to back, the host launches
+    call i+1 while the GPU runs call i, as it does layer after layer in a forward pass; a single
+    isolated call would mostly time the host's kernel launches."""
     for _ in range(warmup):
         fn()
-    times = []
-    for _ in range(iters):
+    runs = []
+    for _ in range(5):
         dist.barrier()
         if device.type == "cuda":
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            fn()
+            for _ in range(iters):
+                fn()
             end.record()
             end.synchronize()
-            times.append(start.elapsed_time(end))
+            runs.append(start.elapsed_time(end) / iters)
         else:
             t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+            for _ in range(iters):
+                fn()
+            runs.append((time.perf_counter() - t0) * 1e3 / iters)
+    return statistics.median(runs)
 
 
 def _raw_a2a(x: torch.Tensor, ids: torch.Tensor, args, world: int) -> tuple[Callable, int]:
