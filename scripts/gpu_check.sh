@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Runs on a lent GPU machine (see the device tool): GPU tests, then benchmarks, logs under $OUT.
-#   scripts/gpu_check.sh [tests|one_batch|serving|multigpu|all]   (multigpu: 2+ GPUs)
+#   scripts/gpu_check.sh [tests|one_batch|serving|multigpu|ep|all]   (multigpu, ep: 2+ GPUs;
+#   ep: the EP bench alone; PROFILE=1 adds profiler tables)
 # The image lacks some pure-Python deps: they travel as wheels in .whl/ (not committed).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -32,10 +33,13 @@ if [[ $what == one_batch || $what == all ]]; then
   done
 fi
 
-if [[ $what == multigpu ]]; then
+if [[ $what == multigpu || $what == ep ]]; then
   n=$(nvidia-smi -L | wc -l)
   python3 -m moeserve.bench.ep --world "$n" --backend a2a allgather p2p --tokens 128 1024 4096 \
-    --profile 2>&1 | grep -v -E "Warning|USDT" | tee "$OUT/bench_ep.log"
+    --iters 20 ${PROFILE:+--profile} 2>&1 | grep -v -E "Warning|USDT|warn|return func" \
+    | tee "$OUT/bench_ep.log"
+fi
+if [[ $what == multigpu ]]; then
   python3 scripts/gpu_dp_check.py 2>&1 | grep -E "identical|Error" | tee "$OUT/dp_check.log"
 fi
 
