@@ -161,9 +161,11 @@ def _profile(name: str, fn: Callable[[], object], device: torch.device) -> None:
         if device.type == "cuda":
             torch.cuda.synchronize()
     if dist.get_rank() == 0:
-        key = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
-        print(f"## profile: {name}, 3 calls\n"
-              + prof.key_averages().table(sort_by=key, row_limit=14, max_name_column_width=48))
+        keys = ["self_cpu_time_total"] + (["self_device_time_total"] if device.type == "cuda"
+                                          else [])
+        for key in keys:  # host time (launch overhead, syncs) and device time
+            print(f"## profile: {name}, 3 calls, by {key}\n" + prof.key_averages().table(
+                sort_by=key, row_limit=14, max_name_column_width=48))
 
 
 def _report(rows: list[tuple], world: int, device: torch.device, args) -> None:

@@ -82,9 +82,11 @@ class P2PDispatcher(Dispatcher):
         ranks = range(self.mesh.ep_size)
         self.views = {(name, r): self.layout.view(self.buffers.peer(r), name)
                       for name in self.layout.regions for r in ranks}
-        # dispatch writes block `me` of every rank's x/meta (one kernel each); combine writes
-        # block `me` of one source's y at a time
-        self.to_all = {name: PeerCopier([self.views[name, r] for r in ranks])
+        # dispatch writes block `me` of every rank's x/meta (one kernel each, the NVLink stores
+        # first, this rank's own last); combine writes block `me` of one source's y at a time
+        me = self.mesh.ep_rank
+        order = [r for r in ranks if r != me] + [me]
+        self.to_all = {name: PeerCopier([self.views[name, r] for r in order])
                        for name in self.layout.regions if not name.startswith("y")}
         self.to_one = {(name, r): PeerCopier([self.views[name, r]])
                        for name in self.layout.regions if name.startswith("y") for r in ranks}
