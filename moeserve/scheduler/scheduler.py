@@ -48,7 +48,8 @@ class Scheduler:
         self.ops = SchedulerOps(self)  # control requests and lockstep (EPLB) operations
         sc = cfg.scheduler
         self.cache = CacheManager(runner.memory, cfg.cache.page_size, sc.disable_radix_cache)
-        self.worker = ForwardWorker(runner, threaded=sc.overlap)
+        self.overlap = sc.use_overlap(runner.device.type)
+        self.worker = ForwardWorker(runner, threaded=self.overlap)
         self.stop = StopChecker(eos_token_ids, decode_text)
         self.ratio = NewTokenRatio(sc.init_new_token_ratio, sc.min_new_token_ratio,
                                    sc.new_token_ratio_decay)
@@ -298,7 +299,7 @@ class Scheduler:
                 return  # the same iteration on every rank: nothing is in flight anywhere
 
     def run_forever(self, should_stop: Callable[[], bool] = lambda: False) -> None:
-        loop = self.event_loop_overlap if self.cfg.scheduler.overlap else self.event_loop_normal
+        loop = self.event_loop_overlap if self.overlap else self.event_loop_normal
         loop(should_stop)
         self.cache.free_deferred_rows()  # loops return with nothing in flight
 
