@@ -36,7 +36,7 @@ class ConfigError(ValueError):
 class ModelConfig:
     name: str = "embedded"  # the conf/model/ option; only "embedded" may leave path unset
     path: str | None = None  # HF-format folder; None (name=embedded): the embedded SmolLM2-135M
-    dtype: str = "auto"  # auto: bf16/checkpoint dtype on CUDA, float32 on CPU
+    dtype: str = "auto"  # auto: checkpoint 16-bit dtype on CUDA; CPU: bf16 if native, else float32
     load_format: str = "safetensors"  # dummy: random weights from config.json alone
     context_length: int | None = None  # None: max_position_embeddings of the checkpoint
     load_mtp: bool = False  # load the DeepSeek NextN (MTP) layer weights when present

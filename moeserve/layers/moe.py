@@ -72,10 +72,11 @@ class MoEExperts(nn.Module):
         valid = (local >= 0) & (local < self.num_local)
         key = torch.where(valid, local, self.num_local)  # non-local pairs sort last
         order = key.argsort(stable=True)
-        counts = torch.bincount(key, minlength=self.num_local + 1)[: self.num_local]
-        offs = counts.cumsum(0).to(torch.int32)  # [E_local] group ends
+        counts = torch.zeros(self.num_local + 1, dtype=torch.int64, device=x.device)
+        counts.scatter_add_(0, key, torch.ones_like(key))  # bincount would sync on CUDA
+        offs = counts[: self.num_local].cumsum(0).to(torch.int32)  # [E_local] group ends
         token_of = order // k
-        xs = x[token_of]  # [T*K, H] grouped by expert
+        xs = x.index_select(0, token_of)  # [T*K, H] grouped by expert
         h = silu_and_mul(torch._grouped_mm(xs, self.w13.transpose(1, 2), offs=offs))
         y = torch._grouped_mm(h, self.w2.transpose(1, 2), offs=offs)  # [T*K, H]
         w = (topk_weights.flatten()[order] * valid[order]).float()

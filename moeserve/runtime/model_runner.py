@@ -35,13 +35,20 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def cpu_has_native_bf16() -> bool:
+    """The CPU multiplies bf16 in hardware (AVX512-BF16 or AMX tiles)."""
+    checks = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
+    return any(getattr(torch.cpu, c, lambda: False)() for c in checks)
+
+
 def resolve_dtype(name: str, hf_config, device: torch.device) -> torch.dtype:
-    """auto: float32 on CPU (bf16 there sped up matmuls but not a whole serving step, and fp32
-    keeps exact parity with transformers), else the checkpoint's 16-bit dtype."""
+    """auto: on CPU bfloat16 where the CPU has native bf16 (as vLLM's CPU backend: decode there is
+    bound by reading the weights, and bf16 halves them; SmolLM2 batch-16 decode 126 → 61 ms/step
+    on 2 cores), else float32; on GPUs the checkpoint's 16-bit dtype. Parity tests pin float32."""
     if name != "auto":
         return _DTYPES[name]
     if device.type == "cpu":
-        return torch.float32
+        return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
     ckpt = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
     ckpt = _DTYPES.get(str(ckpt).replace("torch.", ""), torch.bfloat16)
     return torch.bfloat16 if ckpt == torch.float32 else ckpt
