@@ -11,6 +11,9 @@ from moeserve.attention.base import AttentionBackend, AttentionSpec
 from moeserve.forward_batch import ForwardBatch
 
 
+DECODE_LEN_BUCKET = 64
+
+
 @dataclass
 class _TorchMetadata:
     kv_indices: torch.Tensor  # [B, max_seq] KV slot per (request, position); 0-padded
@@ -26,8 +29,13 @@ class TorchAttentionBackend(AttentionBackend):
     """
 
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
-        max_len = max(fb.seq_lens_cpu, default=0)
         table = fb.req_to_token_pool.req_to_token
+        max_len = max(fb.seq_lens_cpu, default=0)
+        if fb.forward_mode.is_decode():
+            # KV length in buckets, masked past each sequence: the same matmul shapes for many
+            # steps (oneDNN builds a new bf16 kernel for every shape, ~150 µs each on CPU)
+            bucket = -(-max_len // DECODE_LEN_BUCKET) * DECODE_LEN_BUCKET
+            max_len = min(bucket, table.shape[1])
         kv_indices = table[fb.req_pool_indices, :max_len]
         positions = torch.arange(max_len, device=table.device)
         kv_mask = positions[None, :] < fb.seq_lens[:, None]
