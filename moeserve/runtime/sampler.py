@@ -17,11 +17,34 @@ def make_generator(params: SamplingParams, device: torch.device) -> torch.Genera
 def sample(logits: torch.Tensor, params: list[SamplingParams],
            generators: list[torch.Generator | None]) -> torch.Tensor:
     """logits: [B, V] float32 → next token ids [B] (int64, same device)."""
-    out = logits.argmax(dim=-1)
+    out = greedy(logits)
     for i, p in enumerate(params):
         if not p.is_greedy:
             out[i] = _sample_row(logits[i], p, generators[i])
     return out
+
+
+ARGMAX_CHUNK = 2048
+
+
+def greedy(logits: torch.Tensor) -> torch.Tensor:
+    """argmax over the last dim ([B, V] → [B]), the first index on ties, as torch.argmax.
+
+    On CPU in two stages: the max of each chunk of ARGMAX_CHUNK columns (a vectorised reduction),
+    then the argmax inside the first chunk holding the row's max; a single argmax over a 129k-token
+    vocabulary ran at ~2 GB/s (1 ms for 16 rows), the two stages in 0.14 ms.
+    """
+    b, v = logits.shape
+    if logits.device.type != "cpu" or v <= ARGMAX_CHUNK or b == 0:
+        return logits.argmax(dim=-1)
+    c = ARGMAX_CHUNK
+    m = v // c * c
+    maxes = logits[:, :m].view(b, m // c, c).amax(-1)  # [B, V // c]
+    if m < v:
+        maxes = torch.cat([maxes, logits[:, m:].amax(-1, keepdim=True)], dim=1)
+    best = maxes.argmax(-1)  # [B] the first chunk holding the row's max
+    cols = (best[:, None] * c + torch.arange(c, device=logits.device)).clamp_(max=v - 1)
+    return best * c + logits.gather(1, cols).argmax(-1)  # clamped repeats come after the original
 
 
 def _sample_row(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator | None) -> int:

@@ -57,3 +57,20 @@ def test_invalid_params_are_refused():
                 {"min_p": 2}, {"nonsense": 1}]:
         with pytest.raises(ValueError):
             SamplingParams.from_dict(bad)
+
+
+@pytest.mark.parametrize("vocab", [7, 2048, 4096, 129280, 49153])
+def test_greedy_equals_torch_argmax_with_ties_and_nan(vocab):
+    from moeserve.runtime.sampler import greedy
+
+    g = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(9, vocab, generator=g)
+    logits[1] = 0.0  # all tied: the first index
+    logits[2, -1] = logits[2].max() + 1  # the max in the last (partial) chunk
+    logits[3, [5, vocab - 1]] = 50.0  # tie across chunks
+    logits[4, vocab // 2] = float("nan")
+    logits[5] = float("-inf")
+    logits[6, 0] = float("inf")
+    for dtype in (torch.float32, torch.bfloat16):
+        x = logits.to(dtype)
+        assert greedy(x).tolist() == x.argmax(-1).tolist(), dtype
