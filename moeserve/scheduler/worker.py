@@ -53,7 +53,14 @@ class ForwardOutput:
 class ForwardWorker:
     def __init__(self, runner: ModelRunner, threaded: bool):
         self.runner = runner
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="forward") if threaded else None
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="forward",
+                                        initializer=self._bind_device) if threaded else None
+
+    def _bind_device(self) -> None:
+        """The CUDA current device is per thread and starts at 0: without this, code that uses
+        it (Triton launches, current_stream()) ran rank r's forward-thread work on GPU 0."""
+        if self.runner.device.type == "cuda":
+            torch.cuda.set_device(self.runner.device)
 
     def submit(self, fi: ForwardInput) -> Future:
         """Queue a step; its result is a ForwardOutput."""
