@@ -51,6 +51,9 @@ class PeerCopier:
                 d[row0 : row0 + n].copy_(src)
             return
         src = src.contiguous()
+        if torch.cuda.current_device() != src.device.index:  # Triton launches on the current one
+            raise RuntimeError(f"current CUDA device {torch.cuda.current_device()} is not the "
+                               f"copy's {src.device}: set it in this thread")
         numel, block = src.numel(), 4096
         _copy_to_many[(triton.cdiv(numel, block),)](
             src, self.ptrs, len(self.dsts), row0 * src[0].numel(), numel, BLOCK=block,
