@@ -53,14 +53,17 @@ class ForwardOutput:
 class ForwardWorker:
     def __init__(self, runner: ModelRunner, threaded: bool):
         self.runner = runner
+        dev = runner.device
+        self._cuda_index = None if dev.type != "cuda" else (
+            dev.index if dev.index is not None else torch.cuda.current_device())
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="forward",
                                         initializer=self._bind_device) if threaded else None
 
     def _bind_device(self) -> None:
         """The CUDA current device is per thread and starts at 0: without this, code that uses
         it (Triton launches, current_stream()) ran rank r's forward-thread work on GPU 0."""
-        if self.runner.device.type == "cuda":
-            torch.cuda.set_device(self.runner.device)
+        if self._cuda_index is not None:
+            torch.cuda.set_device(self._cuda_index)
 
     def submit(self, fi: ForwardInput) -> Future:
         """Queue a step; its result is a ForwardOutput."""
