@@ -346,6 +346,13 @@ def compute_metrics(results: list[RequestResult], duration: float) -> dict[str, 
     return m
 
 
+# (section title, row label, metric key): SGLang's bench_serving latency blocks, mean/median/p99 each
+LATENCY_SECTIONS = (("End-to-End Latency", "E2E Latency", "e2e_latency"),
+                    ("Time to First Token", "TTFT", "ttft"),
+                    ("Time per Output Token (excl. 1st token)", "TPOT", "tpot"),
+                    ("Inter-Token Latency", "ITL", "itl"))
+
+
 def format_table(m: dict[str, Any], args: argparse.Namespace) -> str:
     def row(label: str, value: Any) -> str:
         if isinstance(value, float):
@@ -371,24 +378,12 @@ def format_table(m: dict[str, Any], args: argparse.Namespace) -> str:
         row("Output token throughput (tok/s):", m["output_throughput"]),
         row("Total token throughput (tok/s):", m["total_throughput"]),
         row("Concurrency:", m["concurrency"]),
-        section("End-to-End Latency"),
-        row("Mean E2E Latency (ms):", m["mean_e2e_latency_ms"]),
-        row("Median E2E Latency (ms):", m["median_e2e_latency_ms"]),
-        row("P99 E2E Latency (ms):", m["p99_e2e_latency_ms"]),
-        section("Time to First Token"),
-        row("Mean TTFT (ms):", m["mean_ttft_ms"]),
-        row("Median TTFT (ms):", m["median_ttft_ms"]),
-        row("P99 TTFT (ms):", m["p99_ttft_ms"]),
-        section("Time per Output Token (excl. 1st token)"),
-        row("Mean TPOT (ms):", m["mean_tpot_ms"]),
-        row("Median TPOT (ms):", m["median_tpot_ms"]),
-        row("P99 TPOT (ms):", m["p99_tpot_ms"]),
-        section("Inter-Token Latency"),
-        row("Mean ITL (ms):", m["mean_itl_ms"]),
-        row("Median ITL (ms):", m["median_itl_ms"]),
-        row("P99 ITL (ms):", m["p99_itl_ms"]),
-        "=" * 50,
     ]
+    for title, label, key in LATENCY_SECTIONS:
+        lines.append(section(title))
+        lines += [row(f"{stat.title()} {label} (ms):", m[f"{stat}_{key}_ms"])
+                  for stat in ("mean", "median", "p99")]
+    lines.append("=" * 50)
     if m["output_len_mismatches"]:
         lines.append(f"note: {m['output_len_mismatches']} requests generated a different number of "
                      f"tokens than requested ({m['min_output_tokens']}..{m['max_output_tokens']})")

@@ -2,7 +2,7 @@
 
 The `p2p` dispatcher moves tokens by writing straight into the destination rank's buffer, so the
 gather and the transfer are one copy and no collective needs host-side split sizes. Two
-implementations share one interface (`local`, `peer(rank)`, `barrier()`):
+implementations share one interface (`peer(rank)`, `barrier()`):
 
 - CUDA: torch's symmetric memory (`torch.distributed._symmetric_memory`): the peers' allocations
   are mapped into this process, a copy into `peer(r)` travels over NVLink, and `barrier()` is a
@@ -30,19 +30,11 @@ class PeerBuffers:
     """`nbytes` of symmetric memory on every rank of `group` (collective constructor)."""
 
     def __init__(self, nbytes: int, group: Any, device: torch.device):
-        self.nbytes = nbytes
-        self.group = group
-        self.rank = dist.get_rank(group)
-        self.world = dist.get_world_size(group)
         if device.type == "cuda":
             self._peers, self._barrier, self._keep = _cuda_symmetric(nbytes, group, device)
         else:
-            self._peers, self._keep = _shared_files(nbytes, group, self.rank, self.world)
+            self._peers, self._keep = _shared_files(nbytes, group)
             self._barrier = lambda: dist.barrier(group=group)
-
-    @property
-    def local(self) -> torch.Tensor:
-        return self._peers[self.rank]
 
     def peer(self, rank: int) -> torch.Tensor:
         """Rank `rank`'s whole buffer as uint8 [nbytes], addressable from this rank."""
@@ -57,17 +49,17 @@ class Layout:
     """Carves typed views at fixed offsets out of a flat uint8 buffer, the same on every rank."""
 
     def __init__(self):
-        self.regions: dict[str, tuple[int, tuple[int, ...], torch.dtype]] = {}
+        # name -> (byte offset, byte size, shape, dtype)
+        self.regions: dict[str, tuple[int, int, tuple[int, ...], torch.dtype]] = {}
         self.nbytes = 0
 
     def add(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> None:
-        size = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
-        self.regions[name] = (self.nbytes, tuple(shape), dtype)
+        size = torch.Size(shape).numel() * dtype.itemsize
+        self.regions[name] = (self.nbytes, size, tuple(shape), dtype)
         self.nbytes += -(-size // ALIGN) * ALIGN
 
     def view(self, buf: torch.Tensor, name: str) -> torch.Tensor:
-        offset, shape, dtype = self.regions[name]
-        size = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        offset, size, shape, dtype = self.regions[name]
         return buf[offset : offset + size].view(dtype).view(shape)
 
 
@@ -82,9 +74,10 @@ def _cuda_symmetric(nbytes: int, group: Any, device: torch.device):
     return peers, lambda: handle.barrier(channel=0), (buf, handle)
 
 
-def _shared_files(nbytes: int, group: Any, rank: int, world: int):
+def _shared_files(nbytes: int, group: Any):
     """Each rank creates a zeroed file of nbytes and maps every rank's file; files are unlinked
     once all ranks have mapped them (the mappings stay valid), so nothing is left behind."""
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
     token = [uuid.uuid4().hex if rank == 0 else None]
     dist.broadcast_object_list(token, src=dist.get_global_rank(group, 0), group=group)
     folder = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
