@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Runs on a lent GPU machine (see the device tool): GPU tests, then benchmarks, logs under $OUT.
-#   scripts/gpu_check.sh [tests|one_batch|serving|multigpu|ep|all]   (multigpu, ep: 2+ GPUs;
-#   ep: the EP bench alone; PROFILE=1 adds profiler tables)
+#   scripts/gpu_check.sh [tests|one_batch|serving|multigpu|ep|p2p|all]   (multigpu, ep, p2p: 2+
+#   GPUs; ep: the EP bench alone; p2p: the p2p kernels' tests, per-kernel sweep, EP bench and DP
+#   check; PROFILE=1 adds profiler tables)
 # The image lacks some pure-Python deps: they travel as wheels in .whl/ (not committed).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -33,13 +34,20 @@ if [[ $what == one_batch || $what == all ]]; then
   done
 fi
 
-if [[ $what == multigpu || $what == ep ]]; then
+if [[ $what == p2p ]]; then
+  python3 -m pytest tests/gpu/test_peer_copy.py -q -p no:cacheprovider 2>&1 | tail -3 \
+    | tee "$OUT/p2p_tests.log"
+  python3 scripts/p2p_sweep.py --warps ${WARPS:-4 8 16} 2>&1 | grep -v -i warn \
+    | tee "$OUT/p2p_sweep.log"
+fi
+
+if [[ $what == multigpu || $what == ep || $what == p2p ]]; then
   n=$(nvidia-smi -L | wc -l)
   python3 -m moeserve.bench.ep --world "$n" --backend a2a allgather p2p --tokens 128 1024 4096 \
     --iters 20 ${PROFILE:+--profile} 2>&1 | grep -v -E "Warning|USDT|warn|return func" \
     | tee "$OUT/bench_ep.log"
 fi
-if [[ $what == multigpu ]]; then
+if [[ $what == multigpu || $what == p2p ]]; then
   python3 scripts/gpu_dp_check.py 2>&1 | grep -E "identical|Error" | tee "$OUT/dp_check.log"
 fi
 

@@ -2,20 +2,19 @@
 
 Every rank owns, per slot, a receive region laid out by source rank: block s (rows
 [s*T_max, s*T_max + T_s)) holds source s's tokens in their original order, T_max being the largest
-token count of the step. Dispatch: each source copies its hidden states into block `me` of every
-peer's buffer (the copy IS the transfer: over NVLink on CUDA) plus a meta row per token with its
-top-k ids and weights; one barrier; the receiver reads its buffer in place and masks the ids it
-does not own. Combine: the expert rank writes each block's outputs back into block `me` of the
-source's combine region; one barrier; the source adds the ep partial outputs per token. On CUDA the
-copies are one Triton kernel per region (kernels/peer_copy.py): SM stores over NVLink that do not
-block the host, and the source is read once for all destinations.
+token count of the step. Dispatch: one kernel writes each token row into block `me` of every rank
+owning one of its experts (the copy IS the transfer: over NVLink on CUDA) and a meta row (top-k ids
+| weights) into every rank; one barrier; the receiver reads its buffer in place and masks the ids
+it does not own (rows it was not sent carry ids it does not own, so its experts skip them).
+Combine: one kernel writes each row this rank's experts touched back into block `me` of its
+source's combine region; one barrier; one kernel at the source sums the parts its routing named,
+its own part read straight from the expert output. The kernels are in kernels/peer_copy.py; on CPU
+the same steps run in torch over shared-memory files.
 
-No host sync: the per-rank token counts come from the step's DP sync (`tokens_per_rank`); without
-them the dispatcher all-gathers the counts itself (one small host sync). Every token is sent to every
-rank, like `allgather`, but as one direct copy; ranks that own none of a token's experts get it with
-all ids -1 and return zeros. Under top-8 routing over 256 experts 99.6% of tokens need both ranks at
-ep=2, so nothing is wasted there; at ep=4 (90%) p2p already measured slower than `allgather` on
-4×H200 (bench.ep, 4096 tokens/rank: 1.92 vs 1.33 ms): a masked copy per peer is the next step.
+No host sync when the per-rank token counts are known: they come from the step's DP sync
+(`tokens_per_rank`); without them the dispatcher all-gathers the counts itself (one small host
+sync). Like DeepEP's normal mode, a token crosses to a rank only when that rank owns one of its
+experts (90% of (token, peer) pairs at ep=4 under top-8 of 256, 99.6% at ep=2).
 
 Buffers are reused: dispatch k uses slot k % 2, so two dispatches may be in flight, and the combine
 of dispatch k must have been waited before dispatch k + 2 starts.
@@ -36,7 +35,7 @@ from moeserve.ep.dispatcher import (
     DispatchOutput,
 )
 from moeserve.ep.peer_memory import Layout, PeerBuffers
-from moeserve.kernels.peer_copy import PeerCopier
+from moeserve.kernels.peer_copy import combine_rows, dispatch_rows, reduce_parts
 
 SLOTS = 2
 
@@ -46,6 +45,7 @@ class _P2PHandle(DispatchHandle):
     slot: int = 0
     counts: tuple[int, ...] = ()  # tokens per source rank
     t_max: int = 0
+    topk_ids: torch.Tensor | None = None  # [T, K] this rank's routing: which parts to sum
 
 
 @dataclass
@@ -79,17 +79,12 @@ class P2PDispatcher(Dispatcher):
             self.layout.add(f"y{s}", (rows, self.hidden_size), self.dtype)
         self.topk = topk
         self.buffers = PeerBuffers(self.layout.nbytes, self.group, self.mesh.device)
-        ranks = range(self.mesh.ep_size)
         self.views = {(name, r): self.layout.view(self.buffers.peer(r), name)
-                      for name in self.layout.regions for r in ranks}
-        # dispatch writes block `me` of every rank's x/meta (one kernel each, the NVLink stores
-        # first, this rank's own last); combine writes block `me` of one source's y at a time
-        me = self.mesh.ep_rank
-        order = [r for r in ranks if r != me] + [me]
-        self.to_all = {name: PeerCopier([self.views[name, r] for r in order])
-                       for name in self.layout.regions if not name.startswith("y")}
-        self.to_one = {(name, r): PeerCopier([self.views[name, r]])
-                       for name in self.layout.regions if name.startswith("y") for r in ranks}
+                      for name in self.layout.regions for r in range(self.mesh.ep_size)}
+
+    def _all(self, name: str) -> list[torch.Tensor]:
+        """Region `name` of every rank's buffer, by rank."""
+        return [self.views[name, r] for r in range(self.mesh.ep_size)]
 
     def dispatch_start(self, x, topk_ids, topk_weights, forward_mode=None,
                        tokens_per_rank=None) -> DispatchHandle:
@@ -102,17 +97,11 @@ class P2PDispatcher(Dispatcher):
             raise ValueError(f"{t_max} tokens on one rank exceed the p2p buffers' "
                              f"max_tokens_per_rank={self.max_tokens}")
         self._ensure_buffers(k)
-        h = _P2PHandle(t, x.dtype, self.calls % SLOTS, counts, t_max)
+        h = _P2PHandle(t, x.dtype, self.calls % SLOTS, counts, t_max, topk_ids)
         self.calls += 1
-        if t_max == 0:
-            return h
-        meta = torch.empty((t_max, 2 * k), dtype=torch.int32, device=x.device)
-        meta[:t, :k] = topk_ids
-        meta[:t, k:] = topk_weights.float().view(torch.int32)
-        meta[t:, :k] = -1  # padding rows: no expert (weights masked to 0 with the ids)
-        # TODO(perf): at large ep, a kernel that skips rows routed to none of a peer's experts
-        self.to_all[f"meta{h.slot}"](meta, me * t_max)
-        self.to_all[f"x{h.slot}"](x.to(self.dtype), me * t_max)
+        if t_max > 0:
+            dispatch_rows(x, topk_ids, topk_weights, self._all(f"x{h.slot}"),
+                          self._all(f"meta{h.slot}"), me, t_max, self.num_local)
         return h
 
     def dispatch_wait(self, handle: DispatchHandle) -> DispatchOutput:
@@ -132,22 +121,19 @@ class P2PDispatcher(Dispatcher):
 
     def _combine_start(self, expert_out, handle) -> CombineHandle:
         assert isinstance(handle, _P2PHandle)
-        t_max, me, ep = handle.t_max, self.mesh.ep_rank, self.mesh.ep_size
-        y = expert_out.to(self.dtype)
-        for s, t_s in enumerate(handle.counts):
-            if s != me or ep > 2:  # two ranks: combine_wait adds the own block straight from y
-                self.to_one[f"y{handle.slot}", s](y[s * t_max : s * t_max + t_s], me * t_max)
+        n, me = self.mesh.ep_size * handle.t_max, self.mesh.ep_rank
+        y = expert_out.to(self.dtype).contiguous()
+        if n:
+            combine_rows(y, self.views[f"meta{handle.slot}", me][:n], self._all(f"y{handle.slot}"),
+                         me, handle.t_max, self.first_expert, self.num_local)
         return _P2PCombine(handle.num_tokens, handle.dtype, handle, y)
 
     def combine_wait(self, handle: CombineHandle) -> torch.Tensor:
         assert isinstance(handle, _P2PCombine) and handle.dispatch is not None
-        h, ep = handle.dispatch, self.mesh.ep_size
+        h, ep, me = handle.dispatch, self.mesh.ep_size, self.mesh.ep_rank
         if h.t_max == 0:
             return torch.empty(0, self.hidden_size, dtype=h.dtype, device=self.mesh.device)
         self.buffers.barrier()
-        t, me = h.num_tokens, self.mesh.ep_rank
-        parts = self.views[f"y{h.slot}", me][: ep * h.t_max].view(ep, h.t_max, -1)[:, :t]
-        if ep == 2:  # own rows from the expert output + the peer's block: one pass
-            own = handle.expert_out[me * h.t_max : me * h.t_max + t]
-            return (own + parts[1 - me]).to(h.dtype)  # [T, H]
-        return parts.sum(0).to(h.dtype)  # [T, H], accumulated in float32 by the reduction
+        parts = self.views[f"y{h.slot}", me][: ep * h.t_max].view(ep, h.t_max, -1)
+        own = handle.expert_out[me * h.t_max : me * h.t_max + h.num_tokens]
+        return reduce_parts(parts, own, h.topk_ids, me, self.num_local, h.dtype)  # [T, H]

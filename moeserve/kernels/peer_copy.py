@@ -1,9 +1,21 @@
-"""Copy one tensor into the same place of several (peer-mapped) buffers with one kernel.
+"""Row movement of the p2p EP backend between peer-mapped buffers: dispatch, combine, reduce.
 
-Why a kernel: cudaMemcpyAsync into a peer's symmetric-memory mapping measured ~120 µs of host time
-per call on H200 (the host waits for the copy), which serialises launch and transfer. A Triton
-kernel's stores travel over NVLink from the SMs, return at once, and read the source only once for
-all destinations. Elsewhere (CPU, no Triton) `Tensor.copy_` does the same job.
+The three steps of one p2p dispatch + combine, each one kernel on CUDA (Triton) and the same
+semantics in torch elsewhere (the CPU tests run the torch path over shared-memory files):
+
+- `dispatch_rows`: every token row goes to block `me` of each rank that owns one of its experts
+  (rows no expert of a rank wants are not sent there), plus a meta row (top-k ids | float32
+  weight bits) to every rank, so each receiver knows which rows it got; rows t in [T, T_max)
+  carry ids -1 (padding).
+- `combine_rows`: each received row that this rank's experts touched goes back to its source.
+- `reduce_parts`: the source sums, per token, the partial outputs of the ranks its routing named,
+  in float32, taking its own part straight from the expert output.
+
+Why kernels: cudaMemcpyAsync into a peer's symmetric-memory mapping measured ~120 µs of host time
+per call on H200. Stores from SMs go over NVLink, return at once, read the source once for all
+destinations, and skip the rows a peer does not need. Every destination is its own kernel argument
+(a tuple), so Triton knows each is 16-byte aligned and issues 16-byte stores; a pointer read from
+a device table would carry no alignment and be stored element by element.
 """
 
 from __future__ import annotations
@@ -16,45 +28,162 @@ try:  # optional: only the CUDA image has Triton
 except ImportError:  # pragma: no cover - CPU installs
     triton = None
 
+NUM_WARPS = 8  # per row program; a row of 7168 bf16 is 14 KB, 56 bytes a thread
+
+
+def owner_mask(topk_ids: torch.Tensor, experts_per_rank: int, ep_size: int) -> torch.Tensor:
+    """topk_ids [T, K] → [T, ep] bool: rank r owns one of the token's experts (-1: no expert)."""
+    owner = torch.where(topk_ids >= 0, topk_ids // experts_per_rank, ep_size)  # -1 → dummy column
+    mask = torch.zeros(topk_ids.shape[0], ep_size + 1, dtype=torch.bool, device=topk_ids.device)
+    return mask.scatter_(1, owner, True)[:, :ep_size]
+
+
+def _use_kernel(t: torch.Tensor) -> bool:
+    if triton is None or not t.is_cuda:
+        return False
+    if torch.cuda.current_device() != t.device.index:  # Triton launches on the current device
+        raise RuntimeError(f"current CUDA device {torch.cuda.current_device()} is not the "
+                           f"tensors' {t.device}: set it in this thread")
+    return True
+
+
+def dispatch_rows(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                  dst_x: list[torch.Tensor], dst_meta: list[torch.Tensor], me: int, t_max: int,
+                  experts_per_rank: int) -> None:
+    """x [T, H], topk_ids [T, K], topk_weights [T, K] → for every rank d:
+    dst_x[d][me*t_max + t] = x[t] where d owns one of token t's experts (other rows untouched);
+    dst_meta[d][me*t_max + t] = ids | weight bits (int32 [2K]) for t < t_max, ids -1 past T."""
+    t, k = topk_ids.shape
+    row0 = me * t_max
+    if _use_kernel(x):
+        h = x.shape[1]
+        _dispatch_kernel[(t_max,)](
+            x, topk_ids, topk_weights, tuple(dst_x), tuple(dst_meta), row0, t, experts_per_rank,
+            H=h, BLOCK_H=triton.next_power_of_2(h), K=k, BLOCK_K=triton.next_power_of_2(k),
+            NUM_DST=len(dst_x), num_warps=NUM_WARPS)
+        return
+    meta = torch.full((t_max, 2 * k), -1, dtype=torch.int32, device=x.device)
+    meta[:t, :k] = topk_ids
+    meta[:t, k:] = topk_weights.float().view(torch.int32)
+    need = owner_mask(topk_ids, experts_per_rank, len(dst_x))  # [T, ep]
+    for d, (dx, dm) in enumerate(zip(dst_x, dst_meta)):
+        rows = need[:, d].nonzero().squeeze(1)
+        dx.index_copy_(0, rows + row0, x.index_select(0, rows).to(dx.dtype))
+        dm[row0 : row0 + t_max].copy_(meta)
+
+
+def combine_rows(y: torch.Tensor, meta: torch.Tensor, dst_y: list[torch.Tensor], me: int,
+                 t_max: int, first_expert: int, num_local: int) -> None:
+    """y [ep*t_max, H] expert outputs by source block, meta [ep*t_max, 2K] as received →
+    dst_y[s][me*t_max + t] = y[s*t_max + t] for every source s != me and row t that one of this
+    rank's experts [first_expert, first_expert + num_local) processed. Block `me` stays in y."""
+    k = meta.shape[1] // 2
+    if _use_kernel(y):
+        h = y.shape[1]
+        _combine_kernel[(len(dst_y) * t_max,)](
+            y, meta, tuple(dst_y), me, t_max, first_expert, num_local,
+            H=h, BLOCK_H=triton.next_power_of_2(h), K=k, BLOCK_K=triton.next_power_of_2(k),
+            NUM_DST=len(dst_y), num_warps=NUM_WARPS)
+        return
+    ids = meta[:, :k]
+    routed = ((ids >= first_expert) & (ids < first_expert + num_local)).any(1)  # [ep*t_max]
+    for s, dy in enumerate(dst_y):
+        if s == me:
+            continue
+        rows = routed[s * t_max : (s + 1) * t_max].nonzero().squeeze(1)
+        dy.index_copy_(0, rows + me * t_max, y.index_select(0, rows + s * t_max).to(dy.dtype))
+
+
+def reduce_parts(parts: torch.Tensor, own: torch.Tensor, topk_ids: torch.Tensor, me: int,
+                 experts_per_rank: int, out_dtype: torch.dtype) -> torch.Tensor:
+    """parts [ep, t_max, H] (block r from rank r), own [T, H] (this rank's own expert outputs),
+    topk_ids [T, K] → [T, H] out_dtype: sum over the ranks owning one of token t's experts of that
+    rank's part (own for r == me), accumulated in float32. Blocks of other ranks are read only
+    where the routing says they were written."""
+    ep, t = parts.shape[0], topk_ids.shape[0]
+    h = parts.shape[2]
+    out = torch.empty((t, h), dtype=out_dtype, device=parts.device)
+    if t == 0:
+        return out
+    if _use_kernel(parts):
+        _reduce_kernel[(t,)](
+            parts, own, topk_ids, out, parts.shape[1], experts_per_rank, me=me, H=h,
+            BLOCK_H=triton.next_power_of_2(h), K=topk_ids.shape[1],
+            BLOCK_K=triton.next_power_of_2(topk_ids.shape[1]), EP=ep, num_warps=NUM_WARPS)
+        return out
+    need = owner_mask(topk_ids, experts_per_rank, ep)  # [T, ep]
+    acc = torch.zeros((t, h), dtype=torch.float32, device=parts.device)
+    for r in range(ep):  # the kernel's order, so that both round alike
+        part = own if r == me else parts[r, :t]
+        acc += torch.where(need[:, r, None], part.float(), 0.0)
+    return out.copy_(acc)
+
 
 if triton is not None:
 
     @triton.jit
-    def _copy_to_many(src_ptr, dst_ptrs, num_dst, dst_offset, numel, BLOCK: tl.constexpr):
-        """dst_i[dst_offset + j] = src[j] for j < numel, every i < num_dst (elements of src's
-        dtype; dst_ptrs holds each destination's base address as int64)."""
-        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        mask = offs < numel
-        v = tl.load(src_ptr + offs, mask=mask)
-        for i in range(num_dst):
-            base = tl.load(dst_ptrs + i).to(tl.pointer_type(src_ptr.dtype.element_ty))
-            tl.store(base + dst_offset + offs, v, mask=mask)
+    def _owned_by(ids, d, experts_per_rank):
+        """Whether rank d owns one of the ids (a K-vector; -1 is no expert)."""
+        hit = (ids >= 0) & (ids // experts_per_rank == d)
+        return tl.max(hit.to(tl.int32), axis=0) > 0
 
+    @triton.jit
+    def _dispatch_kernel(x, ids_ptr, w_ptr, dst_x, dst_meta, row0, t, experts_per_rank,
+                         H: tl.constexpr, BLOCK_H: tl.constexpr, K: tl.constexpr,
+                         BLOCK_K: tl.constexpr, NUM_DST: tl.constexpr):
+        row = tl.program_id(0)  # < t_max
+        cols = tl.arange(0, BLOCK_H)
+        ks = tl.arange(0, BLOCK_K)
+        kmask = ks < K
+        dst_row = (row0 + row).to(tl.int64)
+        if row < t:
+            ids = tl.load(ids_ptr + row * K + ks, mask=kmask, other=-1)
+            w = tl.load(w_ptr + row * K + ks, mask=kmask, other=0.0)
+            w = w.to(tl.float32).to(tl.int32, bitcast=True)
+            v = tl.load(x + row.to(tl.int64) * H + cols, mask=cols < H)
+            for d in tl.static_range(NUM_DST):
+                tl.store(dst_meta[d] + dst_row * 2 * K + ks, ids.to(tl.int32), mask=kmask)
+                tl.store(dst_meta[d] + dst_row * 2 * K + K + ks, w, mask=kmask)
+                if _owned_by(ids, d, experts_per_rank):
+                    tl.store(dst_x[d] + dst_row * H + cols, v.to(dst_x[d].dtype.element_ty),
+                             mask=cols < H)
+        else:
+            none = tl.full((BLOCK_K,), -1, tl.int32)
+            for d in tl.static_range(NUM_DST):
+                tl.store(dst_meta[d] + dst_row * 2 * K + ks, none, mask=kmask)
 
-class PeerCopier:
-    """Copies a contiguous source into rows [row0, row0 + n) of a fixed set of 2-D destination
-    buffers (same shape and dtype); the destinations' addresses are uploaded once."""
+    @triton.jit
+    def _combine_kernel(y, meta, dst_y, me, t_max, first_expert, num_local,
+                        H: tl.constexpr, BLOCK_H: tl.constexpr, K: tl.constexpr,
+                        BLOCK_K: tl.constexpr, NUM_DST: tl.constexpr):
+        row = tl.program_id(0)  # < ep * t_max
+        src_rank = row // t_max
+        ks = tl.arange(0, BLOCK_K)
+        ids = tl.load(meta + row.to(tl.int64) * 2 * K + ks, mask=ks < K, other=-1)
+        hit = (ids >= first_expert) & (ids < first_expert + num_local)
+        if (src_rank != me) & (tl.max(hit.to(tl.int32), axis=0) > 0):
+            cols = tl.arange(0, BLOCK_H)
+            v = tl.load(y + row.to(tl.int64) * H + cols, mask=cols < H)
+            dst_row = (me * t_max + row - src_rank * t_max).to(tl.int64)
+            for s in tl.static_range(NUM_DST):
+                if src_rank == s:
+                    tl.store(dst_y[s] + dst_row * H + cols, v.to(dst_y[s].dtype.element_ty),
+                             mask=cols < H)
 
-    def __init__(self, dsts: list[torch.Tensor]):
-        self.dsts = dsts
-        self.use_kernel = triton is not None and dsts[0].is_cuda
-        if self.use_kernel:
-            self.ptrs = torch.tensor([d.data_ptr() for d in dsts], dtype=torch.int64,
-                                     device=dsts[0].device)
-
-    def __call__(self, src: torch.Tensor, row0: int) -> None:
-        n = src.shape[0]
-        if n == 0:
-            return
-        if not self.use_kernel:
-            for d in self.dsts:
-                d[row0 : row0 + n].copy_(src)
-            return
-        src = src.contiguous()
-        if torch.cuda.current_device() != src.device.index:  # Triton launches on the current one
-            raise RuntimeError(f"current CUDA device {torch.cuda.current_device()} is not the "
-                               f"copy's {src.device}: set it in this thread")
-        numel, block = src.numel(), 4096
-        _copy_to_many[(triton.cdiv(numel, block),)](
-            src, self.ptrs, len(self.dsts), row0 * src[0].numel(), numel, BLOCK=block,
-            num_warps=8)
+    @triton.jit
+    def _reduce_kernel(parts, own, ids_ptr, out, t_max, experts_per_rank, me: tl.constexpr,
+                       H: tl.constexpr, BLOCK_H: tl.constexpr, K: tl.constexpr,
+                       BLOCK_K: tl.constexpr, EP: tl.constexpr):
+        row = tl.program_id(0)  # < T
+        cols = tl.arange(0, BLOCK_H)
+        ks = tl.arange(0, BLOCK_K)
+        ids = tl.load(ids_ptr + row * K + ks, mask=ks < K, other=-1)
+        acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
+        for r in tl.static_range(EP):
+            if _owned_by(ids, r, experts_per_rank):
+                if r == me:
+                    src = own + row.to(tl.int64) * H
+                else:
+                    src = parts + (r * t_max + row).to(tl.int64) * H
+                acc += tl.load(src + cols, mask=cols < H).to(tl.float32)
+        tl.store(out + row.to(tl.int64) * H + cols, acc.to(out.dtype.element_ty), mask=cols < H)
