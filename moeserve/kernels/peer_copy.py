@@ -6,7 +6,7 @@ semantics in torch elsewhere (the CPU tests run the torch path over shared-memor
 - `dispatch_rows`: every token row goes to block `me` of each rank that owns one of its experts
   (rows no expert of a rank wants are not sent there), plus a meta row (top-k ids | float32
   weight bits) to every rank, so each receiver knows which rows it got; rows t in [T, T_max)
-  carry ids -1 (padding).
+  carry ids -1 and weights 0 (padding).
 - `combine_rows`: each received row that this rank's experts touched goes back to its source.
 - `reduce_parts`: the source sums, per token, the partial outputs of the ranks its routing named,
   in float32, taking its own part straight from the expert output.
@@ -59,10 +59,11 @@ def dispatch_rows(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.T
         h = x.shape[1]
         _dispatch_kernel[(t_max,)](
             x, topk_ids, topk_weights, tuple(dst_x), tuple(dst_meta), row0, t, experts_per_rank,
-            H=h, BLOCK_H=triton.next_power_of_2(h), K=k, BLOCK_K=triton.next_power_of_2(k),
+            ME=me, H=h, BLOCK_H=triton.next_power_of_2(h), K=k, BLOCK_K=triton.next_power_of_2(k),
             NUM_DST=len(dst_x), num_warps=NUM_WARPS)
         return
-    meta = torch.full((t_max, 2 * k), -1, dtype=torch.int32, device=x.device)
+    meta = torch.zeros((t_max, 2 * k), dtype=torch.int32, device=x.device)  # weight 0.0
+    meta[:, :k] = -1
     meta[:t, :k] = topk_ids
     meta[:t, k:] = topk_weights.float().view(torch.int32)
     need = owner_mask(topk_ids, experts_per_rank, len(dst_x))  # [T, ep]
@@ -80,8 +81,8 @@ def combine_rows(y: torch.Tensor, meta: torch.Tensor, dst_y: list[torch.Tensor],
     k = meta.shape[1] // 2
     if _use_kernel(y):
         h = y.shape[1]
-        _combine_kernel[(len(dst_y) * t_max,)](
-            y, meta, tuple(dst_y), me, t_max, first_expert, num_local,
+        _combine_kernel[((len(dst_y) - 1) * t_max,)](
+            y, meta, tuple(dst_y), t_max, first_expert, num_local, ME=me,
             H=h, BLOCK_H=triton.next_power_of_2(h), K=k, BLOCK_K=triton.next_power_of_2(k),
             NUM_DST=len(dst_y), num_warps=NUM_WARPS)
         return
@@ -129,7 +130,7 @@ if triton is not None:
 
     @triton.jit
     def _dispatch_kernel(x, ids_ptr, w_ptr, dst_x, dst_meta, row0, t, experts_per_rank,
-                         H: tl.constexpr, BLOCK_H: tl.constexpr, K: tl.constexpr,
+                         ME: tl.constexpr, H: tl.constexpr, BLOCK_H: tl.constexpr, K: tl.constexpr,
                          BLOCK_K: tl.constexpr, NUM_DST: tl.constexpr):
         row = tl.program_id(0)  # < t_max
         cols = tl.arange(0, BLOCK_H)
@@ -141,32 +142,40 @@ if triton is not None:
             w = tl.load(w_ptr + row * K + ks, mask=kmask, other=0.0)
             w = w.to(tl.float32).to(tl.int32, bitcast=True)
             v = tl.load(x + row.to(tl.int64) * H + cols, mask=cols < H)
-            for d in tl.static_range(NUM_DST):
+            for i in tl.static_range(NUM_DST):  # rank ME+1 first, ME's own buffer last
+                d: tl.constexpr = (ME + 1 + i) % NUM_DST
                 tl.store(dst_meta[d] + dst_row * 2 * K + ks, ids.to(tl.int32), mask=kmask)
                 tl.store(dst_meta[d] + dst_row * 2 * K + K + ks, w, mask=kmask)
                 if _owned_by(ids, d, experts_per_rank):
                     tl.store(dst_x[d] + dst_row * H + cols, v.to(dst_x[d].dtype.element_ty),
                              mask=cols < H)
         else:
-            none = tl.full((BLOCK_K,), -1, tl.int32)
             for d in tl.static_range(NUM_DST):
-                tl.store(dst_meta[d] + dst_row * 2 * K + ks, none, mask=kmask)
+                tl.store(dst_meta[d] + dst_row * 2 * K + ks, tl.full((BLOCK_K,), -1, tl.int32),
+                         mask=kmask)
+                tl.store(dst_meta[d] + dst_row * 2 * K + K + ks, tl.zeros((BLOCK_K,), tl.int32),
+                         mask=kmask)
 
     @triton.jit
-    def _combine_kernel(y, meta, dst_y, me, t_max, first_expert, num_local,
+    def _combine_kernel(y, meta, dst_y, t_max, first_expert, num_local, ME: tl.constexpr,
                         H: tl.constexpr, BLOCK_H: tl.constexpr, K: tl.constexpr,
                         BLOCK_K: tl.constexpr, NUM_DST: tl.constexpr):
-        row = tl.program_id(0)  # < ep * t_max
-        src_rank = row // t_max
+        # program p takes row t = p // (ep-1) of the (p % (ep-1))-th other rank after ME:
+        # consecutive programs write to different ranks, so all links carry traffic at once (block
+        # by block, every rank would first write into rank 0, then into rank 1, ...)
+        p = tl.program_id(0)  # < (ep - 1) * t_max
+        src_rank = (ME + 1 + p % (NUM_DST - 1)) % NUM_DST
+        t = p // (NUM_DST - 1)
+        row = src_rank * t_max + t
         ks = tl.arange(0, BLOCK_K)
         ids = tl.load(meta + row.to(tl.int64) * 2 * K + ks, mask=ks < K, other=-1)
         hit = (ids >= first_expert) & (ids < first_expert + num_local)
-        if (src_rank != me) & (tl.max(hit.to(tl.int32), axis=0) > 0):
+        if tl.max(hit.to(tl.int32), axis=0) > 0:
             cols = tl.arange(0, BLOCK_H)
             v = tl.load(y + row.to(tl.int64) * H + cols, mask=cols < H)
-            dst_row = (me * t_max + row - src_rank * t_max).to(tl.int64)
+            dst_row = (ME * t_max + t).to(tl.int64)
             for s in tl.static_range(NUM_DST):
-                if src_rank == s:
+                if (s != ME) & (src_rank == s):
                     tl.store(dst_y[s] + dst_row * H + cols, v.to(dst_y[s].dtype.element_ty),
                              mask=cols < H)
 
