@@ -142,13 +142,13 @@ if triton is not None:
             w = tl.load(w_ptr + row * K + ks, mask=kmask, other=0.0)
             w = w.to(tl.float32).to(tl.int32, bitcast=True)
             v = tl.load(x + row.to(tl.int64) * H + cols, mask=cols < H)
-            for i in tl.static_range(NUM_DST):  # rank ME+1 first, ME's own buffer last
-                d: tl.constexpr = (ME + 1 + i) % NUM_DST
-                tl.store(dst_meta[d] + dst_row * 2 * K + ks, ids.to(tl.int32), mask=kmask)
-                tl.store(dst_meta[d] + dst_row * 2 * K + K + ks, w, mask=kmask)
-                if _owned_by(ids, d, experts_per_rank):
-                    tl.store(dst_x[d] + dst_row * H + cols, v.to(dst_x[d].dtype.element_ty),
-                             mask=cols < H)
+            for i in tl.static_range(1, NUM_DST + 1):  # rank ME+1 first, ME's own buffer last
+                meta_d = dst_meta[(ME + i) % NUM_DST]
+                x_d = dst_x[(ME + i) % NUM_DST]
+                tl.store(meta_d + dst_row * 2 * K + ks, ids.to(tl.int32), mask=kmask)
+                tl.store(meta_d + dst_row * 2 * K + K + ks, w, mask=kmask)
+                if _owned_by(ids, (ME + i) % NUM_DST, experts_per_rank):
+                    tl.store(x_d + dst_row * H + cols, v.to(x_d.dtype.element_ty), mask=cols < H)
         else:
             for d in tl.static_range(NUM_DST):
                 tl.store(dst_meta[d] + dst_row * 2 * K + ks, tl.full((BLOCK_K,), -1, tl.int32),
