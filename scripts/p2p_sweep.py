@@ -43,6 +43,42 @@ def _time(fn, iters=20) -> float:
     return t.item()
 
 
+def _host_costs(d, mesh, e, k, h, dev, world) -> list[tuple[str, float]]:
+    """Per-call wall time when the GPU has little to do: what the host spends launching."""
+    import time
+
+    t = 128
+    x = torch.randn(t, h, device=dev, dtype=torch.bfloat16)
+    ids = torch.rand(t, e, device=dev).topk(k, dim=1).indices
+    w = torch.full((t, k), 1.0 / k, device=dev)
+    counts = [t] * world
+    slot, me = d.calls % 2, mesh.ep_rank
+    xs, ms = d._all(f"x{slot}"), d._all(f"meta{slot}")
+
+    def full():
+        o = d.dispatch(x, ids, w, None, counts)
+        d.combine(o.hidden, o)
+
+    fns = [("dispatcher round trip", full),
+           ("dispatch_rows launch", lambda: peer_copy.dispatch_rows(x, ids, w, xs, ms, me, t,
+                                                                     e // world)),
+           ("received_view", lambda: peer_copy.received_view(ms[me][: world * t], 0, e // world)),
+           ("barrier", d.buffers.barrier),
+           ("torch add (reference)", lambda: x.add(1))]
+    out = []
+    for name, fn in fns:
+        for _ in range(3):
+            fn()
+        dist.barrier()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(50):
+            fn()
+        torch.cuda.synchronize()
+        out.append((name, (time.perf_counter() - t0) / 50 * 1e6))
+    return out
+
+
 def _rank(rank: int, world: int, port: int, args) -> None:
     torch.cuda.set_device(rank)
     dev = torch.device("cuda", rank)
@@ -99,12 +135,16 @@ def _rank(rank: int, world: int, port: int, args) -> None:
                                  ("dispatcher round trip", full, 2 * gb)]:
             ms_ = _time(fn)
             rows.append((warps, name, ms_, nbytes / ms_ * 1e3 if nbytes else 0.0))
+    host = _host_costs(d, mesh, e, k, h, dev, world)
     if rank == 0:
         print(f"# p2p sweep: {world} GPUs, {t} tokens/rank, hidden 7168 bf16, top-8 of 256; "
               f"{gb * 1e3:.1f} MB per phase per GPU on NVLink")
         print(f"{'warps':>5} {'step':<24} {'ms':>8} {'GB/s/GPU':>9} {'% 478':>6}")
         for warps, name, ms_, gbps in rows:
             print(f"{warps:>5} {name:<24} {ms_:>8.3f} {gbps:>9.1f} {100 * gbps / 478:>5.1f}%")
+        print("# host time per call (µs), 128 tokens/rank, 50 calls back to back, then one sync")
+        for name, us in host:
+            print(f"{name:<32} {us:>8.1f}")
     dist.destroy_process_group()
 
 

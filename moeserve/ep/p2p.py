@@ -35,7 +35,12 @@ from moeserve.ep.dispatcher import (
     DispatchOutput,
 )
 from moeserve.ep.peer_memory import Layout, PeerBuffers
-from moeserve.kernels.peer_copy import combine_rows, dispatch_rows, reduce_parts
+from moeserve.kernels.peer_copy import (
+    combine_rows,
+    dispatch_rows,
+    received_view,
+    reduce_parts,
+)
 
 SLOTS = 2
 
@@ -114,8 +119,10 @@ class P2PDispatcher(Dispatcher):
             return DispatchOutput(STANDARD, hidden, counts, handle, ids, w)
         self.buffers.barrier()
         meta = self.views[f"meta{handle.slot}", me][:n]  # [ep*T_max, 2K]
-        weights = meta[:, k:].contiguous().view(torch.float32)
-        ids, weights, counts = self.local_view(meta[:, :k].long(), weights)
+        view = received_view(meta, self.first_expert, self.num_local)
+        if view is None:
+            view = self.local_view(meta[:, :k].long(), meta[:, k:].contiguous().view(torch.float32))
+        ids, weights, counts = view
         hidden = self.views[f"x{handle.slot}", me][:n]  # [ep*T_max, H], read in place
         return DispatchOutput(STANDARD, hidden, counts, handle, ids, weights)
 

@@ -28,7 +28,7 @@ try:  # optional: only the CUDA image has Triton
 except ImportError:  # pragma: no cover - CPU installs
     triton = None
 
-NUM_WARPS = 8  # per row program; a row of 7168 bf16 is 14 KB, 56 bytes a thread
+NUM_WARPS = 16  # per row program (7168 bf16 = 14 KB a row); 8 and 32 measured within 2%
 
 
 def owner_mask(topk_ids: torch.Tensor, experts_per_rank: int, ep_size: int) -> torch.Tensor:
@@ -71,6 +71,26 @@ def dispatch_rows(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.T
         rows = need[:, d].nonzero().squeeze(1)
         dx.index_copy_(0, rows + row0, x.index_select(0, rows).to(dx.dtype))
         dm[row0 : row0 + t_max].copy_(meta)
+
+
+def received_view(meta: torch.Tensor, first_expert: int,
+                  num_local: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """Received meta rows [N, 2K] → (ids int64 [N, K] with ids of other ranks' experts set to -1,
+    weights float32 [N, K] with those set to 0, tokens per local expert int64 [num_local]): the
+    dispatcher's local view in one kernel instead of a dozen small ops (and no atomics piling onto
+    a few counters). None where no kernel runs: the caller computes it in torch."""
+    if not _use_kernel(meta):
+        return None
+    n, k = meta.shape[0], meta.shape[1] // 2
+    ids = torch.empty((n, k), dtype=torch.int64, device=meta.device)
+    weights = torch.empty((n, k), dtype=torch.float32, device=meta.device)
+    counts = torch.zeros(num_local, dtype=torch.int64, device=meta.device)
+    rows = 64
+    _received_view_kernel[(triton.cdiv(n, rows),)](
+        meta, ids, weights, counts, n, first_expert, num_local, K=k,
+        BLOCK_K=triton.next_power_of_2(k), ROWS=rows,
+        BINS=triton.next_power_of_2(num_local + 1), num_warps=4)
+    return ids, weights, counts
 
 
 def combine_rows(y: torch.Tensor, meta: torch.Tensor, dst_y: list[torch.Tensor], me: int,
@@ -196,3 +216,22 @@ if triton is not None:
                     src = parts + (r * t_max + row).to(tl.int64) * H
                 acc += tl.load(src + cols, mask=cols < H).to(tl.float32)
         tl.store(out + row.to(tl.int64) * H + cols, acc.to(out.dtype.element_ty), mask=cols < H)
+
+    @triton.jit
+    def _received_view_kernel(meta, ids_out, w_out, counts, n, first_expert, num_local,
+                              K: tl.constexpr, BLOCK_K: tl.constexpr, ROWS: tl.constexpr,
+                              BINS: tl.constexpr):
+        rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+        ks = tl.arange(0, BLOCK_K)
+        mask = (rows[:, None] < n) & (ks[None, :] < K)
+        at = rows[:, None].to(tl.int64) * 2 * K + ks[None, :]
+        ids = tl.load(meta + at, mask=mask, other=-1)
+        w = tl.load(meta + at + K, mask=mask, other=0).to(tl.float32, bitcast=True)
+        local = (ids >= first_expert) & (ids < first_expert + num_local)
+        out_at = rows[:, None].to(tl.int64) * K + ks[None, :]
+        tl.store(ids_out + out_at, tl.where(local, ids, -1).to(tl.int64), mask=mask)
+        tl.store(w_out + out_at, tl.where(local, w, 0.0), mask=mask)
+        slot = tl.where(local, ids - first_expert, num_local)  # non-local: the spare last bin
+        hist = tl.histogram(tl.reshape(slot, (ROWS * BLOCK_K,)), BINS)
+        bins = tl.arange(0, BINS)
+        tl.atomic_add(counts + bins, hist.to(tl.int64), mask=bins < num_local)

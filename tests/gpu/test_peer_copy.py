@@ -8,7 +8,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moeserve.kernels.peer_copy import combine_rows, dispatch_rows, owner_mask, reduce_parts
+from moeserve.kernels.peer_copy import (
+    combine_rows,
+    dispatch_rows,
+    owner_mask,
+    received_view,
+    reduce_parts,
+)
 
 pytestmark = pytest.mark.gpu
 
@@ -98,3 +104,18 @@ def test_reduce_parts_matches_torch_and_skips_unsent_rows(ep, me, k, h, dtype):
                 for r in range(ep))
     torch.testing.assert_close(ref, dense.float(), rtol=1e-6, atol=1e-6)
     assert (ref[t // 2] == 0).all()  # the token routed nowhere
+
+
+@pytest.mark.parametrize("k,first,num_local", [(8, 64, 64), (3, 4, 4), (6, 0, 100)])
+def test_received_view_matches_torch(k, first, num_local):
+    g = torch.Generator().manual_seed(k)
+    n = 1000
+    ids = torch.randint(-1, 256, (n, k), generator=g)
+    w = torch.rand(n, k, generator=g)
+    meta = torch.cat([ids.int(), w.view(torch.int32)], 1)
+    got = [t.cpu() for t in received_view(meta.cuda(), first, num_local)]
+    local = (ids >= first) & (ids < first + num_local)
+    assert torch.equal(got[0], torch.where(local, ids, -1))
+    assert torch.equal(got[1], torch.where(local, w, 0.0))
+    ref = torch.bincount((ids - first)[local], minlength=num_local)
+    assert torch.equal(got[2], ref) and got[2].sum() > 0
