@@ -37,7 +37,7 @@ fi
 if [[ $what == p2p ]]; then
   python3 -m pytest tests/gpu/test_peer_copy.py -q -p no:cacheprovider 2>&1 | tail -3 \
     | tee "$OUT/p2p_tests.log"
-  python3 scripts/p2p_sweep.py --warps ${WARPS:-4 8 16} 2>&1 | grep -v -i warn \
+  python3 scripts/p2p_sweep.py --configs ${P2P_CONFIGS:-16:8192 8:4096} 2>&1 | grep -v -i warn \
     | tee "$OUT/p2p_sweep.log"
 fi
 

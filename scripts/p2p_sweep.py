@@ -1,8 +1,8 @@
 """Where p2p dispatch + combine time goes, per kernel, on all GPUs of the machine (one process each).
 
-    python3 scripts/p2p_sweep.py [--tokens 4096] [--warps 4 8 16]
+    python3 scripts/p2p_sweep.py [--tokens 4096] [--configs 16:8192 8:4096]
 
-For each warps-per-row setting, times (CUDA events, median of 5 runs of 20 back-to-back calls,
+For each launch setting (warps per program : row elements per program), times (CUDA events, median of 5 runs of 20 back-to-back calls,
 slowest rank) the dispatch kernel alone, dispatch + barrier, the combine kernel, the reduce kernel
 and the whole dispatcher round trip, and prints the NVLink bytes each moves (rows sent to other
 ranks × hidden × 2, one direction) as GB/s per GPU. Routing: uniform random top-8 of 256.
@@ -104,8 +104,9 @@ def _rank(rank: int, world: int, port: int, args) -> None:
     slot = hdl.slot
     me = rank
     rows = []
-    for warps in args.warps:
-        peer_copy.NUM_WARPS = warps
+    for config in args.configs:
+        warps, chunk = map(int, config.split(":"))
+        peer_copy.NUM_WARPS, peer_copy.ROW_CHUNK = warps, chunk
         xs, ms, ys = d._all(f"x{slot}"), d._all(f"meta{slot}"), d._all(f"y{slot}")
         meta = d.views[f"meta{slot}", me][: world * t]
         y = out.hidden.contiguous()
@@ -134,14 +135,14 @@ def _rank(rank: int, world: int, port: int, args) -> None:
                                  ("barrier", d.buffers.barrier, 0),
                                  ("dispatcher round trip", full, 2 * gb)]:
             ms_ = _time(fn)
-            rows.append((warps, name, ms_, nbytes / ms_ * 1e3 if nbytes else 0.0))
+            rows.append((config, name, ms_, nbytes / ms_ * 1e3 if nbytes else 0.0))
     host = _host_costs(d, mesh, e, k, h, dev, world)
     if rank == 0:
         print(f"# p2p sweep: {world} GPUs, {t} tokens/rank, hidden 7168 bf16, top-8 of 256; "
               f"{gb * 1e3:.1f} MB per phase per GPU on NVLink")
-        print(f"{'warps':>5} {'step':<24} {'ms':>8} {'GB/s/GPU':>9} {'% 478':>6}")
-        for warps, name, ms_, gbps in rows:
-            print(f"{warps:>5} {name:<24} {ms_:>8.3f} {gbps:>9.1f} {100 * gbps / 478:>5.1f}%")
+        print(f"{'config':>10} {'step':<24} {'ms':>8} {'GB/s/GPU':>9} {'% 478':>6}")
+        for config, name, ms_, gbps in rows:
+            print(f"{config:>10} {name:<24} {ms_:>8.3f} {gbps:>9.1f} {100 * gbps / 478:>5.1f}%")
         print("# host time per call (µs), 128 tokens/rank, 50 calls back to back, then one sync")
         for name, us in host:
             print(f"{name:<32} {us:>8.1f}")
@@ -151,7 +152,8 @@ def _rank(rank: int, world: int, port: int, args) -> None:
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--tokens", type=int, default=4096)
-    p.add_argument("--warps", type=int, nargs="+", default=[4, 8, 16])
+    p.add_argument("--configs", nargs="+", default=["16:8192", "8:4096"],
+                   help="warps per program:row elements per program")
     args = p.parse_args()
     world = torch.cuda.device_count()
     os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
