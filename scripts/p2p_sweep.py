@@ -43,6 +43,29 @@ def _time(fn, iters=20) -> float:
     return t.item()
 
 
+def _copy_engine(d, x, sent_rows, gb, world) -> tuple[float, float]:
+    """For comparison: the same bytes as one dispatch phase moved by cudaMemcpyAsync (the copy
+    engines), as one contiguous block per peer, each peer on its own stream."""
+    me = dist.get_rank()
+    per_peer = sent_rows // (world - 1)
+    src = x.repeat(-(-per_peer // x.shape[0]), 1)[:per_peer]
+    dsts = [d.views["x0", r][me * x.shape[0] : me * x.shape[0] + per_peer]
+            for r in range(world) if r != me]
+    streams = [torch.cuda.Stream() for _ in dsts]
+
+    def fn():
+        main = torch.cuda.current_stream()
+        for s_, dst in zip(streams, dsts):
+            s_.wait_stream(main)
+            with torch.cuda.stream(s_):
+                dst.copy_(src)
+        for s_ in streams:
+            main.wait_stream(s_)
+
+    ms_ = _time(fn)
+    return ms_, gb / ms_ * 1e3
+
+
 def _host_costs(d, mesh, e, k, h, dev, world) -> list[tuple[str, float]]:
     """Per-call wall time when the GPU has little to do: what the host spends launching."""
     import time
@@ -136,6 +159,7 @@ def _rank(rank: int, world: int, port: int, args) -> None:
                                  ("dispatcher round trip", full, 2 * gb)]:
             ms_ = _time(fn)
             rows.append((config, name, ms_, nbytes / ms_ * 1e3 if nbytes else 0.0))
+    rows.append(("copy engine", "3 peers, 1 stream each", *_copy_engine(d, x, sent, gb, world)))
     host = _host_costs(d, mesh, e, k, h, dev, world)
     if rank == 0:
         print(f"# p2p sweep: {world} GPUs, {t} tokens/rank, hidden 7168 bf16, top-8 of 256; "

@@ -14,7 +14,7 @@ never on a link). Dispatch sends S - L rows to other GPUs and combine sends R - 
 the rank puts on its links are B = (S + R - 2L) × hidden × element size (ids, weights and counts
 not counted; links carry as much inbound). GB/s/GPU = B / time, averaged over ranks, and "% peak"
 compares it with the NVLink peak per direction. Every backend is charged the same B (useful bytes),
-so a backend that sends more (allgather and p2p send every token to every rank) pays for it in time.
+so a backend that sends more (allgather sends every token to every rank) pays for it in time.
 """
 
 from __future__ import annotations

@@ -16,6 +16,12 @@ No host sync when the per-rank token counts are known: they come from the step's
 sync). Like DeepEP's normal mode, a token crosses to a rank only when that rank owns one of its
 experts (90% of (token, peer) pairs at ep=4 under top-8 of 256, 99.6% at ep=2).
 
+Measured (bench.ep, 4×H200, 4096 tokens/rank, hidden 7168 bf16): 1.00 ms for dispatch + combine,
+319 GB/s/GPU of useful bytes on NVLink (67% of 478 GB/s), where NCCL's bare all_to_all_single pair
+moving the same rows takes 1.04 ms. The dispatch and combine kernels alone each move ~340 GB/s
+whatever their launch shape (scripts/p2p_sweep.py); the masked reduce adds 0.08 ms. At 128
+tokens/rank the round trip is bound by the host (~0.3 ms of launches and small ops).
+
 Buffers are reused: dispatch k uses slot k % 2, so two dispatches may be in flight, and the combine
 of dispatch k must have been waited before dispatch k + 2 starts.
 """
