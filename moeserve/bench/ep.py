@@ -31,9 +31,9 @@ import torch.multiprocessing as mp
 
 from moeserve.core import ForwardMode
 from moeserve.distributed import ParallelMesh
-from moeserve.ep.a2a import rank_mask
 from moeserve.ep.comm import exchange_counts
 from moeserve.ep.dispatcher import create_dispatcher
+from moeserve.kernels.peer_copy import owner_mask
 
 # H200 NVLink 4: NV18 (18 links) ≈ 478 GB/s per direction, the figure the EP issue measures against.
 NVLINK_PEAK_GBPS_PER_DIR = 478.0
@@ -96,7 +96,7 @@ def _time_ms(fn: Callable[[], object], device: torch.device, warmup: int, iters:
 def _raw_a2a(x: torch.Tensor, ids: torch.Tensor, args, world: int) -> tuple[Callable, int]:
     """The same rows as a2a dispatch + combine as two bare all_to_all_single: (fn, remote rows
     this rank sends: S + R - 2L)."""
-    in_rank = rank_mask(ids, args.experts, world)  # [T, ep]
+    in_rank = owner_mask(ids, args.experts // world, world)  # [T, ep]
     own = int(in_rank[:, dist.get_rank()].sum())
     send = x[in_rank.t().nonzero()[:, 1]]  # [S, H], grouped by destination
     send_counts = in_rank.sum(0)

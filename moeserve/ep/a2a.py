@@ -26,16 +26,8 @@ from moeserve.ep.dispatcher import (
     Dispatcher,
     DispatchHandle,
     DispatchOutput,
-    expert_owner,
 )
-
-
-def rank_mask(topk_ids: torch.Tensor, num_experts: int, ep_size: int) -> torch.Tensor:
-    """topk_ids [T, K] → is_token_in_rank [T, ep] bool (ids of -1 go nowhere)."""
-    owner = expert_owner(topk_ids, num_experts, ep_size)  # [T, K]
-    owner = torch.where(owner >= 0, owner, ep_size)  # -1 → a dummy column, dropped below
-    mask = torch.zeros(topk_ids.shape[0], ep_size + 1, dtype=torch.bool, device=topk_ids.device)
-    return mask.scatter_(1, owner, True)[:, :ep_size]
+from moeserve.kernels.peer_copy import owner_mask
 
 
 @dataclass
@@ -56,7 +48,7 @@ class A2ADispatcher(Dispatcher):
 
     def dispatch_start(self, x, topk_ids, topk_weights, forward_mode=None,
                        tokens_per_rank=None) -> DispatchHandle:
-        in_rank = rank_mask(topk_ids, self.num_experts, self.mesh.ep_size)  # [T, ep]
+        in_rank = owner_mask(topk_ids, self.num_local, self.mesh.ep_size)  # [T, ep]
         pairs = in_rank.t().nonzero()  # [S, 2] (dest rank, token), rank-major, tokens in order
         send_token = pairs[:, 1]
         send_counts = in_rank.sum(0)  # [ep]
