@@ -1,4 +1,5 @@
-"""Linear layers whose weights are loaded from several checkpoint tensors (declarative packing)."""
+"""Linear layers: a CPU-prepacked variant and one whose weights are loaded from several checkpoint
+tensors (declarative packing)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,44 @@ import torch
 from torch import nn
 
 
-class MergedLinear(nn.Linear):
+class Linear(nn.Linear):
+    """nn.Linear that can run from a oneDNN-prepacked copy of its weight on CPU (`pack`).
+
+    Why: for bf16 on CPU, F.linear re-lays out the weight on every call; a prepacked weight gives
+    bit-identical outputs 1.3-2x faster at decode batch sizes (lm_head 129280x64 at 16 tokens:
+    1.9 -> 1.0 ms; SmolLM2's MLP 3072x576: 0.21 -> 0.15 ms). The packed copy is taken once, after
+    the weights are loaded; the parameter stays the source of truth for loading and state_dict.
+    """
+
+    packed: torch.Tensor | None = None
+
+    def pack(self) -> bool:
+        """Prepack for CPU bf16 (the only dtype where oneDNN matches F.linear bit for bit);
+        returns whether it did."""
+        w = self.weight
+        if w.device.type != "cpu" or w.dtype != torch.bfloat16 or not _HAS_ONEDNN_LINEAR:
+            return False
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), 16)
+        return True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is None or x.dtype != torch.bfloat16:
+            return super().forward(x)
+        x2 = x.reshape(-1, x.shape[-1])  # [T, in]
+        out = torch.ops.mkldnn._linear_pointwise(x2, self.packed, self.bias, "none", [None], "")
+        return out.view(*x.shape[:-1], out.shape[-1])
+
+
+_HAS_ONEDNN_LINEAR = (torch.backends.mkldnn.is_available()
+                      and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+
+
+def pack_linears(model: nn.Module) -> int:
+    """Prepack every `Linear` of a loaded CPU model (see Linear.pack); returns how many."""
+    return sum(m.pack() for m in model.modules() if isinstance(m, Linear))
+
+
+class MergedLinear(Linear):
     """One matmul over concatenated output shards, e.g. qkv_proj = [q | k | v].
 
     Checkpoint tensors load through `weight_loader(param, tensor, shard_id)`; shard ids are the names

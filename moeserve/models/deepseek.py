@@ -24,6 +24,7 @@ from torch import nn
 
 from moeserve.forward_batch import ForwardBatch
 from moeserve.layers.attention import PagedAttention
+from moeserve.layers.linear import Linear
 from moeserve.layers.moe import MoEParallel, run_routed_experts
 from moeserve.layers.norm import RMSNorm
 from moeserve.layers.rotary import get_rope, rope_parameters
@@ -59,16 +60,16 @@ class MLAttention(nn.Module):
             self.nope_dim + self.rope_dim)
         self.q_lora_rank = cfg.q_lora_rank
         if self.q_lora_rank is None:
-            self.q_proj = nn.Linear(h, q_size, bias=False)
+            self.q_proj = Linear(h, q_size, bias=False)
         else:
-            self.q_a_proj = nn.Linear(h, self.q_lora_rank, bias=bias)
+            self.q_a_proj = Linear(h, self.q_lora_rank, bias=bias)
             self.q_a_layernorm = RMSNorm(self.q_lora_rank, LORA_NORM_EPS)
-            self.q_b_proj = nn.Linear(self.q_lora_rank, q_size, bias=False)
-        self.kv_a_proj_with_mqa = nn.Linear(h, self.kv_lora_rank + self.rope_dim, bias=bias)
+            self.q_b_proj = Linear(self.q_lora_rank, q_size, bias=False)
+        self.kv_a_proj_with_mqa = Linear(h, self.kv_lora_rank + self.rope_dim, bias=bias)
         self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, LORA_NORM_EPS)
-        self.kv_b_proj = nn.Linear(self.kv_lora_rank, self.num_heads * (self.nope_dim + self.v_dim),
+        self.kv_b_proj = Linear(self.kv_lora_rank, self.num_heads * (self.nope_dim + self.v_dim),
                                    bias=False)
-        self.o_proj = nn.Linear(self.num_heads * self.v_dim, h, bias=bias)
+        self.o_proj = Linear(self.num_heads * self.v_dim, h, bias=bias)
         # V2 rotates interleaved pairs (complex freqs); V3 too unless rope_interleave is False.
         interleaved = getattr(cfg, "rope_interleave", True)
         self.rotary = get_rope(cfg, self.rope_dim, cfg.max_position_embeddings,
@@ -153,7 +154,7 @@ class DeepseekMTPLayer(DeepseekDecoderLayer):
         super().__init__(cfg, layer_id, mlp)
         h, eps = cfg.hidden_size, cfg.rms_norm_eps
         self.enorm, self.hnorm = RMSNorm(h, eps), RMSNorm(h, eps)
-        self.eh_proj = nn.Linear(2 * h, h, bias=False)
+        self.eh_proj = Linear(2 * h, h, bias=False)
         self.shared_head = SharedHead(h, eps)
 
     def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,

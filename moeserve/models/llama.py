@@ -13,7 +13,7 @@ from torch import nn
 from moeserve.forward_batch import ForwardBatch
 from moeserve.layers.activation import silu_and_mul
 from moeserve.layers.attention import PagedAttention
-from moeserve.layers.linear import MergedLinear
+from moeserve.layers.linear import Linear, MergedLinear
 from moeserve.layers.norm import RMSNorm
 from moeserve.layers.rotary import get_rope
 
@@ -30,7 +30,7 @@ class Attention(nn.Module):
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.sizes = [q_size, kv_size, kv_size]
         self.qkv_proj = MergedLinear(cfg.hidden_size, self.sizes, ["q", "k", "v"], bias=qkv_bias)
-        self.o_proj = nn.Linear(q_size, cfg.hidden_size,
+        self.o_proj = Linear(q_size, cfg.hidden_size,
                                 bias=getattr(cfg, "attention_bias", False) and not qkv_bias)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if qk_norm else None
@@ -52,7 +52,7 @@ class MLP(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False):
         super().__init__()
         self.gate_up_proj = MergedLinear(hidden_size, [intermediate_size] * 2, ["gate", "up"], bias)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor, fb: ForwardBatch | None = None) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
@@ -107,7 +107,7 @@ class CausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.model = model
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if getattr(cfg, "tie_word_embeddings", False):
             self.lm_head.weight = self.model.embed_tokens.weight
 

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from moeserve.forward_batch import ForwardBatch
+from moeserve.layers.linear import Linear
 from moeserve.layers.moe import MoEParallel, run_routed_experts
 from moeserve.layers.router import RouterConfig, select_experts
 from moeserve.models.llama import MLP, Attention, CausalLM, DecoderLayer, DecoderModel
@@ -21,7 +22,7 @@ class SparseMoeBlock(nn.Module):
         super().__init__()
         self.router, self.layer_id = router, layer_id
         self.parallel = parallel or MoEParallel()
-        self.gate = nn.Linear(hidden_size, num_experts, bias=False)
+        self.gate = Linear(hidden_size, num_experts, bias=False)
         self.experts = self.parallel.make_experts(num_experts, hidden_size, intermediate_size,
                                                   layer_id)
 

@@ -17,6 +17,7 @@ from moeserve.kvcache.allocator import TokenToKVPoolAllocator
 from moeserve.kvcache.pool import KVPool, MHAKVPool, MLAKVPool
 from moeserve.distributed import ParallelMesh, single_rank_mesh
 from moeserve.kvcache.table import ReqToTokenPool
+from moeserve.layers.linear import pack_linears
 from moeserve.layers.moe import ExpertRecorder, MoEParallel
 from moeserve.models.loader import WeightLoadError, iterate_weights, load_weights
 from moeserve.models.registry import model_class
@@ -98,6 +99,8 @@ class ModelRunner:
             _init_dummy(model, self.cfg.seed)
         else:
             load_weights(model, iterate_weights(path))
+        if self.device.type == "cpu":
+            pack_linears(model)  # after loading: the packed copies are taken from loaded weights
         return model.eval()
 
     def _model_kwargs(self, cls: type) -> dict:
