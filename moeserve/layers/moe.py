@@ -17,6 +17,10 @@ from moeserve.layers.activation import silu_and_mul
 
 GATE, UP, DOWN = "gate", "up", "down"
 _HAS_GROUPED_MM = hasattr(torch, "_grouped_mm")
+# On CPU each expert group of a grouped GEMM costs 15-50 µs of dispatch; up to this many
+# multiply-adds (tokens x local experts x 3HI, ~0.2 ms on 2 cores) running every local expert on
+# every token is faster (hidden 64, 8 experts, 16 tokens: 0.38 -> 0.14 ms).
+CPU_DENSE_MAX_MACS = 1 << 24
 
 
 class MoEExperts(nn.Module):
@@ -60,6 +64,9 @@ class MoEExperts(nn.Module):
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor,
                 topk_weights: torch.Tensor) -> torch.Tensor:
         """x: [T, H]; topk_ids/weights: [T, K] (global expert ids; non-local ids contribute 0)."""
+        macs = x.shape[0] * self.num_local * 3 * x.shape[1] * self.intermediate_size
+        if x.device.type == "cpu" and macs <= CPU_DENSE_MAX_MACS:
+            return self.forward_dense(x, topk_ids, topk_weights)
         if _HAS_GROUPED_MM and (x.device.type == "cpu" or x.dtype == torch.bfloat16):
             return self.forward_grouped(x, topk_ids, topk_weights)
         return self.forward_loop(x, topk_ids, topk_weights)
@@ -84,6 +91,22 @@ class MoEExperts(nn.Module):
         out = torch.zeros((t, x.shape[1]), dtype=torch.float32, device=x.device)
         out.index_add_(0, token_of, y)
         return out.to(x.dtype)
+
+    def forward_dense(self, x: torch.Tensor, topk_ids: torch.Tensor,
+                      topk_weights: torch.Tensor) -> torch.Tensor:
+        """Every local expert on every token, combined with the routing weights (0 where an expert
+        was not chosen): E/K times the FLOPs of routing, in three batched ops for tiny experts.
+        NOTE: an unchosen expert's output is multiplied by 0, so only an infinite one could leak."""
+        t, h = x.shape
+        e, i = self.num_local, self.intermediate_size
+        local = topk_ids - self.first_expert  # [T, K]
+        local = torch.where((local >= 0) & (local < e), local, e)  # non-local → column e
+        dense_w = torch.zeros((t, e + 1), dtype=torch.float32, device=x.device)
+        dense_w.scatter_add_(1, local, topk_weights.float())  # [T, E+1]
+        gate_up = torch.matmul(x, self.w13.view(e * 2 * i, h).t()).view(t, e, 2 * i)  # [T, E, 2I]
+        y = torch.bmm(silu_and_mul(gate_up).transpose(0, 1), self.w2.transpose(1, 2))  # [E, T, H]
+        out = torch.bmm(dense_w[:, None, :e], y.float().transpose(0, 1))  # [T, 1, H]
+        return out.view(t, h).to(x.dtype)
 
     def forward_loop(self, x: torch.Tensor, topk_ids: torch.Tensor,
                      topk_weights: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,5 @@
-"""The grouped-GEMM expert path equals the per-expert loop, including expert-parallel shards."""
+"""The grouped-GEMM and dense expert paths equal the per-expert loop, including expert-parallel
+shards."""
 
 from __future__ import annotations
 
@@ -16,8 +17,9 @@ def _experts(e: int, first: int = 0, num_local: int | None = None) -> MoEExperts
     return m
 
 
+@pytest.mark.parametrize("path", ["forward_grouped", "forward_dense"])
 @pytest.mark.parametrize("first,num_local", [(0, None), (4, 4), (2, 3)])
-def test_grouped_equals_loop(first, num_local):
+def test_grouped_equals_loop(first, num_local, path):
     full = _experts(8)
     m = MoEExperts(8, 32, 24, first_expert=first, num_local=num_local)
     n = m.num_local
@@ -26,11 +28,21 @@ def test_grouped_equals_loop(first, num_local):
     x = torch.randn(13, 32, generator=g)
     ids = torch.stack([torch.randperm(8, generator=g)[:3] for _ in range(13)])
     w = torch.rand(13, 3, generator=g)
-    torch.testing.assert_close(m.forward_grouped(x, ids, w), m.forward_loop(x, ids, w),
+    torch.testing.assert_close(getattr(m, path)(x, ids, w), m.forward_loop(x, ids, w),
                                rtol=1e-5, atol=1e-6)
 
 
-def test_shards_sum_to_the_whole():
+def test_dense_bf16_matches_grouped():
+    m = _experts(8).to(torch.bfloat16)
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(16, 32, generator=g).bfloat16()
+    ids = torch.stack([torch.randperm(8, generator=g)[:2] for _ in range(16)])
+    w = torch.rand(16, 2, generator=g)
+    torch.testing.assert_close(m.forward_dense(x, ids, w), m.forward_grouped(x, ids, w))
+
+
+@pytest.mark.parametrize("path", ["forward_grouped", "forward_dense"])
+def test_shards_sum_to_the_whole(path):
     full = _experts(8)
     g = torch.Generator().manual_seed(2)
     x, ids, w = torch.randn(9, 32, generator=g), torch.randint(0, 8, (9, 2), generator=g), torch.rand(9, 2, generator=g)
@@ -38,6 +50,6 @@ def test_shards_sum_to_the_whole():
     for first in (0, 4):
         m = MoEExperts(8, 32, 24, first_expert=first, num_local=4)
         m.w13.data, m.w2.data = full.w13.data[first : first + 4], full.w2.data[first : first + 4]
-        parts.append(m.forward_grouped(x, ids, w))
+        parts.append(getattr(m, path)(x, ids, w))
     torch.testing.assert_close(parts[0] + parts[1], full.forward_loop(x, ids, w), rtol=1e-5,
                                atol=1e-6)
