@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable
 
@@ -16,6 +17,7 @@ from moeserve.ipc.queues import Endpoints, PullQueue, PushQueue
 logger = logging.getLogger(__name__)
 
 LOAD_REPORT_INTERVAL_S = 0.5
+LIGHT_MODEL_LAYER_PARAMS = 10_000_000  # below: one forward thread (SchedulerConfig.cpu_threads)
 
 
 class ZmqSchedulerIO:
@@ -73,27 +75,41 @@ def rank_device(device: str, rank: int):
     return torch.device("cuda", rank % torch.cuda.device_count())
 
 
+def cpu_share(cfg: MoeserveConfig) -> int:
+    """This rank's share of the host's cores."""
+    local_ranks = cfg.parallel.world_size // cfg.parallel.nnodes
+    return max(1, (os.cpu_count() or 1) // local_ranks)
+
+
+def cpu_forward_threads(cfg: MoeserveConfig, model) -> int:
+    """scheduler.cpu_threads, or by default the core share (1 for a light model: see the field)."""
+    if cfg.scheduler.cpu_threads is not None:
+        return cfg.scheduler.cpu_threads
+    layer_params = sum(p.numel() for name, p in model.named_parameters()
+                       if "embed_tokens" not in name and "lm_head" not in name)
+    return 1 if layer_params < LIGHT_MODEL_LAYER_PARAMS else cpu_share(cfg)
+
+
 def run_scheduler_process(cfg: MoeserveConfig, model_path: str, endpoints: Endpoints,
                           rank: int = 0) -> None:
     """Process entry for global rank `rank`: join the process groups, load the model (its expert
     shard), announce readiness with the KV capacity, serve forever."""
     from dataclasses import replace
 
+    import torch
+
     from moeserve.distributed import init_mesh
     from moeserve.scheduler.setup import build_scheduler
 
     device = rank_device(cfg.device, rank)
-    if device.type == "cpu" and cfg.parallel.world_size > 1:
-        import os
-
-        import torch
-
-        local_ranks = cfg.parallel.world_size // cfg.parallel.nnodes
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_ranks))  # no oversubscription
+    if device.type == "cpu":
+        torch.set_num_threads(cpu_share(cfg))  # ranks share the cores: no oversubscription
     mesh = init_mesh(cfg.parallel, rank, device)
     io = ZmqSchedulerIO(endpoints, rank, mesh.dp_rank)
     cfg = replace(cfg, model=replace(cfg.model, path=model_path))
     scheduler, _ = build_scheduler(cfg, io, mesh)
+    if device.type == "cpu":
+        torch.set_num_threads(cpu_forward_threads(cfg, scheduler.runner.model))
     io.load_fn = scheduler.load
     info = {"max_total_tokens": scheduler.runner.memory.allocator.size, "dp_rank": mesh.dp_rank,
             "max_req_len": scheduler.max_req_len,

@@ -1,0 +1,34 @@
+"""The CPU forward's thread count: the rank's core share, one thread for a light model, or as set."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import torch
+from torch import nn
+
+from moeserve.config import compose
+from moeserve.scheduler.process import LIGHT_MODEL_LAYER_PARAMS, cpu_forward_threads, cpu_share
+
+
+class _Model(nn.Module):
+    def __init__(self, layer_params: int):
+        super().__init__()
+        self.embed_tokens = nn.Parameter(torch.empty(LIGHT_MODEL_LAYER_PARAMS), requires_grad=False)
+        self.lm_head = nn.Linear(1, LIGHT_MODEL_LAYER_PARAMS, bias=False)
+        self.layer = nn.Parameter(torch.empty(layer_params), requires_grad=False)
+
+
+def test_light_model_gets_one_thread_heavy_one_the_share():
+    cfg = compose([])
+    assert cpu_forward_threads(cfg, _Model(1000)) == 1  # embedding and head do not count
+    assert cpu_forward_threads(cfg, _Model(LIGHT_MODEL_LAYER_PARAMS)) == cpu_share(cfg)
+    assert cpu_share(cfg) == max(1, os.cpu_count() or 1)
+
+
+def test_explicit_setting_wins():
+    cfg = compose([])
+    cfg = dataclasses.replace(cfg, scheduler=dataclasses.replace(cfg.scheduler, cpu_threads=3))
+    assert cpu_forward_threads(cfg, _Model(1000)) == 3
+    assert compose(["scheduler.cpu_threads=2"]).scheduler.cpu_threads == 2
