@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
@@ -17,8 +18,7 @@ class RMSNorm(nn.Module):
         if residual is not None:
             x = x + residual
             residual = x
-        dtype = x.dtype
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        out = self.weight * h.to(dtype)
+        # float32 x * rsqrt(mean(x^2) + eps) as one op (bit-identical to the five-op form)
+        h = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
+        out = self.weight * h.to(x.dtype)
         return out if residual is None else (out, residual)

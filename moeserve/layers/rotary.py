@@ -61,7 +61,11 @@ class RotaryEmbedding(nn.Module):
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """q: [T, H, D], k: [T, Hkv, D]; positions: [T]."""
         cos, sin = self.cos_sin_cache[positions].chunk(2, dim=-1)  # [T, d/2] each
-        return self._apply(q, cos, sin), self._apply(k, cos, sin)
+        if q.shape[-1] != k.shape[-1]:
+            return self._apply(q, cos, sin), self._apply(k, cos, sin)
+        # one pass over q and k together: half the (small, per-op-bound) elementwise ops
+        qk = self._apply(torch.cat([q, k], dim=1), cos, sin)  # [T, H + Hkv, D]
+        return qk[:, : q.shape[1]], qk[:, q.shape[1] :]
 
     def _apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         rot, rest = x[..., : self.rotary_dim], x[..., self.rotary_dim :]
@@ -73,7 +77,8 @@ class RotaryEmbedding(nn.Module):
         else:
             x1, x2 = rot_f[..., 0::2], rot_f[..., 1::2]
             out = torch.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).flatten(-2)
-        return torch.cat([out.to(x.dtype), rest], dim=-1)
+        out = out.to(x.dtype)
+        return out if rest.shape[-1] == 0 else torch.cat([out, rest], dim=-1)
 
 
 def get_rope(hf_config: Any, rotary_dim: int, max_position: int,
