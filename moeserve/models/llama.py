@@ -116,7 +116,8 @@ class CausalLM(nn.Module):
         return self.model(fb)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        """[T, hidden] → [T, V] in the model dtype (the runner upcasts where asked)."""
+        return self.lm_head(hidden)
 
     def skip_weight(self, name: str) -> bool:
         tied = getattr(self.config, "tie_word_embeddings", False)

@@ -217,15 +217,19 @@ class ModelRunner:
             global_forward_mode=global_mode or mode, global_num_tokens=global_num_tokens)
 
     @torch.inference_mode()
-    def forward(self, fb: ForwardBatch) -> torch.Tensor:
-        """→ float32 logits: [B, V] for each request's last token, or [T, V] if return_all_logits."""
+    def forward(self, fb: ForwardBatch, float_logits: bool = True) -> torch.Tensor:
+        """→ logits [B, V] for each request's last token, or [T, V] if return_all_logits; float32,
+        or with float_logits=False the model dtype: greedy decoding reads those as they are (the
+        upcast is exact and keeps the order), which saves writing B×V floats per step (1 ms on a
+        CPU core for 16 × 129k)."""
         self.attn_backend.init_forward_metadata(fb)
         hidden = self.model(fb)
         if self.recorder is not None:
             self.recorder.step()
         if not fb.return_all_logits:
             hidden = hidden[fb.last_token_indices()]
-        return self.model.compute_logits(hidden)
+        logits = self.model.compute_logits(hidden)
+        return logits.float() if float_logits else logits
 
 
 def _check_location(loc, layers: int, num_logical: int):

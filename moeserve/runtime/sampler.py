@@ -16,7 +16,8 @@ def make_generator(params: SamplingParams, device: torch.device) -> torch.Genera
 
 def sample(logits: torch.Tensor, params: list[SamplingParams],
            generators: list[torch.Generator | None]) -> torch.Tensor:
-    """logits: [B, V] float32 → next token ids [B] (int64, same device)."""
+    """logits: [B, V] (any float dtype: greedy reads it as is, sampled rows in float32) → next
+    token ids [B] (int64, same device)."""
     out = greedy(logits)
     for i, p in enumerate(params):
         if not p.is_greedy:
@@ -48,7 +49,7 @@ def greedy(logits: torch.Tensor) -> torch.Tensor:
 
 
 def _sample_row(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator | None) -> int:
-    probs = torch.softmax(logits / p.temperature, dim=-1)  # [V]
+    probs = torch.softmax(logits.float() / p.temperature, dim=-1)  # [V]
     probs = filter_probs(probs, p.top_k, p.top_p, p.min_p)
     return int(torch.multinomial(probs, 1, generator=gen))
 

@@ -80,7 +80,7 @@ class ForwardWorker:
     @torch.inference_mode()
     def run(self, fi: ForwardInput) -> ForwardOutput:
         fb = self._prepare(fi)
-        logits = self.runner.forward(fb)
+        logits = self.runner.forward(fb, float_logits=fi.return_all_logits)  # sampling upcasts
         last = logits if not fi.return_all_logits else logits[fb.last_token_indices()]
         next_ids = sample(last, fi.sampling, fi.generators)  # [B]
         rows = torch.tensor(fi.rows, dtype=torch.int64, device=next_ids.device)

@@ -40,6 +40,11 @@ def test_greedy_is_argmax_and_seed_reproducible():
     assert out[0] == logits[0].argmax()
     again = sample(logits[1:2].clone(), [seeded], [make_generator(seeded, torch.device("cpu"))])
     assert out[1] == again[0]
+    # the runner hands model-dtype logits to the sampler: sampled rows upcast them first
+    half = logits.bfloat16()
+    a = sample(half.clone(), params, [make_generator(p, torch.device("cpu")) for p in params])
+    b = sample(half.float(), params, [make_generator(p, torch.device("cpu")) for p in params])
+    assert a.tolist() == b.tolist()
 
 
 def test_seeded_sampling_follows_distribution():
@@ -74,3 +79,4 @@ def test_greedy_equals_torch_argmax_with_ties_and_nan(vocab):
     for dtype in (torch.float32, torch.bfloat16):
         x = logits.to(dtype)
         assert greedy(x).tolist() == x.argmax(-1).tolist(), dtype
+        assert greedy(x).tolist() == x.float().argmax(-1).tolist(), dtype  # the runner's upcast
