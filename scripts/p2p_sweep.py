@@ -13,32 +13,20 @@ from __future__ import annotations
 import argparse
 import os
 import socket
-import statistics
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from moeserve.bench.ep import time_ms
 from moeserve.distributed import ParallelMesh
 from moeserve.ep.dispatcher import create_dispatcher
 from moeserve.kernels import peer_copy
 
 
-def _time(fn, iters=20) -> float:
-    for _ in range(3):
-        fn()
-    runs = []
-    for _ in range(5):
-        dist.barrier()
-        torch.cuda.synchronize()
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(iters):
-            fn()
-        b.record()
-        b.synchronize()
-        runs.append(a.elapsed_time(b) / iters)
-    t = torch.tensor([statistics.median(runs)], device="cuda")
+def _time(fn) -> float:
+    """bench.ep's steady-state time of one call, the slowest rank's."""
+    t = torch.tensor([time_ms(fn, torch.device("cuda"), 3, 20)], device="cuda")
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return t.item()
 

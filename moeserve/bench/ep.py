@@ -5,7 +5,7 @@ routes its tokens/rank tokens to uniform random top-k experts, then times dispat
 experts are skipped: combine gets the received hidden states back unchanged) and, for reference, a
 raw all_to_all_single pair that moves exactly the same hidden-state rows (no count exchange, no
 gather/scatter). Warmup, then --iters calls back to back between CUDA events (perf_counter on
-CPU), median over 5 such runs; the reported time is the slowest rank's (see _time_ms).
+CPU), median over 5 such runs; the reported time is the slowest rank's (see time_ms).
 
 Bandwidth: what crosses NVLink, one direction. For this rank let S = (token, destination rank)
 pairs of its tokens (each token goes once to every rank owning one of its experts, DeepEP
@@ -67,7 +67,7 @@ def _routing(tokens: int, args: argparse.Namespace, device: torch.device, rank: 
     return x, ids, (w / w.sum(1, keepdim=True)).to(device)
 
 
-def _time_ms(fn: Callable[[], object], device: torch.device, warmup: int, iters: int) -> float:
+def time_ms(fn: Callable[[], object], device: torch.device, warmup: int, iters: int) -> float:
     """Steady-state time of one call: --iters calls back to back between two timestamps (after
     a barrier), divided by iters, the median over 5 such runs. Back to back, the host launches
     call i+1 while the GPU runs call i, as it does layer after layer in a forward pass; a single
@@ -130,7 +130,7 @@ def _bench_rank(rank: int, world: int, port: int, args: argparse.Namespace) -> N
         x, ids, w = _routing(tokens, args, device, rank)
         raw, remote_rows = _raw_a2a(x, ids, args, world)
         nbytes = remote_rows * args.hidden * x.element_size()
-        rows.append(("raw all_to_all", tokens, _time_ms(raw, device, args.warmup, args.iters),
+        rows.append(("raw all_to_all", tokens, time_ms(raw, device, args.warmup, args.iters),
                      nbytes))
         for backend in args.backend:
             d = create_dispatcher(backend, mesh, args.experts, args.hidden, x.dtype,
@@ -142,7 +142,7 @@ def _bench_rank(rank: int, world: int, port: int, args: argparse.Namespace) -> N
                 out = d.dispatch(x, ids, w, mode, counts)
                 return d.combine(out.hidden, out)
 
-            rows.append((backend, tokens, _time_ms(step, device, args.warmup, args.iters), nbytes))
+            rows.append((backend, tokens, time_ms(step, device, args.warmup, args.iters), nbytes))
             if args.profile and tokens == args.tokens[-1]:
                 _profile(backend, step, device)
     _report(rows, world, device, args)
