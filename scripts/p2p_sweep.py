@@ -147,7 +147,8 @@ def _rank(rank: int, world: int, port: int, args) -> None:
                                  ("dispatcher round trip", full, 2 * gb)]:
             ms_ = _time(fn)
             rows.append((config, name, ms_, nbytes / ms_ * 1e3 if nbytes else 0.0))
-    rows.append(("copy engine", "3 peers, 1 stream each", *_copy_engine(d, x, sent, gb, world)))
+    rows.append(("copy engine", f"{world - 1} peers, 1 stream each",
+                 *_copy_engine(d, x, sent, gb, world)))
     host = _host_costs(d, mesh, e, k, h, dev, world)
     if rank == 0:
         print(f"# p2p sweep: {world} GPUs, {t} tokens/rank, hidden 7168 bf16, top-8 of 256; "
