@@ -15,6 +15,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import multiprocessing as mp
+import multiprocessing.connection as mp_connection
 import os
 import signal
 import sys
@@ -104,7 +105,11 @@ class ProcessGroup:
         self.children.append(Child(name, proc))
 
     def dead(self) -> Child | None:
-        return next((c for c in self.children if not c.process.is_alive()), None)
+        """The exited child most likely to be the cause: one killed by a signal (its peers then
+        fail their collectives and exit with an error after it), else the first in start order
+        (a dead node-1 tree, started first, when its peers' collectives fail after it)."""
+        gone = [c for c in self.children if not c.process.is_alive()]
+        return min(gone, key=lambda c: (c.process.exitcode or 0) >= 0, default=None)
 
     def check_alive(self) -> None:
         """Raise ChildDied naming the first child that exited."""
@@ -129,7 +134,8 @@ class ProcessGroup:
     def start_watchdog(self, on_death: Callable[[Child], None], interval: float = 0.5) -> None:
         """Call `on_death(child)` once, from a thread, when a child exits outside `stop()`."""
         def watch() -> None:
-            while not self.stopping.wait(interval):
+            while not self.stopping.is_set():  # wakes at the first exit, so its cause is alone
+                mp_connection.wait([c.process.sentinel for c in self.children], timeout=interval)
                 child = self.dead()
                 if child is not None and not self.stopping.is_set():
                     on_death(child)

@@ -204,8 +204,7 @@ def rank_summary(ready: dict[tuple[str, int], dict]) -> dict[str, Any]:
 
 def _on_child_death(child: Child, procs: ProcessGroup, endpoints: Endpoints) -> None:
     """Watchdog callback (a thread): one child died, so the whole server goes down with exit 1.
-    The first dead child in start order is named (a dead node-1 tree, started first, is the cause
-    when its peers' collectives fail after it)."""
+    The likeliest cause among the dead children is named (ProcessGroup.dead)."""
     child = procs.dead() or child
     logger.error("child process '%s' (pid %s) died with exit code %s; shutting the server down",
                  child.name, child.process.pid, child.process.exitcode)
