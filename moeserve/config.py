@@ -58,9 +58,6 @@ class SchedulerConfig:
     # "device" is the same cores: the host work steals them from the forward's OpenMP team (on 2
     # cores a batch-16 SmolLM2 decode step went from 62 to 99 ms), so the plain loop is faster.
     overlap: bool | None = None
-
-    def use_overlap(self, device: str) -> bool:
-        return self.overlap if self.overlap is not None else device == "cuda"
     disable_radix_cache: bool = False
     init_new_token_ratio: float = 0.7  # share of max_new_tokens reserved for running decodes
     min_new_token_ratio: float = 0.1
@@ -72,6 +69,9 @@ class SchedulerConfig:
     # HTTP and detokenizer processes use (tiny Qwen3-MoE, 16 streams on 2 cores: ~2400 tok/s with
     # 1 thread, 1700-2240 with 2; SmolLM2-135M: 270 with 2, 186 with 1).
     cpu_threads: int | None = None
+
+    def use_overlap(self, device: str) -> bool:
+        return self.overlap if self.overlap is not None else device == "cuda"
 
 
 @dataclass(frozen=True)

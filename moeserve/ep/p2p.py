@@ -54,7 +54,6 @@ SLOTS = 2
 @dataclass
 class _P2PHandle(DispatchHandle):
     slot: int = 0
-    counts: tuple[int, ...] = ()  # tokens per source rank
     t_max: int = 0
     topk_ids: torch.Tensor | None = None  # [T, K] this rank's routing: which parts to sum
 
@@ -108,7 +107,7 @@ class P2PDispatcher(Dispatcher):
             raise ValueError(f"{t_max} tokens on one rank exceed the p2p buffers' "
                              f"max_tokens_per_rank={self.max_tokens}")
         self._ensure_buffers(k)
-        h = _P2PHandle(t, x.dtype, self.calls % SLOTS, counts, t_max, topk_ids)
+        h = _P2PHandle(t, x.dtype, self.calls % SLOTS, t_max, topk_ids)
         self.calls += 1
         if t_max > 0:
             dispatch_rows(x, topk_ids, topk_weights, self._all(f"x{h.slot}"),

@@ -14,8 +14,8 @@ semantics in torch elsewhere (the CPU tests run the torch path over shared-memor
 Why kernels: cudaMemcpyAsync into a peer's symmetric-memory mapping measured ~120 µs of host time
 per call on H200. Stores from SMs go over NVLink, return at once, read the source once for all
 destinations, and skip the rows a peer does not need. Every destination is its own kernel argument
-(a tuple), so Triton knows each is 16-byte aligned and issues 16-byte stores; a pointer read from
-a device table would carry no alignment and be stored element by element.
+(a tuple), so Triton knows each is 16-byte aligned and issues 16-byte stores (st.global.v4 in the
+PTX; compiled without that alignment fact, the same stores came out 2 bytes wide).
 """
 
 from __future__ import annotations

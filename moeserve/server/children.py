@@ -112,7 +112,7 @@ class ProcessGroup:
         return min(gone, key=lambda c: (c.process.exitcode or 0) >= 0, default=None)
 
     def check_alive(self) -> None:
-        """Raise ChildDied naming the first child that exited."""
+        """Raise ChildDied naming the dead child most likely to be the cause (see dead)."""
         child = self.dead()
         if child is not None:
             raise ChildDied(child.name, child.process.exitcode)

@@ -53,3 +53,14 @@ def test_shards_sum_to_the_whole(path):
         parts.append(getattr(m, path)(x, ids, w))
     torch.testing.assert_close(parts[0] + parts[1], full.forward_loop(x, ids, w), rtol=1e-5,
                                atol=1e-6)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_count_per_expert_equals_bincount_without_the_spare_slot(device):
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from moeserve.layers.moe import count_per_expert
+
+    slot = torch.randint(0, 9, (5000,), generator=torch.Generator().manual_seed(0))  # 8 = spare
+    got = count_per_expert(slot.to(device), 8).cpu()
+    assert torch.equal(got, torch.bincount(slot, minlength=9)[:8]) and got.dtype == torch.int64
