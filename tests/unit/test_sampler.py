@@ -69,13 +69,23 @@ def test_greedy_equals_torch_argmax_with_ties_and_nan(vocab):
     from moeserve.runtime.sampler import greedy
 
     g = torch.Generator().manual_seed(vocab)
-    logits = torch.randn(9, vocab, generator=g)
+    logits = torch.randn(14, vocab, generator=g)
     logits[1] = 0.0  # all tied: the first index
     logits[2, -1] = logits[2].max() + 1  # the max in the last (partial) chunk
     logits[3, [5, vocab - 1]] = 50.0  # tie across chunks
     logits[4, vocab // 2] = float("nan")
     logits[5] = float("-inf")
     logits[6, 0] = float("inf")
+    logits[7] = -logits[7].abs() - 1  # every value negative
+    logits[8] = -logits[8].abs()
+    logits[8, vocab // 3] = 0.0  # the max is +0 ...
+    logits[8, vocab // 4] = -0.0  # ... tied with an earlier -0
+    logits[9, 3] = -float("nan")  # a negative NaN among positive values
+    logits[10, [1, vocab - 2]] = float("nan")
+    logits[11] = logits[11].abs() * 1e-39  # subnormal positives (bf16 keeps them)
+    logits[12, :] = float("inf")
+    logits[12, vocab // 2] = -float("inf")  # sum NaN without a NaN
+    logits[13, vocab - 1] = float("-inf")
     for dtype in (torch.float32, torch.bfloat16):
         x = logits.to(dtype)
         assert greedy(x).tolist() == x.argmax(-1).tolist(), dtype
