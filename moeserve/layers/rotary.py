@@ -54,27 +54,33 @@ class RotaryEmbedding(nn.Module):
         inv_freq = inv_freq.detach().to("cpu", torch.float32)
         t = torch.arange(max_position, dtype=torch.float32, device="cpu")
         freqs = torch.outer(t, inv_freq)  # [P, d/2]
-        cache = torch.cat([freqs.cos(), freqs.sin()], dim=-1) * attention_factor
-        cache = cache.to(torch.get_default_device())
-        self.register_buffer("cos_sin_cache", cache, persistent=False)  # [P, d]
+        cos, sin = freqs.cos() * attention_factor, freqs.sin() * attention_factor
+        # neox: [cos | cos | -sin | sin], so that rope(x) = x * cos2 + swap_halves(x) * sin2;
+        # interleaved: [cos | sin]
+        parts = [cos, cos, -sin, sin] if is_neox_style else [cos, sin]
+        cache = torch.cat(parts, dim=-1).to(torch.get_default_device())
+        self.register_buffer("cos_sin_cache", cache, persistent=False)  # [P, 2d] or [P, d]
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """q: [T, H, D], k: [T, Hkv, D]; positions: [T]."""
-        cos, sin = self.cos_sin_cache[positions].chunk(2, dim=-1)  # [T, d/2] each
         if q.shape[-1] != k.shape[-1]:
-            return self._apply(q, cos, sin), self._apply(k, cos, sin)
+            return self.rotate(positions, q), self.rotate(positions, k)
         # one pass over q and k together: half the (small, per-op-bound) elementwise ops
-        qk = self._apply(torch.cat([q, k], dim=1), cos, sin)  # [T, H + Hkv, D]
+        qk = self.rotate(positions, torch.cat([q, k], dim=1))  # [T, H + Hkv, D]
         return qk[:, : q.shape[1]], qk[:, q.shape[1] :]
 
-    def _apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        rot, rest = x[..., : self.rotary_dim], x[..., self.rotary_dim :]
-        cos, sin = cos[:, None, :], sin[:, None, :]
+    def rotate(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """x: [T, N, D] (any number of heads) → rope on each head's first rotary_dim channels."""
+        d = self.rotary_dim
+        table = self.cos_sin_cache[positions][:, None, :]  # [T, 1, 2d] or [T, 1, d]
+        rot, rest = x[..., :d], x[..., d:]
         rot_f = rot.float()
         if self.is_neox_style:
-            x1, x2 = rot_f.chunk(2, dim=-1)
-            out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+            # x1 * cos - x2 * sin | x2 * cos + x1 * sin, as x * [cos|cos] + [x2|x1] * [-sin|sin]
+            # (the same two products and one sum per element: bit-identical)
+            out = rot_f * table[..., :d] + rot_f.roll(d // 2, dims=-1) * table[..., d:]
         else:
+            cos, sin = table.chunk(2, dim=-1)
             x1, x2 = rot_f[..., 0::2], rot_f[..., 1::2]
             out = torch.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).flatten(-2)
         out = out.to(x.dtype)

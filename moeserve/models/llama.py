@@ -14,7 +14,7 @@ from moeserve.forward_batch import ForwardBatch
 from moeserve.layers.activation import silu_and_mul
 from moeserve.layers.attention import PagedAttention
 from moeserve.layers.linear import Linear, MergedLinear
-from moeserve.layers.norm import RMSNorm
+from moeserve.layers.norm import RMSNorm, rms_norm_heads
 from moeserve.layers.rotary import get_rope
 
 
@@ -39,12 +39,14 @@ class Attention(nn.Module):
                                    self.head_dim**-0.5)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split(self.sizes, dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)  # [T, H, D]
-        k = k.view(-1, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        qkv = self.qkv_proj(x)
+        h, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        # q and k as one [T, H + Hkv, D] view: their norms and rope in one pass each
+        qk = qkv[:, : (h + hkv) * d].view(-1, h + hkv, d)
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
+            qk = rms_norm_heads(qk, [(h, self.q_norm), (hkv, self.k_norm)])
+        qk = self.rotary.rotate(positions, qk)
+        q, k, v = qk[:, :h], qk[:, h:], qkv[:, (h + hkv) * d :]
         return self.o_proj(self.attn(q, k, v, fb))
 
 
