@@ -107,8 +107,11 @@ class MoEExperts(nn.Module):
         NOTE: an unchosen expert's output is multiplied by 0, so only an infinite one could leak."""
         t, h = x.shape
         e, i = self.num_local, self.intermediate_size
-        local = topk_ids - self.first_expert  # [T, K]
-        local = torch.where((local >= 0) & (local < e), local, e)  # non-local → column e
+        if self.first_expert == 0 and e >= self.num_experts:  # every id is local
+            local = topk_ids
+        else:
+            local = topk_ids - self.first_expert  # [T, K]
+            local = torch.where((local >= 0) & (local < e), local, e)  # non-local → column e
         dense_w = torch.zeros((t, e + 1), dtype=torch.float32, device=x.device)
         dense_w.scatter_add_(1, local, topk_weights.float())  # [T, E+1]
         gate_up = torch.matmul(x, self.w13.view(e * 2 * i, h).t()).view(t, e, 2 * i)  # [T, E, 2I]

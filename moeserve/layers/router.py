@@ -32,8 +32,11 @@ def select_experts(logits: torch.Tensor, cfg: RouterConfig,
     ids = torch.topk(choice, cfg.top_k, dim=-1, sorted=True).indices  # [T, K]
     weights = scores.gather(1, ids)
     if cfg.renormalize:
-        weights = weights / (weights.sum(dim=-1, keepdim=True) + (1e-20 if cfg.scoring == "sigmoid" else 0.0))
-    return weights * cfg.routed_scaling_factor, ids
+        total = weights.sum(dim=-1, keepdim=True)
+        weights = weights / (total + 1e-20 if cfg.scoring == "sigmoid" else total)
+    if cfg.routed_scaling_factor != 1.0:  # x * 1.0 is x: skip the op
+        weights = weights * cfg.routed_scaling_factor
+    return weights, ids
 
 
 def _mask_groups(choice: torch.Tensor, cfg: RouterConfig) -> torch.Tensor:

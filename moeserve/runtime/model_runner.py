@@ -226,7 +226,9 @@ class ModelRunner:
         hidden = self.model(fb)
         if self.recorder is not None:
             self.recorder.step()
-        if not fb.return_all_logits:
+        if fb.forward_mode.is_decode():
+            hidden = hidden[: fb.batch_size]  # one token per request (a view, no index op)
+        elif not fb.return_all_logits:
             hidden = hidden[fb.last_token_indices()]
         logits = self.model.compute_logits(hidden)
         return logits.float() if float_logits else logits

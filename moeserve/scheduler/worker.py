@@ -97,10 +97,14 @@ class ForwardWorker:
         """Write the step's slot map (and, for EXTEND, its token ids) into the request rows, then
         read the input ids back from the token table (decode inputs were sampled on the device)."""
         mem, dev = self.runner.memory, self.runner.device
-        lens = torch.tensor(fi.extend_lens, dtype=torch.int64)  # [B]
-        row_of_tok = torch.repeat_interleave(torch.tensor(fi.rows, dtype=torch.int64), lens)
-        starts = torch.tensor(fi.prefix_lens, dtype=torch.int64) - (lens.cumsum(0) - lens)  # [B]
-        positions = torch.arange(int(lens.sum())) + torch.repeat_interleave(starts, lens)  # [T]
+        if fi.mode == ForwardMode.DECODE:  # one token per request, at its prefix length
+            row_of_tok = torch.tensor(fi.rows, dtype=torch.int64)
+            positions = torch.tensor(fi.prefix_lens, dtype=torch.int64)
+        else:
+            lens = torch.tensor(fi.extend_lens, dtype=torch.int64)  # [B]
+            row_of_tok = torch.repeat_interleave(torch.tensor(fi.rows, dtype=torch.int64), lens)
+            starts = torch.tensor(fi.prefix_lens, dtype=torch.int64) - (lens.cumsum(0) - lens)
+            positions = torch.arange(int(lens.sum())) + torch.repeat_interleave(starts, lens)  # [T]
         row_of_tok, positions = row_of_tok.to(dev), positions.to(dev)
         mem.req_to_token.req_to_token[row_of_tok, positions] = fi.out_cache_loc.to(dev)
         if fi.new_token_ids is not None:
