@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Runs on a lent GPU machine (see the device tool): GPU tests, then benchmarks, logs under $OUT.
-#   scripts/gpu_check.sh [tests|one_batch|serving|multigpu|ep|p2p|all]   (multigpu, ep, p2p: 2+
-#   GPUs; ep: the EP bench alone; p2p: the p2p kernels' tests, per-kernel sweep, EP bench and DP
-#   check; PROFILE=1 adds profiler tables)
+#   scripts/gpu_check.sh [tests|one_batch|profile|serving|multigpu|ep|p2p|all]   (multigpu, ep,
+#   p2p: 2+ GPUs; ep: the EP bench alone; p2p: the p2p kernels' tests, per-kernel sweep, EP bench
+#   and DP check; profile: profiler tables of a batch-64 decode step of a 4-layer Qwen3-30B-A3B
+#   shape; PROFILE=1 adds profiler tables to ep)
 # The image lacks some pure-Python deps: they travel as wheels in .whl/ (not committed).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -32,6 +33,14 @@ if [[ $what == one_batch || $what == all ]]; then
       --output-len 32 --compare-hf -o device=cuda -o cache.max_total_tokens=65536 \
       2>&1 | grep -v Warning | tee -a "$OUT/one_batch.log"
   done
+fi
+
+if [[ $what == profile ]]; then
+  python3 -m moeserve.tools.make_random --shape qwen3_30b_a3b --layers 4 --device cuda \
+    --out /tmp/q3moe_l4 >/dev/null
+  python3 -m moeserve.bench.one_batch --model /tmp/q3moe_l4 --batch 64 --input-len 512 \
+    --output-len 16 --profile -o device=cuda -o cache.max_total_tokens=65536 2>&1 \
+    | grep -v -E "Warning|USDT" | tee "$OUT/profile.log"
 fi
 
 if [[ $what == p2p ]]; then

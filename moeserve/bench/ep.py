@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from moeserve.bench.profiling import profile_table
 from moeserve.core import ForwardMode
 from moeserve.distributed import ParallelMesh
 from moeserve.ep.comm import exchange_counts
@@ -144,28 +145,10 @@ def _bench_rank(rank: int, world: int, port: int, args: argparse.Namespace) -> N
 
             rows.append((backend, tokens, time_ms(step, device, args.warmup, args.iters), nbytes))
             if args.profile and tokens == args.tokens[-1]:
-                _profile(backend, step, device)
+                dist.barrier()
+                profile_table(backend, step, device, show=dist.get_rank() == 0)
     _report(rows, world, device, args)
     dist.destroy_process_group()
-
-
-def _profile(name: str, fn: Callable[[], object], device: torch.device) -> None:
-    """Where one dispatch + combine spends its time (rank 0 prints; every rank runs fn)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    dist.barrier()
-    with profile(activities=acts) as prof:
-        for _ in range(3):
-            fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-    if dist.get_rank() == 0:
-        keys = ["self_cpu_time_total"] + (["self_device_time_total"] if device.type == "cuda"
-                                          else [])
-        for key in keys:  # host time (launch overhead, syncs) and device time
-            print(f"## profile: {name}, 3 calls, by {key}\n" + prof.key_averages().table(
-                sort_by=key, row_limit=14, max_name_column_width=48))
 
 
 def _report(rows: list[tuple], world: int, device: torch.device, args) -> None:

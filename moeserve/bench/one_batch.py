@@ -11,6 +11,7 @@ import time
 
 import torch
 
+from moeserve.bench.profiling import profile_table
 from moeserve.config import compose
 from moeserve.core import ForwardMode
 from moeserve.runtime.model_runner import ModelRunner
@@ -22,8 +23,9 @@ def _sync(device: torch.device) -> None:
 
 
 def bench_moeserve(runner: ModelRunner, batch: int, input_len: int, output_len: int,
-                   seed: int = 0) -> tuple[float, float]:
-    """→ (prefill tok/s, decode tok/s) for one batch; memory is returned afterwards."""
+                   seed: int = 0, profile: bool = False) -> tuple[float, float]:
+    """→ (prefill tok/s, decode tok/s) for one batch; memory is returned afterwards. `profile`:
+    also print the profiler tables of 3 decode steps at the end."""
     mem, vocab = runner.memory, runner.hf_config.vocab_size
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, vocab, (batch, input_len), generator=gen).tolist()
@@ -51,6 +53,15 @@ def bench_moeserve(runner: ModelRunner, batch: int, input_len: int, output_len: 
         next_ids = runner.forward(fb).argmax(-1).tolist()
     _sync(runner.device)
     decode = time.perf_counter() - t0
+    if profile:
+        pos = input_len + output_len - 1
+
+        def step():
+            fb = runner.make_batch(ForwardMode.DECODE, next_ids, [pos] * batch, per_req[:, pos],
+                                   rows, [pos] * batch, [1] * batch)
+            runner.forward(fb).argmax(-1)
+
+        profile_table(f"decode step, batch {batch}", step, runner.device, rows=25)
     mem.allocator.free(slots)
     mem.req_to_token.free(rows)
     return batch * input_len / prefill, batch * (output_len - 1) / max(decode, 1e-9)
@@ -89,6 +100,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--compare-hf", action="store_true")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("-o", "--override", action="append", default=[])
+    p.add_argument("--profile", action="store_true",
+                   help="print profiler tables of 3 decode steps at the largest batch")
     args = p.parse_args(argv)
     overrides = list(args.override) + ([f"model.path='{args.model}'"] if args.model else [])
     cfg = compose(overrides)
@@ -107,7 +120,8 @@ def main(argv: list[str] | None = None) -> None:
     for b in args.batch:
         for _ in range(args.warmup):
             bench_moeserve(runner, b, args.input_len, min(args.output_len, 4))
-        pre, dec = bench_moeserve(runner, b, args.input_len, args.output_len)
+        pre, dec = bench_moeserve(runner, b, args.input_len, args.output_len,
+                                  profile=args.profile and b == args.batch[-1])
         print(f"| {'moeserve':<12} | {b:>5} | {pre:>13.1f} | {dec:>12.1f} |", flush=True)
         if hf is not None:
             if args.warmup:
