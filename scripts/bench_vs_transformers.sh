@@ -6,7 +6,9 @@
 #
 # Environment knobs: INPUT_LEN (128), OUTPUT_LEN (128), SERVERS ("transformers moeserve"),
 # TF_PORT / OURS_PORT (free ports), STARTUP_TIMEOUT (600 s), PYTHON (python),
-# TF_ARGS / OURS_ARGS (extra server args, e.g. OURS_ARGS="device=cpu"), KEEP_LOGS=1.
+# TF_ARGS / OURS_ARGS (extra server args, e.g. OURS_ARGS="device=cpu"), KEEP_LOGS=1,
+# ROUNDS (1): the servers take turns this many times (a shared machine's speed drifts over
+# minutes; the summary gives each round's ratio at each concurrency and their median).
 #
 # transformers serve rejects `ignore_eos` (HTTP 422), so it gets only `max_tokens` and may stop
 # early at EOS; the table reports the tokens actually generated and flags rows that differ.
@@ -25,6 +27,7 @@ PYTHON=${PYTHON:-python}
 INPUT_LEN=${INPUT_LEN:-128}
 OUTPUT_LEN=${OUTPUT_LEN:-128}
 SERVERS=${SERVERS:-"transformers moeserve"}
+ROUNDS=${ROUNDS:-1}
 STARTUP_TIMEOUT=${STARTUP_TIMEOUT:-600}
 REPO_ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 WORK=$(mktemp -d -t moeserve-bench-XXXXXX)
@@ -112,6 +115,7 @@ run_series() {  # NAME PORT EXTRA_BENCH_ARGS...
     done
 }
 
+for round in $(seq "$ROUNDS"); do
 for server in $SERVERS; do
     case "$server" in
     transformers)
@@ -147,6 +151,7 @@ for server in $SERVERS; do
         ;;
     esac
 done
+done
 
 echo
 echo "model: $MODEL_DIR  input: $INPUT_LEN tok  output: $OUTPUT_LEN tok (max_tokens)"
@@ -158,20 +163,35 @@ rows = [json.loads(line) for line in open(path)] if os.path.exists(path) else []
 if not rows:
     print("no results")
     sys.exit(1)
-head = ("server", "conc", "ok/n", "out tok/s", "TTFT p50 ms", "ITL p50 ms", "E2E p50 ms",
-        "gen/req tok", "note")
-fmt = "{:<13} {:>5} {:>6} {:>10} {:>12} {:>11} {:>11} {:>12}  {}"
+head = ("server", "round", "conc", "ok/n", "out tok/s", "TTFT p50 ms", "ITL p50 ms",
+        "E2E p50 ms", "gen/req tok", "note")
+fmt = "{:<13} {:>5} {:>5} {:>6} {:>10} {:>12} {:>11} {:>11} {:>12}  {}"
 print(fmt.format(*head))
+seen = {}  # (server, concurrency) → rows so far: the k-th such row is round k
 for r in rows:
+    key = (r["tag"], r["max_concurrency"])
+    seen[key] = seen.get(key, 0) + 1
+    r["round"] = seen[key]
     note = []
     if r["output_len_mismatches"]:
         note.append(f"lengths differ: {r['output_len_mismatches']} reqs, "
                     f"{r['min_output_tokens']}..{r['max_output_tokens']} tok")
     if r["failed"]:
         note.append(f"{r['failed']} failed: {r['first_error'][:60]}")
-    print(fmt.format(r["tag"], r["max_concurrency"], f"{r['completed']}/{r['num_prompts']}",
+    print(fmt.format(r["tag"], r["round"], r["max_concurrency"],
+                     f"{r['completed']}/{r['num_prompts']}",
                      f"{r['output_throughput']:.1f}", f"{r['median_ttft_ms']:.0f}",
                      f"{r['median_itl_ms']:.1f}", f"{r['median_e2e_latency_ms']:.0f}",
                      f"{r['total_output_tokens']}/{r['total_requested_output_tokens']}",
                      "; ".join(note)))
+tput = {(r["tag"], r["max_concurrency"], r["round"]): r["output_throughput"] for r in rows}
+for c in sorted({r["max_concurrency"] for r in rows}):
+    ratios = [tput[("moeserve", c, k)] / tput[("transformers", c, k)]
+              for k in range(1, max(r["round"] for r in rows) + 1)
+              if ("moeserve", c, k) in tput and tput.get(("transformers", c, k))]
+    if ratios:
+        mid = sorted(ratios)[len(ratios) // 2] if len(ratios) % 2 else \
+            sum(sorted(ratios)[len(ratios) // 2 - 1 : len(ratios) // 2 + 1]) / 2
+        print(f"moeserve / transformers output tok/s at concurrency {c}: "
+              + ", ".join(f"{x:.2f}x" for x in ratios) + f" (median {mid:.2f}x)")
 EOF
