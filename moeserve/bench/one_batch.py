@@ -15,6 +15,7 @@ from moeserve.bench.profiling import profile_table
 from moeserve.config import compose
 from moeserve.core import ForwardMode
 from moeserve.runtime.model_runner import ModelRunner
+from moeserve.runtime.sampler import greedy
 
 
 def _sync(device: torch.device) -> None:
@@ -24,7 +25,8 @@ def _sync(device: torch.device) -> None:
 
 def bench_moeserve(runner: ModelRunner, batch: int, input_len: int, output_len: int,
                    seed: int = 0, profile: bool = False) -> tuple[float, float]:
-    """→ (prefill tok/s, decode tok/s) for one batch; memory is returned afterwards. `profile`:
+    """→ (prefill tok/s, decode tok/s) for one batch, greedy as the server decodes (logits in the
+    model dtype); memory is returned afterwards. `profile`:
     also print the profiler tables of 3 decode steps at the end."""
     mem, vocab = runner.memory, runner.hf_config.vocab_size
     gen = torch.Generator().manual_seed(seed)
@@ -42,7 +44,7 @@ def bench_moeserve(runner: ModelRunner, batch: int, input_len: int, output_len: 
                            [0] * batch, lens)
     _sync(runner.device)
     t0 = time.perf_counter()
-    next_ids = runner.forward(fb).argmax(-1).tolist()
+    next_ids = greedy(runner.forward(fb, float_logits=False)).tolist()
     _sync(runner.device)
     prefill = time.perf_counter() - t0
     t0 = time.perf_counter()
@@ -50,7 +52,7 @@ def bench_moeserve(runner: ModelRunner, batch: int, input_len: int, output_len: 
         pos = input_len + step
         fb = runner.make_batch(ForwardMode.DECODE, next_ids, [pos] * batch, per_req[:, pos], rows,
                                [pos] * batch, [1] * batch)
-        next_ids = runner.forward(fb).argmax(-1).tolist()
+        next_ids = greedy(runner.forward(fb, float_logits=False)).tolist()
     _sync(runner.device)
     decode = time.perf_counter() - t0
     if profile:
@@ -59,7 +61,7 @@ def bench_moeserve(runner: ModelRunner, batch: int, input_len: int, output_len: 
         def step():
             fb = runner.make_batch(ForwardMode.DECODE, next_ids, [pos] * batch, per_req[:, pos],
                                    rows, [pos] * batch, [1] * batch)
-            runner.forward(fb).argmax(-1)
+            greedy(runner.forward(fb, float_logits=False))
 
         profile_table(f"decode step, batch {batch}", step, runner.device, rows=25)
     mem.allocator.free(slots)
