@@ -71,6 +71,11 @@ class MoEExperts(nn.Module):
                                  f"got {tuple(loaded.shape)}")
             dest.copy_(loaded)
 
+    @property
+    def all_local(self) -> bool:
+        """Every expert id is a local slot (one EP rank): no id needs masking or remapping."""
+        return self.first_expert == 0 and self.num_local >= self.num_experts
+
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor,
                 topk_weights: torch.Tensor) -> torch.Tensor:
         """x: [T, H]; topk_ids/weights: [T, K] (global expert ids; non-local ids contribute 0)."""
@@ -85,17 +90,24 @@ class MoEExperts(nn.Module):
                         topk_weights: torch.Tensor) -> torch.Tensor:
         """All local experts in two grouped GEMMs, with no host synchronisation."""
         t, k = topk_ids.shape
-        local = (topk_ids - self.first_expert).flatten()  # [T*K]
-        valid = (local >= 0) & (local < self.num_local)
-        key = torch.where(valid, local, self.num_local)  # non-local pairs sort last
+        if self.all_local:
+            key = topk_ids.flatten()  # [T*K]
+        else:
+            local = (topk_ids - self.first_expert).flatten()  # [T*K]
+            valid = (local >= 0) & (local < self.num_local)
+            key = torch.where(valid, local, self.num_local)  # non-local pairs sort last
         order = key.argsort(stable=True)
         offs = count_per_expert(key, self.num_local).cumsum(0).to(torch.int32)  # group ends
         token_of = order // k
         xs = x.index_select(0, token_of)  # [T*K, H] grouped by expert
         h = silu_and_mul(torch._grouped_mm(xs, self.w13.transpose(1, 2), offs=offs))
         y = torch._grouped_mm(h, self.w2.transpose(1, 2), offs=offs)  # [T*K, H]
-        w = (topk_weights.flatten()[order] * valid[order]).float()
-        y = torch.where(valid[order, None], y.float(), 0.0) * w[:, None]  # rows past offs[-1]: 0
+        w = topk_weights.flatten()[order]
+        if self.all_local:
+            y = y.float() * w.float()[:, None]
+        else:
+            w = (w * valid[order]).float()
+            y = torch.where(valid[order, None], y.float(), 0.0) * w[:, None]  # past offs[-1]: 0
         out = torch.zeros((t, x.shape[1]), dtype=torch.float32, device=x.device)
         out.index_add_(0, token_of, y)
         return out.to(x.dtype)
@@ -107,7 +119,7 @@ class MoEExperts(nn.Module):
         NOTE: an unchosen expert's output is multiplied by 0, so only an infinite one could leak."""
         t, h = x.shape
         e, i = self.num_local, self.intermediate_size
-        if self.first_expert == 0 and e >= self.num_experts:  # every id is local
+        if self.all_local:
             local = topk_ids
         else:
             local = topk_ids - self.first_expert  # [T, K]
