@@ -156,7 +156,7 @@ done
 echo
 echo "model: $MODEL_DIR  input: $INPUT_LEN tok  output: $OUTPUT_LEN tok (max_tokens)"
 "$PYTHON" - "$RESULTS" <<'EOF'
-import json, os, sys
+import json, os, statistics, sys
 
 path = sys.argv[1]
 rows = [json.loads(line) for line in open(path)] if os.path.exists(path) else []
@@ -190,8 +190,7 @@ for c in sorted({r["max_concurrency"] for r in rows}):
               for k in range(1, max(r["round"] for r in rows) + 1)
               if ("moeserve", c, k) in tput and tput.get(("transformers", c, k))]
     if ratios:
-        mid = sorted(ratios)[len(ratios) // 2] if len(ratios) % 2 else \
-            sum(sorted(ratios)[len(ratios) // 2 - 1 : len(ratios) // 2 + 1]) / 2
         print(f"moeserve / transformers output tok/s at concurrency {c}: "
-              + ", ".join(f"{x:.2f}x" for x in ratios) + f" (median {mid:.2f}x)")
+              + ", ".join(f"{x:.2f}x" for x in ratios)
+              + f" (median {statistics.median(ratios):.2f}x)")
 EOF

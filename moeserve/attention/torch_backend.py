@@ -18,7 +18,6 @@ DECODE_KV_KEEP_BYTES = 256 << 20  # at most this much gathered decode K/V is kep
 @dataclass
 class _TorchMetadata:
     kv_indices: torch.Tensor  # [B, max_seq] KV slot per (request, position); 0-padded
-    kv_mask: torch.Tensor  # [B, max_seq] True where the position exists
     token_ranges: list[tuple[int, int]]  # per request: [start, end) in the token-major tensors
     _head_rows: dict[int, torch.Tensor] = field(default_factory=dict)
     # decode only: 0 / -inf per (request, position), [B, 1, 1, max_seq]
@@ -66,6 +65,7 @@ class TorchAttentionBackend(AttentionBackend):
 
     def __init__(self):
         self._kept: dict[int, _KeptKV] = {}  # layer id → its decode K/V of the last decode step
+        self._kept_bytes = 0  # their total size
 
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
         table = fb.req_to_token_pool.req_to_token
@@ -84,7 +84,7 @@ class TorchAttentionBackend(AttentionBackend):
         for n in fb.extend_seq_lens_cpu:
             starts.append(starts[-1] + n)
         ranges = list(zip(starts[:-1], starts[1:]))
-        meta = _TorchMetadata(kv_indices, kv_mask, ranges)
+        meta = _TorchMetadata(kv_indices, ranges)
         if fb.forward_mode.is_decode():
             meta.mask_bias = torch.zeros(kv_mask.shape, dtype=torch.float32, device=table.device)
             meta.mask_bias.masked_fill_(~kv_mask, float("-inf"))
@@ -95,6 +95,7 @@ class TorchAttentionBackend(AttentionBackend):
             meta.prev_key = (rows, tuple(n - 1 for n in fb.seq_lens_cpu), max_len)
         else:
             self._kept.clear()
+            self._kept_bytes = 0
         fb.attn_metadata = meta
 
     def forward(self, q, k, v, spec: AttentionSpec, fb: ForwardBatch) -> torch.Tensor:
@@ -120,10 +121,13 @@ class TorchAttentionBackend(AttentionBackend):
             return kept.k, kept.v
         k = _gather_heads(k_buf, meta, dtype)  # [B, Hkv, S, D]
         v = _gather_heads(v_buf, meta, dtype)  # [B, Hkv, S, Dv]
-        self._kept.pop(layer_id, None)
-        kept_bytes = sum(e.k.nbytes + e.v.nbytes for e in self._kept.values())
-        if meta.step_key is not None and kept_bytes + k.nbytes + v.nbytes <= DECODE_KV_KEEP_BYTES:
+        old = self._kept.pop(layer_id, None)
+        if old is not None:
+            self._kept_bytes -= old.k.nbytes + old.v.nbytes
+        size = k.nbytes + v.nbytes
+        if meta.step_key is not None and self._kept_bytes + size <= DECODE_KV_KEEP_BYTES:
             self._kept[layer_id] = _KeptKV(meta.step_key, k, v)
+            self._kept_bytes += size
         return k, v
 
     def _extend(self, q, k_buf, v_buf, spec, fb: ForwardBatch) -> torch.Tensor:

@@ -20,7 +20,8 @@ Contract (all backends):
   its combine has been waited.
 - Output formats are explicit (`DispatchOutput.format`), so the MoE layer never guesses a layout.
 
-Expert placement lives in `expert_owner` alone so that EPLB can swap logical ids for physical ones.
+Expert placement lives in `expert_owner` alone (kernels/peer_copy.py, beside the p2p kernels that
+mirror it) so that EPLB can swap logical ids for physical ones.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from moeserve.kernels.peer_copy import expert_owner  # noqa: F401 (re-exported: the placement rule)
 from moeserve.layers.activation import silu_and_mul
 from moeserve.layers.moe import count_per_expert
 
@@ -43,15 +45,6 @@ if TYPE_CHECKING:
 
 STANDARD = "standard"
 LOW_LATENCY = "low_latency"
-
-
-def expert_owner(ids: torch.Tensor, num_experts: int, ep_size: int) -> torch.Tensor:
-    """Global expert ids [...] → owning EP rank [...] (-1 stays -1).
-
-    Rank r owns experts [r*E/ep, (r+1)*E/ep).
-    """
-    per_rank = num_experts // ep_size
-    return torch.where(ids >= 0, torch.div(ids, per_rank, rounding_mode="floor"), -1)
 
 
 @dataclass

@@ -32,9 +32,18 @@ NUM_WARPS = 16  # per program; 8 and 32 measured within 2% of 16 for whole 7168-
 ROW_CHUNK = 8192  # elements of a row per program (a 7168-wide row: one program)
 
 
+def expert_owner(ids: torch.Tensor, num_experts: int, ep_size: int) -> torch.Tensor:
+    """Global expert ids [...] → owning EP rank [...] (-1 stays -1): rank r owns experts
+    [r*E/ep, (r+1)*E/ep). The one placement rule of every dispatcher (the kernels below compute
+    the same `id // experts_per_rank`); EPLB maps logical ids to physical slots before it."""
+    per_rank = num_experts // ep_size
+    return torch.where(ids >= 0, torch.div(ids, per_rank, rounding_mode="floor"), -1)
+
+
 def owner_mask(topk_ids: torch.Tensor, experts_per_rank: int, ep_size: int) -> torch.Tensor:
     """topk_ids [T, K] → [T, ep] bool: rank r owns one of the token's experts (-1: no expert)."""
-    owner = torch.where(topk_ids >= 0, topk_ids // experts_per_rank, ep_size)  # -1 → dummy column
+    owner = expert_owner(topk_ids, experts_per_rank * ep_size, ep_size)
+    owner = torch.where(owner >= 0, owner, ep_size)  # -1 → a dummy column, dropped below
     mask = torch.zeros(topk_ids.shape[0], ep_size + 1, dtype=torch.bool, device=topk_ids.device)
     return mask.scatter_(1, owner, True)[:, :ep_size]
 

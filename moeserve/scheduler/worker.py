@@ -97,7 +97,7 @@ class ForwardWorker:
         """Write the step's slot map (and, for EXTEND, its token ids) into the request rows, then
         read the input ids back from the token table (decode inputs were sampled on the device)."""
         mem, dev = self.runner.memory, self.runner.device
-        if fi.mode == ForwardMode.DECODE:  # one token per request, at its prefix length
+        if fi.mode.is_decode():  # one token per request, at its prefix length
             row_of_tok = torch.tensor(fi.rows, dtype=torch.int64)
             positions = torch.tensor(fi.prefix_lens, dtype=torch.int64)
         else:

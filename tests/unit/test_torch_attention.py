@@ -99,3 +99,4 @@ def test_kept_decode_kv_equals_fresh_gather():
         b = w_fresh.step(TorchAttentionBackend(), [1, 2])
         assert all(torch.equal(x, y) for (x, _), (y, _) in zip(a, b))
         assert sorted(kept._kept) == [0, 1]  # every layer kept its K/V for the next step
+        assert kept._kept_bytes == sum(e.k.nbytes + e.v.nbytes for e in kept._kept.values())
