@@ -26,6 +26,7 @@ class _TorchMetadata:
     # by one token per request (see _KeptKV)
     step_key: tuple | None = None
     prev_key: tuple | None = None
+    append_at: tuple[torch.Tensor, torch.Tensor] | None = None  # (request, position) of new tokens
 
     def head_rows(self, kv_heads: int) -> torch.Tensor:
         """[B * Hkv * S] rows of a [slots * Hkv, D] view of a KV buffer, head-major per request,
@@ -93,6 +94,7 @@ class TorchAttentionBackend(AttentionBackend):
             rows = tuple(fb.req_pool_indices.tolist())
             meta.step_key = (rows, tuple(fb.seq_lens_cpu), max_len)
             meta.prev_key = (rows, tuple(n - 1 for n in fb.seq_lens_cpu), max_len)
+            meta.append_at = (torch.arange(len(rows), device=table.device), fb.seq_lens - 1)
         else:
             self._kept.clear()
             self._kept_bytes = 0
@@ -113,8 +115,7 @@ class TorchAttentionBackend(AttentionBackend):
         meta: _TorchMetadata = fb.attn_metadata
         kept = self._kept.get(layer_id)
         if kept is not None and kept.key == meta.prev_key:
-            b = torch.arange(len(meta.token_ranges), device=fb.seq_lens.device)
-            pos = fb.seq_lens - 1
+            b, pos = meta.append_at
             kept.k[b, :, pos] = _gather(k_buf, fb.out_cache_loc, dtype)  # [B, Hkv, D]
             kept.v[b, :, pos] = _gather(v_buf, fb.out_cache_loc, dtype)
             kept.key = meta.step_key
