@@ -13,7 +13,7 @@ from hydra.core.config_store import ConfigStore
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("safetensors", "dummy")
-ATTENTION_BACKENDS = ("torch",)
+ATTENTION_BACKENDS = ("auto", "torch", "cpu")
 DEVICES = ("auto", "cpu", "cuda")
 SCHEDULE_POLICIES = ("lpm", "fcfs")
 A2A_BACKENDS = ("a2a", "allgather", "p2p", "deepep")
@@ -40,6 +40,9 @@ class ModelConfig:
     load_format: str = "safetensors"  # dummy: random weights from config.json alone
     context_length: int | None = None  # None: max_position_embeddings of the checkpoint
     load_mtp: bool = False  # load the DeepSeek NextN (MTP) layer weights when present
+    # CPU: run the decode step's small ops (norms, q/k norm + rope, router top-k, attention) as
+    # C kernels built with the system C compiler (kernels/cpu_ops.py); without one, torch ops
+    cpu_kernels: bool = True
 
 
 @dataclass(frozen=True)
@@ -128,7 +131,8 @@ class EPLBConfig:
 
 @dataclass(frozen=True)
 class AttentionConfig:
-    backend: str = "torch"
+    # auto: cpu where the model runs on CPU with model.cpu_kernels built, else torch
+    backend: str = "auto"
 
 
 @dataclass(frozen=True)
@@ -236,6 +240,9 @@ def validate(cfg: MoeserveConfig) -> MoeserveConfig:
     _check_choice("model.dtype", cfg.model.dtype, DTYPES)
     _check_choice("model.load_format", cfg.model.load_format, LOAD_FORMATS)
     _check_choice("attention.backend", cfg.attention.backend, ATTENTION_BACKENDS)
+    if cfg.attention.backend == "cpu" and (cfg.device == "cuda" or not cfg.model.cpu_kernels):
+        raise ConfigError("attention.backend", "the cpu backend needs device=cpu (or auto "
+                          "without CUDA) and model.cpu_kernels=true")
     _check_choice("device", cfg.device, DEVICES)
     _check_positive("model.context_length", cfg.model.context_length)
     _check_positive("cache.max_total_tokens", cfg.cache.max_total_tokens)

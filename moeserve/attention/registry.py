@@ -8,11 +8,13 @@ from moeserve.attention.base import AttentionBackend
 
 _BACKENDS = {
     "torch": "moeserve.attention.torch_backend:TorchAttentionBackend",
+    "cpu": "moeserve.attention.cpu_backend:CpuAttentionBackend",  # takes the CpuKernels
 }
 
 
-def create_attention_backend(name: str) -> AttentionBackend:
+def create_attention_backend(name: str, *args) -> AttentionBackend:
+    """`args` go to the backend's constructor (the cpu backend takes the compiled kernels)."""
     if name not in _BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; choose from {sorted(_BACKENDS)}")
     module, cls = _BACKENDS[name].split(":")
-    return getattr(importlib.import_module(module), cls)()
+    return getattr(importlib.import_module(module), cls)(*args)

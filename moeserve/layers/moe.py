@@ -13,6 +13,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from moeserve.kernels.cpu_ops import CpuKernels
 from moeserve.layers.activation import silu_and_mul
 
 GATE, UP, DOWN = "gate", "up", "down"
@@ -38,6 +39,8 @@ class MoEExperts(nn.Module):
 
     w13: [E_local, 2I, H] laid out as [gate | up]; w2: [E_local, H, I].
     """
+
+    cpu_kernels: CpuKernels | None = None  # set on CPU models (kernels.cpu_ops): small batches
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int,
                  first_expert: int = 0, num_local: int | None = None,
@@ -81,6 +84,9 @@ class MoEExperts(nn.Module):
         """x: [T, H]; topk_ids/weights: [T, K] (global expert ids; non-local ids contribute 0)."""
         macs = x.shape[0] * self.num_local * 3 * x.shape[1] * self.intermediate_size
         if x.device.type == "cpu" and macs <= CPU_DENSE_MAX_MACS:
+            if self.cpu_kernels is not None and x.dtype == self.w13.dtype:
+                return self.cpu_kernels.moe_experts(x, topk_ids, topk_weights, self.w13, self.w2,
+                                                    self.first_expert)
             return self.forward_dense(x, topk_ids, topk_weights)
         if _HAS_GROUPED_MM and (x.device.type == "cpu" or x.dtype == torch.bfloat16):
             return self.forward_grouped(x, topk_ids, topk_weights)

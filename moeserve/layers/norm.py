@@ -6,8 +6,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moeserve.kernels.cpu_ops import CpuKernels
+
 
 class RMSNorm(nn.Module):
+    cpu_kernels: CpuKernels | None = None  # set on CPU models (kernels.cpu_ops)
+
     def __init__(self, hidden_size: int, eps: float = 1e-6):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
@@ -15,6 +19,11 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """Without residual: norm(x). With residual: (norm(x + residual), x + residual)."""
+        kernels = self.cpu_kernels
+        if (kernels is not None and x.dim() == 2 and x.stride(1) == 1
+                and x.dtype == self.weight.dtype
+                and (residual is None or (residual.is_contiguous() and residual.dtype == x.dtype))):
+            return kernels.rms_norm(x, self.weight, self.eps, residual)  # the same values
         if residual is not None:
             x = x + residual
             residual = x

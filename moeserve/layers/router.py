@@ -9,6 +9,8 @@ from dataclasses import dataclass
 
 import torch
 
+from moeserve.kernels.cpu_ops import CpuKernels
+
 
 @dataclass(frozen=True)
 class RouterConfig:
@@ -22,8 +24,14 @@ class RouterConfig:
 
 
 def select_experts(logits: torch.Tensor, cfg: RouterConfig,
-                   correction_bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits: [T, E] → (weights, ids). The correction bias (V3) steers choice, not the weights."""
+                   correction_bias: torch.Tensor | None = None,
+                   kernels: CpuKernels | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits: [T, E] → (weights, ids). The correction bias (V3) steers choice, not the weights.
+    With CPU kernels, a plain softmax top-k is one kernel call."""
+    if (kernels is not None and cfg.scoring == "softmax" and cfg.num_groups == 1
+            and correction_bias is None and cfg.routed_scaling_factor == 1.0
+            and logits.is_contiguous()):
+        return kernels.topk_softmax(logits, cfg.top_k, cfg.renormalize)
     logits = logits.float()
     scores = logits.sigmoid() if cfg.scoring == "sigmoid" else logits.softmax(dim=-1)  # [T, E]
     choice = scores if correction_bias is None else scores + correction_bias.float()[None]

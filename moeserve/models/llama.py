@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from moeserve.forward_batch import ForwardBatch
+from moeserve.kernels.cpu_ops import CpuKernels
 from moeserve.layers.activation import silu_and_mul
 from moeserve.layers.attention import PagedAttention
 from moeserve.layers.linear import Linear, MergedLinear
@@ -23,6 +24,8 @@ def head_dim_of(cfg: Any) -> int:
 
 
 class Attention(nn.Module):
+    cpu_kernels: CpuKernels | None = None  # set on CPU models (kernels.cpu_ops)
+
     def __init__(self, cfg: Any, layer_id: int, qkv_bias: bool = False, qk_norm: bool = False):
         super().__init__()
         self.num_heads, self.num_kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
@@ -39,13 +42,19 @@ class Attention(nn.Module):
                                    self.head_dim**-0.5)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
-        qkv = self.qkv_proj(x)
+        qkv = self.qkv_proj(x)  # [T, (H + 2 Hkv) D], a fresh tensor
         h, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         # q and k as one [T, H + Hkv, D] view: their norms and rope in one pass each
         qk = qkv[:, : (h + hkv) * d].view(-1, h + hkv, d)
-        if self.q_norm is not None:
-            qk = rms_norm_heads(qk, [(h, self.q_norm), (hkv, self.k_norm)])
-        qk = self.rotary.rotate(positions, qk)
+        if self.cpu_kernels is not None and self.rotary.is_neox_style and qkv.stride(1) == 1:
+            norms = (self.q_norm.weight, self.k_norm.weight) if self.q_norm else (None, None)
+            eps = self.q_norm.eps if self.q_norm else 0.0
+            self.cpu_kernels.qk_norm_rope(qkv, h, hkv, d, positions, self.rotary.cos_sin_cache,
+                                          self.rotary.rotary_dim, *norms, eps)  # in place
+        else:
+            if self.q_norm is not None:
+                qk = rms_norm_heads(qk, [(h, self.q_norm), (hkv, self.k_norm)])
+            qk = self.rotary.rotate(positions, qk)
         q, k, v = qk[:, :h], qk[:, h:], qkv[:, (h + hkv) * d :]
         return self.o_proj(self.attn(q, k, v, fb))
 

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from moeserve.forward_batch import ForwardBatch
+from moeserve.kernels.cpu_ops import CpuKernels
 from moeserve.layers.linear import Linear
 from moeserve.layers.moe import MoEParallel, run_routed_experts
 from moeserve.layers.router import RouterConfig, select_experts
@@ -16,6 +17,8 @@ from moeserve.models.llama import MLP, Attention, CausalLM, DecoderLayer, Decode
 
 class SparseMoeBlock(nn.Module):
     """Router → top-k → experts. Parameter names follow the checkpoint (`gate`, `experts`)."""
+
+    cpu_kernels: CpuKernels | None = None  # set on CPU models (kernels.cpu_ops)
 
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int,
                  router: RouterConfig, layer_id: int, parallel: MoEParallel | None = None):
@@ -27,7 +30,7 @@ class SparseMoeBlock(nn.Module):
                                                   layer_id)
 
     def forward(self, x: torch.Tensor, fb: ForwardBatch | None = None) -> torch.Tensor:
-        weights, ids = select_experts(self.gate(x), self.router)  # [T, K] each
+        weights, ids = select_experts(self.gate(x), self.router, kernels=self.cpu_kernels)
         return run_routed_experts(self.experts, x, ids, weights, self.parallel, fb, self.layer_id)
 
 

@@ -17,6 +17,8 @@ from moeserve.kvcache.allocator import TokenToKVPoolAllocator
 from moeserve.kvcache.pool import KVPool, MHAKVPool, MLAKVPool
 from moeserve.distributed import ParallelMesh, single_rank_mesh
 from moeserve.kvcache.table import ReqToTokenPool
+from moeserve.kernels.cpu_ops import CpuKernels, attach_cpu_kernels, load_cpu_kernels, supports
+from moeserve.env import env
 from moeserve.layers.linear import pack_linears
 from moeserve.layers.moe import ExpertRecorder, MoEParallel
 from moeserve.models.loader import WeightLoadError, iterate_weights, load_weights
@@ -85,7 +87,10 @@ class ModelRunner:
         self.model = self._build_model(model_path)
         self.context_len = cfg.model.context_length or self.hf_config.max_position_embeddings
         self.memory = self._init_memory()
-        self.attn_backend = create_attention_backend(cfg.attention.backend)
+        self.cpu_kernels = self._cpu_kernels()
+        if self.cpu_kernels is not None:
+            attach_cpu_kernels(self.model, self.cpu_kernels)
+        self.attn_backend = self._attention_backend()
 
     # ---- construction -------------------------------------------------------------------------
     def _build_model(self, path: str) -> torch.nn.Module:
@@ -102,6 +107,25 @@ class ModelRunner:
         if self.device.type == "cpu":
             pack_linears(model)  # after loading: the packed copies are taken from loaded weights
         return model.eval()
+
+    def _cpu_kernels(self) -> CpuKernels | None:
+        """The C decode kernels, for a CPU model in float32 or bfloat16 with model.cpu_kernels on;
+        None otherwise, or without a C compiler (then torch ops run)."""
+        if self.device.type != "cpu" or not self.cfg.model.cpu_kernels or not supports(self.dtype):
+            return None
+        return load_cpu_kernels(env().cache_dir)
+
+    def _attention_backend(self):
+        name = self.cfg.attention.backend
+        if name == "auto":
+            name = "cpu" if self.cpu_kernels is not None else "torch"
+        if name != "cpu":
+            return create_attention_backend(name)
+        if self.cpu_kernels is None:
+            raise RuntimeError("attention.backend=cpu: the CPU kernels are not available here "
+                               f"(device {self.device}, dtype {self.dtype}, or no C compiler: see "
+                               "the log)")
+        return create_attention_backend(name, self.cpu_kernels)
 
     def _model_kwargs(self, cls: type) -> dict:
         kwargs = {"parallel": self.moe_parallel}

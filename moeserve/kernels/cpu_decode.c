@@ -1,0 +1,447 @@
+/* CPU kernels for the decode step: each one replaces a chain of small torch ops.
+ *
+ * Why: at decode batch sizes the CPU step of a small model is bound by per-op dispatch (a tiny
+ * Qwen3-MoE layer ran ~100 aten ops, ~10 us each), not by arithmetic. Called through ctypes
+ * (moeserve/kernels/cpu_ops.py), single-threaded, on contiguous rows of float32 or bfloat16.
+ *
+ * Numerics follow the torch path they replace: float32 arithmetic, rounded to the storage dtype
+ * where that path rounds (RMSNorm rounds the normalised row before the weight multiply, as
+ * transformers does), without contracting a*b + c*d into an FMA (compiled with
+ * -ffp-contract=off). Sums and dot products may associate differently from torch's.
+ *
+ * dt: 0 = float32, 1 = bfloat16 (both the inputs and the stored outputs of one call).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+static inline float bf16_load(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline uint16_t bf16_store(float f) { /* round to nearest even, NaN → 0x7FC0 (as torch) */
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+static inline int64_t esize(int dt) { return dt ? 2 : 4; }
+
+static void load_row(float *dst, const void *src, int64_t n, int dt) {
+    if (!dt) {
+        memcpy(dst, src, (size_t)n * 4);
+        return;
+    }
+    const uint16_t *h = (const uint16_t *)src;
+    for (int64_t i = 0; i < n; i++) dst[i] = bf16_load(h[i]);
+}
+
+static void store_row(void *dst, const float *src, int64_t n, int dt) {
+    if (!dt) {
+        memcpy(dst, src, (size_t)n * 4);
+        return;
+    }
+    uint16_t *h = (uint16_t *)dst;
+    for (int64_t i = 0; i < n; i++) h[i] = bf16_store(src[i]);
+}
+
+static void round_row(float *x, int64_t n, int dt) { /* x := x as stored in dt */
+    if (!dt) return;
+    for (int64_t i = 0; i < n; i++) x[i] = bf16_load(bf16_store(x[i]));
+}
+
+static inline const char *at(const void *base, int64_t elems, int dt) {
+    return (const char *)base + elems * esize(dt);
+}
+
+/* x := weight * round(x * rsqrt(mean(x^2) + eps)), then rounded at the store. */
+static void rms_row(float *x, const float *weight, int64_t n, float eps, int dt) {
+    float ss = 0.0f;
+#pragma omp simd reduction(+ : ss)
+    for (int64_t i = 0; i < n; i++) ss += x[i] * x[i];
+    float inv = 1.0f / sqrtf(ss / (float)n + eps);
+    for (int64_t i = 0; i < n; i++) x[i] = x[i] * inv;
+    round_row(x, n, dt);
+    for (int64_t i = 0; i < n; i++) x[i] = weight[i] * x[i];
+}
+
+/* out[r] = RMSNorm(x[r] (+ res[r])) for rows r of n; with res, res_out[r] = x[r] + res[r] (rounded).
+ * x rows are x_stride elements apart; res, out and res_out are contiguous [rows, n]. */
+void ms_rms_norm(void *out, void *res_out, const void *x, int64_t x_stride, const void *res,
+                 const void *weight, int64_t rows, int64_t n, float eps, int dt) {
+    float *buf = malloc((size_t)n * 3 * sizeof(float));
+    float *w = buf + n, *r = buf + 2 * n;
+    load_row(w, weight, n, dt);
+    for (int64_t t = 0; t < rows; t++) {
+        load_row(buf, at(x, t * x_stride, dt), n, dt);
+        if (res) {
+            load_row(r, at(res, t * n, dt), n, dt);
+            for (int64_t i = 0; i < n; i++) buf[i] = buf[i] + r[i];
+            round_row(buf, n, dt);
+            store_row((char *)at(res_out, t * n, dt), buf, n, dt);
+        }
+        rms_row(buf, w, n, eps, dt);
+        store_row((char *)at(out, t * n, dt), buf, n, dt);
+    }
+    free(buf);
+}
+
+/* In place on the first `heads` heads (q heads, then k heads) of each token row of a qkv buffer:
+ * the per-head RMSNorm (q_weight for the first nq heads, k_weight after; skipped when q_weight is
+ * NULL), then neox rope on the first `rot` channels of every head with the row of `table`
+ * ([positions, 2 * rot] float32: cos | cos | -sin | sin) at the token's position. Returns 0, or
+ * 1 + the first token whose position has no table row (then nothing is written). */
+int64_t ms_qk_norm_rope(void *qkv, int64_t tokens, int64_t row_stride, int64_t heads,
+                        int64_t nq, int64_t d, int64_t rot, const int64_t *pos,
+                        const float *table, int64_t num_positions, const void *q_weight,
+                        const void *k_weight, float eps, int dt) {
+    for (int64_t t = 0; t < tokens; t++)
+        if (pos[t] < 0 || pos[t] >= num_positions) return t + 1; /* nothing written */
+    float *buf = malloc((size_t)d * 4 * sizeof(float));
+    float *tmp = buf + d, *wq = buf + 2 * d, *wk = buf + 3 * d;
+    if (q_weight) {
+        load_row(wq, q_weight, d, dt);
+        load_row(wk, k_weight, d, dt);
+    }
+    int64_t half = rot / 2;
+    for (int64_t t = 0; t < tokens; t++) {
+        const float *c = table + pos[t] * 2 * rot;
+        for (int64_t h = 0; h < heads; h++) {
+            char *p = (char *)at(qkv, t * row_stride + h * d, dt);
+            load_row(buf, p, d, dt);
+            if (q_weight) {
+                rms_row(buf, h < nq ? wq : wk, d, eps, dt);
+                round_row(buf, d, dt);
+            }
+            for (int64_t i = 0; i < rot; i++) {
+                int64_t j = i < half ? i + half : i - half;
+                tmp[i] = buf[i] * c[i] + buf[j] * c[rot + i];
+            }
+            memcpy(buf, tmp, (size_t)rot * sizeof(float));
+            store_row(p, buf, d, dt);
+        }
+    }
+    free(buf);
+    return 0;
+}
+
+/* exp(x) for x <= 0 (softmax inputs x - max), in a form the compiler vectorises (libm's expf is a
+ * scalar call): 2^n * p(r), x = n ln2 + r, |r| <= ln2 / 2, p of degree 6; relative error ~2e-7;
+ * 0 below -87. n rounds through an int conversion, which vectorises where roundf does not. */
+static inline float exp_neg(float x) {
+    float c = x < -87.0f ? -87.0f : x;
+    float n = (float)(int32_t)(c * 1.44269504088896341f - 0.5f); /* round(y) = trunc(y - 0.5), y <= 0 */
+    float r = c - n * 0.693145751953125f - n * 1.428606765330187045e-06f;
+    float p = 1.0f / 720.0f;
+    p = p * r + 1.0f / 120.0f;
+    p = p * r + 1.0f / 24.0f;
+    p = p * r + 1.0f / 6.0f;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    int32_t bits = ((int32_t)n + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, 4);
+    return x < -87.0f ? 0.0f : p * scale;
+}
+
+/* Eight float lanes (GCC vector extensions: AVX2/AVX-512 or SSE pairs, whatever the target has). */
+typedef float v8f __attribute__((vector_size(32)));
+typedef uint16_t v8h __attribute__((vector_size(16)));
+typedef uint32_t v8u __attribute__((vector_size(32)));
+typedef int32_t v8i __attribute__((vector_size(32)));
+
+static inline __attribute__((always_inline)) v8f load8(const void *p, int dt) {
+    v8f f;
+    if (dt) {
+        v8h h;
+        memcpy(&h, p, 16);
+        v8u u = __builtin_convertvector(h, v8u) << 16;
+        memcpy(&f, &u, 32);
+    } else {
+        memcpy(&f, p, 32);
+    }
+    return f;
+}
+
+/* The eight horizontal sums of a[0..7], as one vector (a transpose-and-add tree: 12 shuffles and 7
+ * adds for eight dot products, against ~8 scalar adds each when reduced one by one). */
+static inline __attribute__((always_inline)) v8f sum8x8(const v8f a[8]) {
+    const v8i lo1 = {0, 8, 1, 9, 4, 12, 5, 13}, hi1 = {2, 10, 3, 11, 6, 14, 7, 15};
+    const v8i lo2 = {0, 1, 8, 9, 4, 5, 12, 13}, hi2 = {2, 3, 10, 11, 6, 7, 14, 15};
+    const v8i lo3 = {0, 1, 2, 3, 8, 9, 10, 11}, hi3 = {4, 5, 6, 7, 12, 13, 14, 15};
+    v8f s[4], t[2];
+    for (int i = 0; i < 4; i++)
+        s[i] = __builtin_shuffle(a[2 * i], a[2 * i + 1], lo1) +
+               __builtin_shuffle(a[2 * i], a[2 * i + 1], hi1);
+    for (int i = 0; i < 2; i++)
+        t[i] = __builtin_shuffle(s[2 * i], s[2 * i + 1], lo2) +
+               __builtin_shuffle(s[2 * i], s[2 * i + 1], hi2);
+    return __builtin_shuffle(t[0], t[1], lo3) + __builtin_shuffle(t[0], t[1], hi3);
+}
+
+/* Eight dot products rows[j][0:n] · x[0:n] (rows in dt, x float32; n a multiple of 8). */
+static inline __attribute__((always_inline)) v8f dot8(const void *const rows[8], const float *x,
+                                                      int64_t n, int dt) {
+    v8f acc[8] = {{0}};
+    for (int64_t i = 0; i < n; i += 8) {
+        v8f xv;
+        memcpy(&xv, x + i, 32);
+        for (int j = 0; j < 8; j++) acc[j] += load8(at(rows[j], i, dt), dt) * xv;
+    }
+    return sum8x8(acc);
+}
+
+static inline __attribute__((always_inline)) float kv_at(const void *row, int64_t i, int dt) {
+    return dt ? bf16_load(((const uint16_t *)row)[i]) : ((const float *)row)[i];
+}
+
+/* exp_neg on eight lanes (the same steps, written on vectors so that they vectorise). */
+static inline __attribute__((always_inline)) v8f exp_neg8(v8f x) {
+    const v8f lo = {-87.0f, -87.0f, -87.0f, -87.0f, -87.0f, -87.0f, -87.0f, -87.0f};
+    v8i under = x < lo;
+    v8f c = (v8f)(((v8i)x & ~under) | ((v8i)lo & under));
+    v8f n = __builtin_convertvector(__builtin_convertvector(c * 1.44269504088896341f - 0.5f, v8i),
+                                    v8f);
+    v8f r = c - n * 0.693145751953125f - n * 1.428606765330187045e-06f;
+    v8f p = r * (1.0f / 720.0f) + 1.0f / 120.0f;
+    p = p * r + 1.0f / 24.0f;
+    p = p * r + 1.0f / 6.0f;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    v8i scale = (__builtin_convertvector(n, v8i) + 127) << 23;
+    return (v8f)((v8i)(p * (v8f)scale) & ~under);
+}
+
+/* x[0:n] := softmax(x[0:n]) in float32, eight lanes at a time (the max and the sum as v8f
+ * reductions: without -ffast-math the compiler keeps float reductions scalar). */
+static void softmax_row(float *x, int64_t n) {
+    v8f m8 = {-INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY,
+              -INFINITY};
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        v8f v;
+        memcpy(&v, x + i, 32);
+        v8i gt = v > m8;
+        m8 = (v8f)(((v8i)v & gt) | ((v8i)m8 & ~gt));
+    }
+    float m = -INFINITY;
+    for (int j = 0; j < 8; j++) m = m8[j] > m ? m8[j] : m;
+    for (; i < n; i++) m = x[i] > m ? x[i] : m;
+    v8f t8 = {0};
+    for (i = 0; i + 8 <= n; i += 8) {
+        v8f v;
+        memcpy(&v, x + i, 32);
+        v = exp_neg8(v - m);
+        memcpy(x + i, &v, 32);
+        t8 += v;
+    }
+    for (int64_t j = i; j < n; j++) x[j] = exp_neg(x[j] - m);
+    float total = 0.0f;
+    for (int j = 0; j < 8; j++) total += t8[j];
+    for (; i < n; i++) total += x[i];
+    float inv = 1.0f / total;
+    for (i = 0; i < n; i++) x[i] *= inv;
+}
+
+/* One request: its query heads qf [heads, d] (float32) attend over `len` positions (slots[s]);
+ * acc [heads, dv] receives the normalised weighted sum of V; scores: [heads, len] scratch. Query
+ * head h reads KV head h / group. Each position's K (and V) row of all KV heads is read once, in
+ * order. Always inlined into calls with constant d, dv and dt, so the inner loops have known trip
+ * counts and vectorise. */
+static inline __attribute__((always_inline)) void attend_request(
+    float *acc, float *scores, const float *qf, const void *k_buf, const void *v_buf,
+    const int64_t *slots, int64_t len, int64_t heads, int64_t kv_heads, int64_t d, int64_t dv,
+    float scaling, int dt) {
+    int64_t group = heads / kv_heads, s0 = 0;
+    if (d % 8 == 0) /* eight positions at a time (a short tail repeats the last row, unstored) */
+        for (; s0 < len; s0 += 8) {
+            for (int64_t h = 0; h < heads; h++) {
+                const void *rows[8];
+                for (int j = 0; j < 8; j++) {
+                    int64_t s = s0 + j < len ? s0 + j : len - 1;
+                    rows[j] = at(k_buf, (slots[s] * kv_heads + h / group) * d, dt);
+                }
+                v8f dots = dot8(rows, qf + h * d, d, dt) * scaling;
+                if (s0 + 8 <= len)
+                    memcpy(scores + h * len + s0, &dots, 32);
+                else
+                    for (int64_t j = 0; j < len - s0; j++) scores[h * len + s0 + j] = dots[j];
+            }
+        }
+    for (int64_t s = s0; s < len; s++) {
+        const void *kr = at(k_buf, slots[s] * kv_heads * d, dt);
+        for (int64_t h = 0; h < heads; h++) {
+            const float *qh = qf + h * d;
+            int64_t off = (h / group) * d;
+            float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+            for (int64_t i = 0; i < d; i++) dot += qh[i] * kv_at(kr, off + i, dt);
+            scores[h * len + s] = dot * scaling;
+        }
+    }
+    for (int64_t h = 0; h < heads; h++) softmax_row(scores + h * len, len);
+    if (dv % 8 == 0 && dv <= 128) { /* each head's sum kept in registers, V rows from L1 */
+        for (int64_t h = 0; h < heads; h++) {
+            v8f a[16] = {{0}};
+            const float *ph = scores + h * len;
+            int64_t off = (h / group) * dv;
+            for (int64_t s = 0; s < len; s++) {
+                const void *vr = at(v_buf, slots[s] * kv_heads * dv + off, dt);
+                v8f p = {ph[s], ph[s], ph[s], ph[s], ph[s], ph[s], ph[s], ph[s]};
+                for (int64_t c = 0; c < dv / 8; c++) a[c] += p * load8(at(vr, 8 * c, dt), dt);
+            }
+            memcpy(acc + h * dv, a, (size_t)dv * sizeof(float));
+        }
+        return;
+    }
+    memset(acc, 0, (size_t)(heads * dv) * sizeof(float));
+    for (int64_t s = 0; s < len; s++) {
+        const void *vr = at(v_buf, slots[s] * kv_heads * dv, dt);
+        for (int64_t h = 0; h < heads; h++) {
+            float p = scores[h * len + s], *ah = acc + h * dv;
+            int64_t off = (h / group) * dv;
+            for (int64_t i = 0; i < dv; i++) ah[i] += p * kv_at(vr, off + i, dt);
+        }
+    }
+}
+
+/* Decode attention over the token-slot KV pool, one query token per request.
+ *
+ * First stores each token's new K and V rows (k_new/v_new: token rows k_stride/v_stride elements
+ * apart, kv_heads * d and kv_heads * dv contiguous values) at slot loc[b] of k_buf/v_buf
+ * ([slots, kv_heads, d] and [slots, kv_heads, dv], contiguous). Then request b attends over
+ * positions [0, seq_lens[b]) whose slots are table[rows[b] * table_stride + position]; query head
+ * h (of q: token rows q_stride elements apart, heads contiguous) uses KV head h / (heads /
+ * kv_heads). Scores, softmax and the weighted sum in float32; out is contiguous [batch, heads, dv].
+ */
+void ms_decode_attention(void *out, const void *q, int64_t q_stride, const void *k_new,
+                         int64_t k_stride, const void *v_new, int64_t v_stride, const int64_t *loc,
+                         void *k_buf, void *v_buf, const int64_t *table, int64_t table_stride,
+                         const int64_t *rows, const int64_t *seq_lens, int64_t batch,
+                         int64_t heads, int64_t kv_heads, int64_t d, int64_t dv, float scaling,
+                         int dt) {
+    int64_t es = esize(dt), max_len = 0;
+    for (int64_t b = 0; b < batch; b++) {
+        memcpy((char *)k_buf + loc[b] * kv_heads * d * es, at(k_new, b * k_stride, dt),
+               (size_t)(kv_heads * d * es));
+        memcpy((char *)v_buf + loc[b] * kv_heads * dv * es, at(v_new, b * v_stride, dt),
+               (size_t)(kv_heads * dv * es));
+        if (seq_lens[b] > max_len) max_len = seq_lens[b];
+    }
+    float *scores = malloc((size_t)(heads * (max_len + d + dv)) * sizeof(float));
+    float *qf = scores + heads * max_len, *acc = qf + heads * d;
+    for (int64_t b = 0; b < batch; b++) {
+        const int64_t *slots = table + rows[b] * table_stride;
+        int64_t len = seq_lens[b];
+        load_row(qf, at(q, b * q_stride, dt), heads * d, dt);
+#define ATTEND(D, DT) attend_request(acc, scores, qf, k_buf, v_buf, slots, len, heads, kv_heads, \
+                                     D, D, scaling, DT)
+        if (d == dv && d == 32 && dt) ATTEND(32, 1);
+        else if (d == dv && d == 64 && dt) ATTEND(64, 1);
+        else if (d == dv && d == 128 && dt) ATTEND(128, 1);
+        else if (d == dv && d == 32 && !dt) ATTEND(32, 0);
+        else if (d == dv && d == 64 && !dt) ATTEND(64, 0);
+        else if (d == dv && d == 128 && !dt) ATTEND(128, 0);
+        else attend_request(acc, scores, qf, k_buf, v_buf, slots, len, heads, kv_heads, d, dv,
+                            scaling, dt);
+#undef ATTEND
+        store_row((char *)at(out, b * heads * dv, dt), acc, heads * dv, dt);
+    }
+    free(scores);
+}
+
+/* y[r] = rows[r] · x for r < n_rows (rows: n_rows x n in dt, row-major; x: n floats). */
+static void matvec(float *y, const void *rows, const float *x, int64_t n_rows, int64_t n, int dt) {
+    int64_t r = 0;
+    if (n % 8 == 0)
+        for (; r + 8 <= n_rows; r += 8) {
+            const void *rp[8];
+            for (int j = 0; j < 8; j++) rp[j] = at(rows, (r + j) * n, dt);
+            v8f v = dot8(rp, x, n, dt);
+            memcpy(y + r, &v, 32);
+        }
+    for (; r < n_rows; r++) {
+        const void *row = at(rows, r * n, dt);
+        float dot = 0.0f;
+        for (int64_t i = 0; i < n; i++) dot += kv_at(row, i, dt) * x[i];
+        y[r] = dot;
+    }
+}
+
+static inline float silu(float g) { /* g * sigmoid(g), exp of a non-positive argument only */
+    float e = exp_neg(g >= 0.0f ? -g : g);
+    return g * (g >= 0.0f ? 1.0f / (1.0f + e) : e / (1.0f + e));
+}
+
+/* Routed experts for a few tokens: out[t] = sum_j weights[t, j] * expert_e(x[t]) over the local
+ * experts e = ids[t, j] - first (ids outside [first, first + num_local) contribute nothing), with
+ * expert_e(x) = W2_e (silu(gate) * up), [gate | up] = W13_e x. w13: [num_local, 2 * inter, hidden],
+ * w2: [num_local, hidden, inter]; x and out: [tokens, hidden]. Rounded to dt where the torch path
+ * rounds (each matmul output and each activation op); the weighted sum in float32. */
+void ms_moe_experts(void *out, const void *x, const int64_t *ids, const float *weights,
+                    const void *w13, const void *w2, int64_t tokens, int64_t k, int64_t hidden,
+                    int64_t inter, int64_t first, int64_t num_local, int dt) {
+    float *xf = malloc((size_t)(3 * hidden + 3 * inter) * sizeof(float));
+    float *acc = xf + hidden, *y = acc + hidden, *gu = y + hidden, *act = gu + 2 * inter;
+    for (int64_t t = 0; t < tokens; t++) {
+        load_row(xf, at(x, t * hidden, dt), hidden, dt);
+        memset(acc, 0, (size_t)hidden * sizeof(float));
+        for (int64_t j = 0; j < k; j++) {
+            int64_t e = ids[t * k + j] - first;
+            if (e < 0 || e >= num_local) continue;
+            matvec(gu, at(w13, e * 2 * inter * hidden, dt), xf, 2 * inter, hidden, dt);
+            round_row(gu, 2 * inter, dt);
+            for (int64_t i = 0; i < inter; i++) act[i] = silu(gu[i]);
+            round_row(act, inter, dt);
+            for (int64_t i = 0; i < inter; i++) act[i] = act[i] * gu[inter + i];
+            round_row(act, inter, dt);
+            matvec(y, at(w2, e * hidden * inter, dt), act, hidden, inter, dt);
+            round_row(y, hidden, dt);
+            float w = weights[t * k + j];
+            for (int64_t i = 0; i < hidden; i++) acc[i] += w * y[i];
+        }
+        store_row((char *)at(out, t * hidden, dt), acc, hidden, dt);
+    }
+    free(xf);
+}
+
+/* Router: softmax over each row of logits [tokens, experts] (float32 arithmetic), the k largest
+ * probabilities (ties: lower expert id first) in descending order, optionally renormalised to sum
+ * to 1. Writes weights [tokens, k] float32 and ids [tokens, k] int64. */
+void ms_topk_softmax(float *weights, int64_t *ids, const void *logits, int64_t tokens,
+                     int64_t experts, int64_t k, int renormalize, int dt) {
+    float *p = malloc((size_t)experts * sizeof(float));
+    for (int64_t t = 0; t < tokens; t++) {
+        load_row(p, at(logits, t * experts, dt), experts, dt);
+        float m = -INFINITY, total = 0.0f;
+        for (int64_t e = 0; e < experts; e++) m = p[e] > m ? p[e] : m;
+        for (int64_t e = 0; e < experts; e++) {
+            p[e] = expf(p[e] - m);
+            total += p[e];
+        }
+        float *w = weights + t * k, chosen = 0.0f;
+        int64_t *id = ids + t * k;
+        for (int64_t j = 0; j < k; j++) { /* k is small: repeated argmax over the unchosen */
+            int64_t best = -1;
+            for (int64_t e = 0; e < experts; e++) {
+                int taken = 0;
+                for (int64_t i = 0; i < j; i++) taken |= id[i] == e;
+                if (!taken && (best < 0 || p[e] > p[best])) best = e;
+            }
+            id[j] = best;
+            w[j] = p[best] / total;
+            chosen += w[j];
+        }
+        if (renormalize)
+            for (int64_t j = 0; j < k; j++) w[j] = w[j] / chosen;
+    }
+    free(p);
+}

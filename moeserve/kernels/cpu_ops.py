@@ -1,0 +1,190 @@
+"""The CPU decode kernels of `cpu_decode.c`: built once with the system C compiler, loaded through
+ctypes, wrapped with shape and dtype checks.
+
+Why C and ctypes: each kernel replaces a chain of small torch ops whose dispatch dominated the CPU
+decode step of small models; plain C compiles in about a second with no torch headers and no ABI
+ties to the installed torch. Where no C compiler is found, `load_cpu_kernels` returns None and the
+torch ops run instead.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("cpu_decode.c")
+CFLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fopenmp-simd",
+          "-shared", "-fPIC"]
+_DT = {torch.float32: 0, torch.bfloat16: 1}
+
+_P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+_SIGNATURES = {
+    "ms_rms_norm": [_P, _P, _P, _I, _P, _P, _I, _I, _F, ctypes.c_int],
+    "ms_qk_norm_rope": [_P, _I, _I, _I, _I, _I, _I, _P, _P, _I, _P, _P, _F, ctypes.c_int],
+    "ms_decode_attention": [_P, _P, _I, _P, _I, _P, _I, _P, _P, _P, _P, _I, _P, _P, _I, _I, _I,
+                            _I, _I, _F, ctypes.c_int],
+    "ms_topk_softmax": [_P, _P, _P, _I, _I, _I, ctypes.c_int, ctypes.c_int],
+    "ms_moe_experts": [_P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, ctypes.c_int],
+}
+
+_RESTYPES = {"ms_qk_norm_rope": ctypes.c_int64}
+
+
+def supports(dtype: torch.dtype) -> bool:
+    return dtype in _DT
+
+
+class CpuKernels:
+    """Typed entry points of the compiled library. Every tensor argument is a CPU tensor of the
+    call's dtype (float32 or bfloat16) whose rows are contiguous; callers check `supports`."""
+
+    def __init__(self, lib: ctypes.CDLL):
+        for name, argtypes in _SIGNATURES.items():
+            fn = getattr(lib, name)
+            fn.argtypes, fn.restype = argtypes, _RESTYPES.get(name)
+        self._lib = lib
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
+                 residual: torch.Tensor | None = None):
+        """RMSNorm of x [T, N] (rows may be strided) as `layers.norm.RMSNorm` computes it; with a
+        residual, (norm(x + residual), x + residual)."""
+        t, n = x.shape
+        assert x.stride(1) == 1 and weight.dtype == x.dtype and weight.is_contiguous()
+        out = torch.empty((t, n), dtype=x.dtype)
+        res_out = None
+        if residual is not None:
+            assert residual.is_contiguous() and residual.dtype == x.dtype
+            res_out = torch.empty((t, n), dtype=x.dtype)
+        self._lib.ms_rms_norm(out.data_ptr(), _ptr(res_out), x.data_ptr(), x.stride(0),
+                              _ptr(residual), weight.data_ptr(), t, n, eps, _DT[x.dtype])
+        return out if residual is None else (out, res_out)
+
+    def qk_norm_rope(self, qkv: torch.Tensor, num_q: int, num_k: int, head_dim: int,
+                     positions: torch.Tensor, table: torch.Tensor, rotary_dim: int,
+                     q_weight: torch.Tensor | None, k_weight: torch.Tensor | None,
+                     eps: float) -> None:
+        """In place on qkv [T, >= (num_q + num_k) * head_dim]: per-head RMSNorm of the q and k
+        heads (when weights are given), then neox rope with `table` [P, 2 * rotary_dim] float32
+        (cos | cos | -sin | sin) at each token's position."""
+        t = qkv.shape[0]
+        assert qkv.stride(1) == 1 and table.dtype == torch.float32 and table.is_contiguous()
+        assert positions.dtype == torch.int64 and positions.is_contiguous()
+        bad = self._lib.ms_qk_norm_rope(qkv.data_ptr(), t, qkv.stride(0), num_q + num_k, num_q,
+                                        head_dim, rotary_dim, positions.data_ptr(),
+                                        table.data_ptr(), table.shape[0], _ptr(q_weight),
+                                        _ptr(k_weight), eps, _DT[qkv.dtype])
+        if bad:
+            raise IndexError(f"position {int(positions[bad - 1])} is beyond the rope table "
+                             f"({table.shape[0]} positions)")
+
+    def decode_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                         loc: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
+                         table: torch.Tensor, rows: torch.Tensor, seq_lens: torch.Tensor,
+                         scaling: float) -> torch.Tensor:
+        """Stores k/v [B, Hkv, D|Dv] at slots `loc` of k_buf/v_buf [slots, Hkv, D|Dv], then
+        attends q [B, H, D] over each request's positions [0, seq_lens[b]) (slots from row
+        rows[b] of `table`) → [B, H, Dv]."""
+        b, h, d = q.shape
+        hkv, dv = v.shape[1], v.shape[2]
+        for x in (q, k, v):
+            assert x.stride(2) == 1 and x.stride(1) == x.shape[2] and x.dtype == q.dtype
+        for x in (k_buf, v_buf):
+            assert x.is_contiguous() and x.dtype == q.dtype
+        loc, rows, seq_lens = loc.contiguous(), rows.contiguous(), seq_lens.contiguous()
+        for x in (loc, table, rows, seq_lens):
+            assert x.dtype == torch.int64 and x.stride(-1) == 1
+        out = torch.empty((b, h, dv), dtype=q.dtype)
+        self._lib.ms_decode_attention(
+            out.data_ptr(), q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(),
+            v.stride(0), loc.data_ptr(), k_buf.data_ptr(), v_buf.data_ptr(), table.data_ptr(),
+            table.stride(0), rows.data_ptr(), seq_lens.data_ptr(), b, h, hkv, d, dv, scaling,
+            _DT[q.dtype])
+        return out
+
+    def topk_softmax(self, logits: torch.Tensor, k: int, renormalize: bool):
+        """logits [T, E] → (weights [T, k] float32, ids [T, k] int64) of the softmax top-k."""
+        t, e = logits.shape
+        assert logits.is_contiguous()
+        weights = torch.empty((t, k), dtype=torch.float32)
+        ids = torch.empty((t, k), dtype=torch.int64)
+        self._lib.ms_topk_softmax(weights.data_ptr(), ids.data_ptr(), logits.data_ptr(), t, e, k,
+                                  int(renormalize), _DT[logits.dtype])
+        return weights, ids
+
+    def moe_experts(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                    w13: torch.Tensor, w2: torch.Tensor, first_expert: int) -> torch.Tensor:
+        """sum_j weights[t, j] * expert_{ids[t, j]}(x[t]) over the experts stacked in w13
+        [E, 2I, H] ([gate | up]) and w2 [E, H, I], which hold ids [first_expert, first_expert +
+        E); other ids contribute nothing. x [T, H] → [T, H]."""
+        t, h = x.shape
+        e, two_i, _ = w13.shape
+        x, ids = x.contiguous(), ids.contiguous()
+        weights = weights.to(torch.float32).contiguous()
+        assert w13.is_contiguous() and w2.is_contiguous() and w13.dtype == w2.dtype == x.dtype
+        assert ids.dtype == torch.int64 and w2.shape == (e, h, two_i // 2)
+        out = torch.empty((t, h), dtype=x.dtype)
+        self._lib.ms_moe_experts(out.data_ptr(), x.data_ptr(), ids.data_ptr(), weights.data_ptr(),
+                                 w13.data_ptr(), w2.data_ptr(), t, ids.shape[1], h, two_i // 2,
+                                 first_expert, e, _DT[x.dtype])
+        return out
+
+
+def attach_cpu_kernels(model: torch.nn.Module, kernels: CpuKernels) -> int:
+    """Give the kernels to every module that can use them (those declaring a `cpu_kernels`
+    attribute: norms, attention, MoE routers); returns how many."""
+    modules = [m for m in model.modules() if hasattr(m, "cpu_kernels")]
+    for m in modules:
+        m.cpu_kernels = kernels
+    return len(modules)
+
+
+def _ptr(x: torch.Tensor | None) -> int | None:
+    return None if x is None else x.data_ptr()
+
+
+@functools.cache
+def load_cpu_kernels(cache_dir: str) -> CpuKernels | None:
+    """The kernels, compiled into `cache_dir` on first use (keyed by source, flags and this CPU's
+    features, since -march=native code may not run on another CPU); None without a C compiler or
+    when the build fails (logged)."""
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        logger.info("no C compiler found: CPU decode kernels off, torch ops instead")
+        return None
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join([cc, *CFLAGS]).encode()
+                         + _cpu_features().encode()).hexdigest()[:16]
+    target = Path(cache_dir) / "kernels" / f"cpu_decode-{key}.so"
+    if not target.exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+        os.close(fd)
+        cmd = [cc, *CFLAGS, "-o", tmp, str(SOURCE), "-lm"]
+        result = subprocess.run(cmd, capture_output=True, text=True)
+        if result.returncode != 0:
+            os.unlink(tmp)
+            logger.warning("building the CPU decode kernels failed (%s): %s", " ".join(cmd),
+                           result.stderr.strip()[-2000:])
+            return None
+        os.replace(tmp, target)  # atomic: concurrent builders (ranks, tests) never see half a file
+    return CpuKernels(ctypes.CDLL(str(target)))
+
+
+def _cpu_features() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return ""
