@@ -15,7 +15,6 @@ from moeserve.bench.profiling import profile_table
 from moeserve.config import compose
 from moeserve.core import ForwardMode
 from moeserve.runtime.model_runner import ModelRunner
-from moeserve.runtime.sampler import greedy
 
 
 def _sync(device: torch.device) -> None:
@@ -25,8 +24,8 @@ def _sync(device: torch.device) -> None:
 
 def bench_moeserve(runner: ModelRunner, batch: int, input_len: int, output_len: int,
                    seed: int = 0, profile: bool = False) -> tuple[float, float]:
-    """→ (prefill tok/s, decode tok/s) for one batch, greedy as the server decodes (logits in the
-    model dtype); memory is returned afterwards. `profile`:
+    """→ (prefill tok/s, decode tok/s) for one batch, greedy as the server decodes
+    (`ModelRunner.forward_greedy`); memory is returned afterwards. `profile`:
     also print the profiler tables of 3 decode steps at the end."""
     mem, vocab = runner.memory, runner.hf_config.vocab_size
     gen = torch.Generator().manual_seed(seed)
@@ -44,7 +43,7 @@ def bench_moeserve(runner: ModelRunner, batch: int, input_len: int, output_len: 
                            [0] * batch, lens)
     _sync(runner.device)
     t0 = time.perf_counter()
-    next_ids = greedy(runner.forward(fb, float_logits=False)).tolist()
+    next_ids = runner.forward_greedy(fb).tolist()
     _sync(runner.device)
     prefill = time.perf_counter() - t0
     t0 = time.perf_counter()
@@ -52,7 +51,7 @@ def bench_moeserve(runner: ModelRunner, batch: int, input_len: int, output_len: 
         pos = input_len + step
         fb = runner.make_batch(ForwardMode.DECODE, next_ids, [pos] * batch, per_req[:, pos], rows,
                                [pos] * batch, [1] * batch)
-        next_ids = greedy(runner.forward(fb, float_logits=False)).tolist()
+        next_ids = runner.forward_greedy(fb).tolist()
     _sync(runner.device)
     decode = time.perf_counter() - t0
     if profile:
@@ -61,7 +60,7 @@ def bench_moeserve(runner: ModelRunner, batch: int, input_len: int, output_len: 
         def step():
             fb = runner.make_batch(ForwardMode.DECODE, next_ids, [pos] * batch, per_req[:, pos],
                                    rows, [pos] * batch, [1] * batch)
-            greedy(runner.forward(fb, float_logits=False))
+            runner.forward_greedy(fb)
 
         profile_table(f"decode step, batch {batch}", step, runner.device, rows=25)
     mem.allocator.free(slots)

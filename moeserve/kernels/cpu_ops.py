@@ -36,9 +36,11 @@ _SIGNATURES = {
                             _I, _I, _F, ctypes.c_int],
     "ms_topk_softmax": [_P, _P, _P, _I, _I, _I, ctypes.c_int, ctypes.c_int],
     "ms_moe_experts": [_P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, ctypes.c_int],
+    "ms_has_bf16_dot": [],
+    "ms_lm_head_argmax": [_P, _P, _P, _I, _I, _I],
 }
 
-_RESTYPES = {"ms_qk_norm_rope": ctypes.c_int64}
+_RESTYPES = {"ms_qk_norm_rope": _I, "ms_has_bf16_dot": _I, "ms_lm_head_argmax": _I}
 
 
 def supports(dtype: torch.dtype) -> bool:
@@ -54,6 +56,7 @@ class CpuKernels:
             fn = getattr(lib, name)
             fn.argtypes, fn.restype = argtypes, _RESTYPES.get(name)
         self._lib = lib
+        self.has_bf16_dot = bool(lib.ms_has_bf16_dot())  # AVX512-BF16: the greedy LM head
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
                  residual: torch.Tensor | None = None):
@@ -138,6 +141,26 @@ class CpuKernels:
                                  w13.data_ptr(), w2.data_ptr(), t, ids.shape[1], h, two_i // 2,
                                  first_expert, e, _DT[x.dtype])
         return out
+
+    def pack_greedy_head(self, weight: torch.Tensor) -> torch.Tensor:
+        """An LM head weight [V, H] bf16 in the layout of `greedy_head`: [ceil(V / 16), H / 2,
+        16, 2], zero rows past V."""
+        v, h = weight.shape
+        assert weight.dtype == torch.bfloat16 and h % 2 == 0
+        padded = torch.zeros((-(-v // 16) * 16, h), dtype=weight.dtype)
+        padded[:v] = weight
+        return padded.view(-1, 16, h // 2, 2).transpose(1, 2).contiguous()
+
+    def greedy_head(self, x: torch.Tensor, packed: torch.Tensor, vocab: int) -> torch.Tensor | None:
+        """argmax_v of the bf16 logits x · W[v] ([T, H] → [T] int64, first id on ties) without
+        writing the logits; None when some logit is NaN (then compute them and take argmax)."""
+        t, h = x.shape
+        assert self.has_bf16_dot and x.dtype == torch.bfloat16 and packed.shape[1:] == (h // 2, 16, 2)
+        x = x.contiguous()
+        out = torch.empty(t, dtype=torch.int64)
+        status = self._lib.ms_lm_head_argmax(out.data_ptr(), x.data_ptr(), packed.data_ptr(),
+                                             vocab, h, t)
+        return out if status == 0 else None
 
 
 def attach_cpu_kernels(model: torch.nn.Module, kernels: CpuKernels) -> int:

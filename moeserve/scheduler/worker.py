@@ -35,6 +35,11 @@ class ForwardInput:
     global_mode: ForwardMode | None = None  # set after the DP sync
     global_num_tokens: list[int] | None = None  # every rank's token count, from the DP sync
 
+    def greedy_only(self) -> bool:
+        """Only greedy next tokens are needed (no sampling, logprobs or returned logits)."""
+        return (not self.return_all_logits and all(n < 0 for n in self.top_logprobs_nums)
+                and all(p.is_greedy for p in self.sampling))
+
     @classmethod
     def idle(cls) -> ForwardInput:
         """Zero tokens: joins every collective of a forward that other ranks run."""
@@ -80,9 +85,12 @@ class ForwardWorker:
     @torch.inference_mode()
     def run(self, fi: ForwardInput) -> ForwardOutput:
         fb = self._prepare(fi)
-        logits = self.runner.forward(fb, float_logits=fi.return_all_logits)  # sampling upcasts
-        last = logits if not fi.return_all_logits else logits[fb.last_token_indices()]
-        next_ids = sample(last, fi.sampling, fi.generators)  # [B]
+        if fi.greedy_only():
+            next_ids, logits = self.runner.forward_greedy(fb), None  # [B]
+        else:
+            logits = self.runner.forward(fb, float_logits=fi.return_all_logits)  # sampling upcasts
+            last = logits if not fi.return_all_logits else logits[fb.last_token_indices()]
+            next_ids = sample(last, fi.sampling, fi.generators)  # [B]
         rows = torch.tensor(fi.rows, dtype=torch.int64, device=next_ids.device)
         seq_lens = fb.seq_lens
         self.runner.memory.req_to_token.token_ids[rows, seq_lens] = next_ids

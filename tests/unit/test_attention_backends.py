@@ -1,26 +1,38 @@
-"""The torch attention backend against attention written out per request in float64, over decode
-steps that extend the last one (kept K/V), change the batch, cross a length bucket, and re-admit a
-row through an extend step."""
+"""The torch and cpu attention backends against attention written out per request in float64, over
+decode steps that extend the last one (kept K/V), change the batch, cross a length bucket, and
+re-admit a row through an extend step."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from moeserve.attention.base import AttentionSpec
+from moeserve.attention.cpu_backend import CpuAttentionBackend
 from moeserve.attention.torch_backend import TorchAttentionBackend
 from moeserve.core import ForwardMode
 from moeserve.forward_batch import ForwardBatch
 from moeserve.kvcache.pool import MHAKVPool
 from moeserve.kvcache.table import ReqToTokenPool
+from moeserve.kernels.cpu_ops import load_cpu_kernels
 
 H, HKV, D, LAYERS = 4, 2, 8, 2
 SPECS = [AttentionSpec(i, H, HKV, D, D, D**-0.5) for i in range(LAYERS)]
 
 
+def _backend(name: str, tmp_path_factory=None):
+    if name == "torch":
+        return TorchAttentionBackend()
+    kernels = load_cpu_kernels(str(tmp_path_factory.getbasetemp()))
+    if kernels is None:
+        pytest.skip("no C compiler: the cpu backend's kernels cannot be built")
+    return CpuAttentionBackend(kernels)
+
+
 class _World:
-    def __init__(self):
+    def __init__(self, dtype: torch.dtype = torch.float32):
         self.table = ReqToTokenPool(8, 256, "cpu")
-        self.pool = MHAKVPool(2048, LAYERS, HKV, D, D, torch.float32, "cpu")
+        self.pool = MHAKVPool(2048, LAYERS, HKV, D, D, dtype, "cpu")
         self.next_slot = 1
         self.lens = {}  # row → tokens in the cache
         self.gen = torch.Generator().manual_seed(0)
@@ -52,8 +64,12 @@ class _World:
         results = []
         for spec in SPECS:
             t = sum(new)
-            q, k, v = (torch.randn(t, h, D, generator=self.gen) for h in (H, HKV, HKV))
+            q, k, v = (torch.randn(t, h, D, generator=self.gen).to(self.pool.dtype)
+                       for h in (H, HKV, HKV))
             out = backend.forward(q, k, v, spec, fb)
+            # the new tokens' K/V were stored at their slots, exactly
+            assert torch.equal(self.pool.k[spec.layer_id][slots], k)
+            assert torch.equal(self.pool.v[spec.layer_id][slots], v)
             results.append((out, self._oracle(q, spec, rows, prefix, new)))
         return results
 
@@ -73,20 +89,23 @@ class _World:
         return torch.stack(outs).float()
 
 
-def test_decode_steps_match_per_request_attention():
-    world, backend = _World(), TorchAttentionBackend()
+@pytest.mark.parametrize("name,dtype,tol", [("torch", torch.float32, 1e-5),
+                                            ("cpu", torch.float32, 1e-5),
+                                            ("cpu", torch.bfloat16, 2e-2)])
+def test_decode_steps_match_per_request_attention(name, dtype, tol, tmp_path_factory):
+    world, backend = _World(dtype), _backend(name, tmp_path_factory)
     world.step(backend, [1, 2, 3], extend={1: 5, 2: 9, 3: 60})
     plan = [[1, 2, 3]] * 6  # kept K/V extended; request 3 crosses the 64-token bucket
     plan += [[1, 3]] * 2  # request 2 left: gathered afresh, then kept again
     for rows in plan:
         for out, ref in world.step(backend, rows):
-            torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(out.float(), ref, rtol=tol, atol=tol)
     # row 2 re-admitted with a new prompt one token shorter than it had: an extend step in between
     world.lens[2] = 0
     world.step(backend, [2], extend={2: world.lens[1] - 1})
     for rows in [[1, 2, 3]] * 3:
         for out, ref in world.step(backend, rows):
-            torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(out.float(), ref, rtol=tol, atol=tol)
 
 
 def test_kept_decode_kv_equals_fresh_gather():

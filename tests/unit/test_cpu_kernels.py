@@ -1,0 +1,241 @@
+"""The C decode kernels (kernels/cpu_decode.c) against transformers' modules and float64 math, and
+the torch ops they replace (where the kernel promises the same rounding, bit for bit)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from moeserve.kernels.cpu_ops import load_cpu_kernels
+from moeserve.layers.moe import MoEExperts
+from moeserve.layers.norm import RMSNorm, rms_norm_heads
+from moeserve.layers.rotary import RotaryEmbedding
+from moeserve.layers.router import RouterConfig, select_experts
+
+BF16, F32 = torch.bfloat16, torch.float32
+
+
+@pytest.fixture(scope="module")
+def kernels(tmp_path_factory):
+    k = load_cpu_kernels(str(tmp_path_factory.mktemp("kernel_cache")))
+    if k is None:
+        pytest.skip("no C compiler: the CPU kernels cannot be built")
+    return k
+
+
+def _gen(seed: int = 0) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm_matches_transformers(kernels, dtype, with_residual):
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    g = _gen()
+    ref = LlamaRMSNorm(72, eps=1e-6).to(dtype)
+    ref.weight.data = torch.randn(72, generator=g).to(dtype)
+    base = torch.randn(11, 80, generator=g).to(dtype)
+    x = base[:, 3:75]  # strided rows
+    res = torch.randn(11, 72, generator=g).to(dtype) if with_residual else None
+    got = kernels.rms_norm(x, ref.weight.data, 1e-6, res)
+    summed = x + res if with_residual else x
+    expect = ref(summed)
+    out = got[0] if with_residual else got
+    if with_residual:
+        assert torch.equal(got[1], summed)  # the residual stream, rounded as torch adds
+    tol = 1e-6 if dtype == F32 else 1e-2
+    torch.testing.assert_close(out.float(), expect.float(), rtol=tol, atol=tol)
+    # and the torch path it replaces, which rounds at the same points
+    ours = RMSNorm(72, eps=1e-6).to(dtype)
+    ours.weight.data = ref.weight.data.clone()
+    torch_out = ours(summed.contiguous())
+    if dtype == BF16:
+        assert torch.equal(out, torch_out)
+    else:
+        torch.testing.assert_close(out, torch_out, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16])
+def test_qk_norm_rope_matches_transformers(kernels, dtype):
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm, apply_rotary_pos_emb
+
+    t, h, hkv, d = 7, 4, 2, 32
+    g = _gen(1)
+    inv_freq = 1.0 / (1e6 ** (torch.arange(0, d, 2).float() / d))
+    rope = RotaryEmbedding(inv_freq, 1.0, 64)
+    q_norm, k_norm = Qwen3RMSNorm(d).to(dtype), Qwen3RMSNorm(d).to(dtype)
+    q_norm.weight.data = torch.randn(d, generator=g).to(dtype)
+    k_norm.weight.data = torch.randn(d, generator=g).to(dtype)
+    qkv = torch.randn(t, (h + 2 * hkv) * d, generator=g).to(dtype)
+    positions = torch.tensor([0, 5, 63, 17, 1, 40, 2])
+    out = qkv.clone()
+    kernels.qk_norm_rope(out, h, hkv, d, positions, rope.cos_sin_cache, d, q_norm.weight,
+                         k_norm.weight, 1e-6)
+    # transformers: norm per head, then rope with cos/sin of [freqs | freqs] (in fp32 here)
+    freqs = torch.outer(positions.float(), inv_freq)
+    emb = torch.cat([freqs, freqs], dim=-1)
+    q = q_norm(qkv[:, : h * d].view(t, h, d)).float()
+    k = k_norm(qkv[:, h * d : (h + hkv) * d].view(t, hkv, d)).float()
+    q_ref, k_ref = apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
+                                        emb.cos()[None], emb.sin()[None])
+    tol = 1e-5 if dtype == F32 else 2e-2
+    got_q = out[:, : h * d].view(t, h, d).float()
+    got_k = out[:, h * d : (h + hkv) * d].view(t, hkv, d).float()
+    torch.testing.assert_close(got_q, q_ref[0].transpose(0, 1), rtol=tol, atol=tol)
+    torch.testing.assert_close(got_k, k_ref[0].transpose(0, 1), rtol=tol, atol=tol)
+    assert torch.equal(out[:, (h + hkv) * d :], qkv[:, (h + hkv) * d :])  # v untouched
+    # the torch ops it replaces: bit for bit in bf16 (float32 sums may associate differently)
+    qk = qkv[:, : (h + hkv) * d].view(t, h + hkv, d)
+    ours = rope.rotate(positions, rms_norm_heads(qk, [(h, _norm(q_norm)), (hkv, _norm(k_norm))]))
+    got = out[:, : (h + hkv) * d].view(t, h + hkv, d)
+    if dtype == BF16:
+        assert torch.equal(got, ours)
+    else:
+        torch.testing.assert_close(got, ours, rtol=1e-6, atol=1e-6)
+
+
+def _norm(hf_norm) -> RMSNorm:
+    n = RMSNorm(hf_norm.weight.shape[0], hf_norm.variance_epsilon).to(hf_norm.weight.dtype)
+    n.weight.data = hf_norm.weight.data.clone()
+    return n
+
+
+def test_partial_rope_without_norm_matches_torch_path(kernels):
+    t, h, hkv, d, rot = 5, 3, 1, 24, 8  # rope on the first 8 channels only; head_dim % 8 != 0
+    inv_freq = 1.0 / (1e4 ** (torch.arange(0, rot, 2).float() / rot))
+    rope = RotaryEmbedding(inv_freq, 1.0, 32)
+    qkv = torch.randn(t, (h + 2 * hkv) * d, generator=_gen(2))
+    positions = torch.tensor([3, 0, 31, 7, 9])
+    out = qkv.clone()
+    kernels.qk_norm_rope(out, h, hkv, d, positions, rope.cos_sin_cache, rot, None, None, 0.0)
+    ref = rope.rotate(positions, qkv[:, : (h + hkv) * d].view(t, h + hkv, d))
+    torch.testing.assert_close(out[:, : (h + hkv) * d].view(t, h + hkv, d), ref, rtol=1e-6,
+                               atol=1e-6)
+
+
+def test_position_beyond_rope_table_raises(kernels):
+    rope = RotaryEmbedding(1.0 / (1e4 ** (torch.arange(0, 8, 2).float() / 8)), 1.0, 16)
+    qkv = torch.randn(2, 3 * 8)
+    before = qkv.clone()
+    with pytest.raises(IndexError, match="position 16"):
+        kernels.qk_norm_rope(qkv, 1, 1, 8, torch.tensor([2, 16]), rope.cos_sin_cache, 8, None,
+                             None, 0.0)
+    assert torch.equal(qkv, before)  # nothing written
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16])
+@pytest.mark.parametrize("h,hkv,d", [(4, 2, 32), (9, 3, 64), (6, 6, 12)])
+def test_decode_attention_matches_float64(kernels, dtype, h, hkv, d):
+    """Lengths below, at and past multiples of 8 (the kernel's block), GQA groups of 1-3, a head
+    size that is not a multiple of 8 (the scalar path); slots scattered through the pool."""
+    g = _gen(3)
+    lens = [1, 7, 8, 9, 23, 70]
+    b, slots = len(lens), 512
+    table = torch.zeros(8, 128, dtype=torch.int64)
+    rows = torch.tensor([5, 0, 7, 2, 3, 6])
+    perm = torch.randperm(slots - 1, generator=g) + 1
+    used = 0
+    for r, n in zip(rows.tolist(), lens):
+        table[r, :n] = perm[used : used + n]
+        used += n
+    k_buf = torch.randn(slots, hkv, d, generator=g).to(dtype)
+    v_buf = torch.randn(slots, hkv, d, generator=g).to(dtype)
+    qkv = torch.randn(b, (h + 2 * hkv) * d, generator=g).to(dtype)
+    q = qkv[:, : h * d].view(b, h, d)
+    k = qkv[:, h * d : (h + hkv) * d].view(b, hkv, d)
+    v = qkv[:, (h + hkv) * d :].view(b, hkv, d)
+    seq_lens = torch.tensor(lens)
+    loc = table[rows, seq_lens - 1]  # the new token's slot: the last position
+    out = kernels.decode_attention(q, k, v, loc, k_buf, v_buf, table, rows, seq_lens, d**-0.5)
+    assert torch.equal(k_buf[loc], k) and torch.equal(v_buf[loc], v)
+    for i, (r, n) in enumerate(zip(rows.tolist(), lens)):
+        idx = table[r, :n]
+        kk = k_buf[idx].double().repeat_interleave(h // hkv, dim=1)  # [S, H, D]
+        vv = v_buf[idx].double().repeat_interleave(h // hkv, dim=1)
+        w = (torch.einsum("hd,shd->hs", q[i].double(), kk) * d**-0.5).softmax(-1)
+        ref = torch.einsum("hs,shd->hd", w, vv)
+        tol = 1e-5 if dtype == F32 else 2e-2
+        torch.testing.assert_close(out[i].double(), ref, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16])
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_topk_softmax_matches_torch(kernels, dtype, renormalize):
+    logits = torch.randn(13, 24, generator=_gen(4)).to(dtype)
+    weights, ids = kernels.topk_softmax(logits, 3, renormalize)
+    probs = logits.float().softmax(-1)
+    top = probs.topk(3, dim=-1)
+    assert torch.equal(ids, top.indices)  # no ties in random logits; sorted descending
+    expect = top.values / top.values.sum(-1, keepdim=True) if renormalize else top.values
+    torch.testing.assert_close(weights, expect, rtol=1e-6, atol=1e-6)
+    cfg = RouterConfig(top_k=3, renormalize=renormalize)
+    w2, ids2 = select_experts(logits, cfg, kernels=kernels)  # the router's kernel path
+    assert torch.equal(ids2, ids) and torch.equal(w2, weights)
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16])
+@pytest.mark.parametrize("first,num_local", [(0, 8), (3, 4)])
+def test_moe_experts_match_float64(kernels, dtype, first, num_local):
+    """Top-2 of 8 experts, this rank holding [first, first + num_local): the others contribute 0.
+    bf16 rounds where the torch dense path rounds, so the two agree bit for bit."""
+    g = _gen(5)
+    hidden, inter, t, k = 64, 24, 9, 2
+    experts = MoEExperts(8, hidden, inter, first_expert=first, num_local=num_local).to(dtype)
+    experts.w13.data = (torch.randn(num_local, 2 * inter, hidden, generator=g) * 0.2).to(dtype)
+    experts.w2.data = (torch.randn(num_local, hidden, inter, generator=g) * 0.2).to(dtype)
+    x = torch.randn(t, hidden, generator=g).to(dtype)
+    ids = torch.stack([torch.randperm(8, generator=g)[:k] for _ in range(t)])
+    w = torch.rand(t, k, generator=g)
+    out = kernels.moe_experts(x, ids, w, experts.w13.data, experts.w2.data, first)
+    ref = torch.zeros(t, hidden, dtype=torch.float64)
+    for i in range(t):
+        for j in range(k):
+            e = int(ids[i, j]) - first
+            if 0 <= e < num_local:
+                gate_up = experts.w13[e].double() @ x[i].double()
+                act = F.silu(gate_up[:inter]) * gate_up[inter:]
+                ref[i] += w[i, j] * (experts.w2[e].double() @ act)
+    tol = 1e-5 if dtype == F32 else 3e-2
+    torch.testing.assert_close(out.double(), ref, rtol=tol, atol=tol)
+    dense = experts.forward_dense(x, ids, w)
+    if dtype == BF16:
+        assert torch.equal(out, dense)
+    else:
+        torch.testing.assert_close(out, dense, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("tokens", [1, 3, 16, 17, 40])
+def test_greedy_head_is_argmax_of_bf16_logits(kernels, tokens):
+    if not kernels.has_bf16_dot:
+        pytest.skip("this CPU has no AVX512-BF16: the greedy head is not built")
+    g = _gen(6)
+    vocab, hidden = 1003, 64  # not a multiple of 16: the last block is padded
+    w = (torch.randn(vocab, hidden, generator=g) * 0.1).to(BF16)
+    w[900] = w[17]  # an exact tie: the lower id wins, as in torch.argmax
+    w[17] *= 4
+    w[900] *= 4
+    x = torch.randn(tokens, hidden, generator=g).to(BF16)
+    x[0] = w[17].float().sign().to(BF16)  # token 0 peaks on the tied rows 17 and 900
+    packed = kernels.pack_greedy_head(w)
+    ids = kernels.greedy_head(x, packed, vocab)
+    logits = F.linear(x, w)  # torch's bf16 logits
+    assert ids[0] == 17 and logits[0, 17] == logits[0, 900] == logits[0].max()
+    assert torch.equal(logits.gather(1, ids[:, None])[:, 0], logits.max(-1).values)
+    assert torch.equal(ids, logits.argmax(-1))
+
+
+def test_greedy_head_declines_nan(kernels):
+    if not kernels.has_bf16_dot:
+        pytest.skip("this CPU has no AVX512-BF16: the greedy head is not built")
+    w = torch.randn(40, 16, generator=_gen(7)).to(BF16)
+    x = torch.randn(2, 16, generator=_gen(8)).to(BF16)
+    x[1, 3] = float("nan")
+    assert kernels.greedy_head(x, kernels.pack_greedy_head(w), 40) is None
+
+
+def test_no_compiler_means_no_kernels(tmp_path, monkeypatch):
+    monkeypatch.setenv("CC", "false")  # a "compiler" that always fails
+    assert load_cpu_kernels.__wrapped__(str(tmp_path)) is None
+    assert not list((tmp_path / "kernels").glob("*.so"))
