@@ -7,6 +7,7 @@
 # Environment knobs: INPUT_LEN (128), OUTPUT_LEN (128), SERVERS ("transformers moeserve"),
 # TF_PORT / OURS_PORT (free ports), STARTUP_TIMEOUT (600 s), PYTHON (python),
 # TF_ARGS / OURS_ARGS (extra server args, e.g. OURS_ARGS="device=cpu"), KEEP_LOGS=1,
+# PROMPTS_PER_CONC (2): prompts per run = this x the concurrency (more: longer, steadier runs),
 # ROUNDS (1): the servers take turns this many times (a shared machine's speed drifts over
 # minutes; the summary gives each round's ratio at each concurrency and their median).
 #
@@ -28,6 +29,7 @@ INPUT_LEN=${INPUT_LEN:-128}
 OUTPUT_LEN=${OUTPUT_LEN:-128}
 SERVERS=${SERVERS:-"transformers moeserve"}
 ROUNDS=${ROUNDS:-1}
+PROMPTS_PER_CONC=${PROMPTS_PER_CONC:-2}
 STARTUP_TIMEOUT=${STARTUP_TIMEOUT:-600}
 REPO_ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 WORK=$(mktemp -d -t moeserve-bench-XXXXXX)
@@ -101,7 +103,7 @@ run_series() {  # NAME PORT EXTRA_BENCH_ARGS...
     local name=$1 port=$2 c n
     shift 2
     for c in "${CONCURRENCIES[@]}"; do
-        n=$((2 * c))
+        n=$((PROMPTS_PER_CONC * c))
         ((n < 4)) && n=4
         echo ">>> $name: concurrency $c, $n prompts" >&2
         (cd "$REPO_ROOT" && "$PYTHON" -m moeserve.bench.serving \
