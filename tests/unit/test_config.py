@@ -36,8 +36,10 @@ def test_unknown_keys_and_wrong_types_fail_in_hydra(override):
     ("server.port=70000", "server.port"),
     ("cache.mem_fraction_static=1.5", "cache.mem_fraction_static"),
     ("attention.backend=magic", "attention.backend"),
+    ("attention.backend=cpu device=cuda", "attention.backend"),
+    ("attention.backend=cpu model.cpu_kernels=false", "attention.backend"),
 ])
 def test_invalid_values_name_the_key(override, key):
     with pytest.raises(ConfigError) as err:
-        compose([override])
+        compose(override.split())
     assert err.value.key == key and key in str(err.value)
