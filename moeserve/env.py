@@ -8,12 +8,14 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class Env:
-    cache_dir: str  # MOESERVE_CACHE_DIR: converted embedded model and other caches
+    cache_dir: str  # MOESERVE_CACHE_DIR: converted embedded model, compiled kernels, other caches
+    cc: str | None  # CC (the usual variable): the C compiler of the CPU kernels; None: cc, gcc
 
     @classmethod
     def read(cls) -> Env:
         default_cache = os.path.join(os.path.expanduser("~"), ".cache", "moeserve")
-        return cls(cache_dir=os.environ.get("MOESERVE_CACHE_DIR") or default_cache)
+        return cls(cache_dir=os.environ.get("MOESERVE_CACHE_DIR") or default_cache,
+                   cc=os.environ.get("CC") or None)
 
 
 def env() -> Env:

@@ -10,6 +10,11 @@
  * -ffp-contract=off). Sums and dot products may associate differently from torch's.
  *
  * dt: 0 = float32, 1 = bfloat16 (both the inputs and the stored outputs of one call).
+ *
+ * Kernels: ms_rms_norm (+ residual add), ms_qk_norm_rope (per-head q/k RMSNorm and neox rope, in
+ * place), ms_decode_attention (stores the new K/V, attends from the pool through the slot table),
+ * ms_topk_softmax (router), ms_moe_experts (routed experts of a few tokens), ms_lm_head_argmax
+ * (greedy LM head, AVX512-BF16 only).
  */
 #include <math.h>
 #include <stdint.h>
@@ -74,7 +79,8 @@ static void rms_row(float *x, const float *weight, int64_t n, float eps, int dt)
     for (int64_t i = 0; i < n; i++) x[i] = weight[i] * x[i];
 }
 
-/* out[r] = RMSNorm(x[r] (+ res[r])) for rows r of n; with res, res_out[r] = x[r] + res[r] (rounded).
+/* out[r] = RMSNorm(x[r] (+ res[r])) for rows r of n; with res, res_out[r] = x[r] + res[r]
+ * (rounded).
  * x rows are x_stride elements apart; res, out and res_out are contiguous [rows, n]. */
 void ms_rms_norm(void *out, void *res_out, const void *x, int64_t x_stride, const void *res,
                  const void *weight, int64_t rows, int64_t n, float eps, int dt) {
@@ -139,7 +145,8 @@ int64_t ms_qk_norm_rope(void *qkv, int64_t tokens, int64_t row_stride, int64_t h
  * 0 below -87. n rounds through an int conversion, which vectorises where roundf does not. */
 static inline float exp_neg(float x) {
     float c = x < -87.0f ? -87.0f : x;
-    float n = (float)(int32_t)(c * 1.44269504088896341f - 0.5f); /* round(y) = trunc(y - 0.5), y <= 0 */
+    /* round(y) = trunc(y - 0.5) for y <= 0 */
+    float n = (float)(int32_t)(c * 1.44269504088896341f - 0.5f);
     float r = c - n * 0.693145751953125f - n * 1.428606765330187045e-06f;
     float p = 1.0f / 720.0f;
     p = p * r + 1.0f / 120.0f;
@@ -476,8 +483,9 @@ static inline __m512 round_bf16_ps(__m512 v) { /* to the nearest bf16, kept as f
 #define LMH_TOKENS 16
 /* `tokens` is a compile-time constant at each call (always inlined): the accumulators then live in
  * registers and the token loop unrolls. */
-static inline __attribute__((always_inline)) int64_t lm_head_argmax_group(int64_t *out, const uint16_t *x, const uint16_t *w_packed,
-                                    int64_t vocab, int64_t hidden, int64_t tokens) {
+static inline __attribute__((always_inline)) int64_t lm_head_argmax_group(
+    int64_t *out, const uint16_t *x, const uint16_t *w_packed, int64_t vocab, int64_t hidden,
+    int64_t tokens) {
     int64_t pairs = hidden / 2, blocks = (vocab + 15) / 16;
     const uint32_t *xp = (const uint32_t *)x; /* [tokens, pairs] bf16 pairs */
     __m512 best[LMH_TOKENS];

@@ -1,10 +1,10 @@
-"""The CPU decode kernels of `cpu_decode.c`: built once with the system C compiler, loaded through
-ctypes, wrapped with shape and dtype checks.
+"""The CPU decode kernels of `cpu_decode.c`: built once with the system C compiler (GCC: the
+source uses its vector extensions), loaded through ctypes, wrapped with shape and dtype checks.
 
 Why C and ctypes: each kernel replaces a chain of small torch ops whose dispatch dominated the CPU
 decode step of small models; plain C compiles in about a second with no torch headers and no ABI
-ties to the installed torch. Where no C compiler is found, `load_cpu_kernels` returns None and the
-torch ops run instead.
+ties to the installed torch. Where no compiler is found or the build fails, `load_cpu_kernels`
+returns None and the torch ops run instead.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import functools
 import hashlib
 import logging
 import os
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -155,7 +156,8 @@ class CpuKernels:
         """argmax_v of the bf16 logits x · W[v] ([T, H] → [T] int64, first id on ties) without
         writing the logits; None when some logit is NaN (then compute them and take argmax)."""
         t, h = x.shape
-        assert self.has_bf16_dot and x.dtype == torch.bfloat16 and packed.shape[1:] == (h // 2, 16, 2)
+        assert self.has_bf16_dot and x.dtype == torch.bfloat16
+        assert packed.shape[1:] == (h // 2, 16, 2)
         x = x.contiguous()
         out = torch.empty(t, dtype=torch.int64)
         status = self._lib.ms_lm_head_argmax(out.data_ptr(), x.data_ptr(), packed.data_ptr(),
@@ -177,30 +179,42 @@ def _ptr(x: torch.Tensor | None) -> int | None:
 
 
 @functools.cache
-def load_cpu_kernels(cache_dir: str) -> CpuKernels | None:
-    """The kernels, compiled into `cache_dir` on first use (keyed by source, flags and this CPU's
-    features, since -march=native code may not run on another CPU); None without a C compiler or
-    when the build fails (logged)."""
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+def load_cpu_kernels(cache_dir: str, cc: str | None = None) -> CpuKernels | None:
+    """The kernels, compiled with `cc` (a command line; default `cc`, else `gcc`) into `cache_dir`
+    on first use, keyed by source, compiler, flags and this CPU's features (-march=native code may
+    not run on another CPU); None without a compiler or when the build fails (logged)."""
+    cc = cc or shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         logger.info("no C compiler found: CPU decode kernels off, torch ops instead")
         return None
     key = hashlib.sha256(SOURCE.read_bytes() + " ".join([cc, *CFLAGS]).encode()
                          + _cpu_features().encode()).hexdigest()[:16]
     target = Path(cache_dir) / "kernels" / f"cpu_decode-{key}.so"
-    if not target.exists():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
-        os.close(fd)
-        cmd = [cc, *CFLAGS, "-o", tmp, str(SOURCE), "-lm"]
+    if not target.exists() and not _build(shlex.split(cc), target):
+        return None
+    try:
+        return CpuKernels(ctypes.CDLL(str(target)))
+    except OSError as e:
+        logger.warning("loading the CPU decode kernels (%s) failed: %s", target, e)
+        return None
+
+
+def _build(cc: list[str], target: Path) -> bool:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    cmd = [*cc, *CFLAGS, "-o", tmp, str(SOURCE), "-lm"]
+    try:
         result = subprocess.run(cmd, capture_output=True, text=True)
-        if result.returncode != 0:
-            os.unlink(tmp)
-            logger.warning("building the CPU decode kernels failed (%s): %s", " ".join(cmd),
-                           result.stderr.strip()[-2000:])
-            return None
-        os.replace(tmp, target)  # atomic: concurrent builders (ranks, tests) never see half a file
-    return CpuKernels(ctypes.CDLL(str(target)))
+        error = result.stderr.strip()[-2000:] if result.returncode else None
+    except OSError as e:  # the compiler cannot be run at all
+        error = str(e)
+    if error is not None:
+        os.unlink(tmp)
+        logger.warning("building the CPU decode kernels failed (%s): %s", " ".join(cmd), error)
+        return False
+    os.replace(tmp, target)  # atomic: concurrent builders (ranks, tests) never see half a file
+    return True
 
 
 def _cpu_features() -> str:

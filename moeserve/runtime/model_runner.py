@@ -116,7 +116,8 @@ class ModelRunner:
         None otherwise, or without a C compiler (then torch ops run)."""
         if self.device.type != "cpu" or not self.cfg.model.cpu_kernels or not supports(self.dtype):
             return None
-        return load_cpu_kernels(env().cache_dir)
+        e = env()
+        return load_cpu_kernels(e.cache_dir, e.cc)
 
     def _greedy_head(self) -> torch.Tensor | None:
         """The LM head packed for `CpuKernels.greedy_head` (bf16, AVX512-BF16, hidden size at most
