@@ -40,8 +40,9 @@ class ModelConfig:
     load_format: str = "safetensors"  # dummy: random weights from config.json alone
     context_length: int | None = None  # None: max_position_embeddings of the checkpoint
     load_mtp: bool = False  # load the DeepSeek NextN (MTP) layer weights when present
-    # CPU: run the decode step's small ops (norms, q/k norm + rope, router top-k, attention) as
-    # C kernels built with the system C compiler (kernels/cpu_ops.py); without one, torch ops
+    # CPU: run the decode step's small ops (norms, q/k norm + rope, router top-k, small experts,
+    # attention, the greedy LM head) as C kernels built with the system C compiler
+    # (kernels/cpu_ops.py); without one, torch ops
     cpu_kernels: bool = True
 
 

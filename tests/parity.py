@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from moeserve.config import compose
@@ -19,8 +21,9 @@ def make_runner(path: str, overrides: list[str] = ()) -> ModelRunner:
     return ModelRunner(compose(FP32_CPU + list(overrides)), path)
 
 
-def prefill_logits(runner: ModelRunner, prompts: list[list[int]]) -> list[torch.Tensor]:
-    """All-position logits of each prompt from one EXTEND batch; memory is returned after."""
+@contextlib.contextmanager
+def extend_batch(runner: ModelRunner, prompts: list[list[int]], return_all_logits: bool = False):
+    """One EXTEND ForwardBatch of whole prompts (no cached prefix); memory is returned after."""
     mem = runner.memory
     lens = [len(p) for p in prompts]
     rows = mem.req_to_token.alloc(len(prompts))
@@ -29,13 +32,20 @@ def prefill_logits(runner: ModelRunner, prompts: list[list[int]]) -> list[torch.
     for row, n in zip(rows, lens):
         mem.req_to_token.write(row, 0, slots[offset : offset + n])
         offset += n
-    fb = runner.make_batch(ForwardMode.EXTEND, [t for p in prompts for t in p],
-                           [i for n in lens for i in range(n)], slots, rows, [0] * len(lens), lens,
-                           return_all_logits=True)
-    logits = runner.forward(fb)
-    mem.allocator.free(slots)
-    mem.req_to_token.free(rows)
-    return list(logits.split(lens))
+    try:
+        yield runner.make_batch(ForwardMode.EXTEND, [t for p in prompts for t in p],
+                                [i for n in lens for i in range(n)], slots, rows,
+                                [0] * len(lens), lens, return_all_logits=return_all_logits)
+    finally:
+        mem.allocator.free(slots)
+        mem.req_to_token.free(rows)
+
+
+def prefill_logits(runner: ModelRunner, prompts: list[list[int]]) -> list[torch.Tensor]:
+    """All-position logits of each prompt from one EXTEND batch."""
+    with extend_batch(runner, prompts, return_all_logits=True) as fb:
+        logits = runner.forward(fb)
+    return list(logits.split([len(p) for p in prompts]))
 
 
 def decode_vs_recompute(runner: ModelRunner, prompt: list[int], steps: int) -> tuple[torch.Tensor,

@@ -25,8 +25,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
 
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
         pool = fb.kv_pool
-        if (fb.forward_mode.is_decode() and isinstance(pool, MHAKVPool)
-                and supports(pool.dtype) and fb.input_ids.device.type == "cpu"):
+        if fb.forward_mode.is_decode() and isinstance(pool, MHAKVPool) and supports(pool.dtype):
             fb.attn_metadata = _FUSED_DECODE
             return
         super().init_forward_metadata(fb)

@@ -140,27 +140,6 @@ int64_t ms_qk_norm_rope(void *qkv, int64_t tokens, int64_t row_stride, int64_t h
     return 0;
 }
 
-/* exp(x) for x <= 0 (softmax inputs x - max), in a form the compiler vectorises (libm's expf is a
- * scalar call): 2^n * p(r), x = n ln2 + r, |r| <= ln2 / 2, p of degree 6; relative error ~2e-7;
- * 0 below -87. n rounds through an int conversion, which vectorises where roundf does not. */
-static inline float exp_neg(float x) {
-    float c = x < -87.0f ? -87.0f : x;
-    /* round(y) = trunc(y - 0.5) for y <= 0 */
-    float n = (float)(int32_t)(c * 1.44269504088896341f - 0.5f);
-    float r = c - n * 0.693145751953125f - n * 1.428606765330187045e-06f;
-    float p = 1.0f / 720.0f;
-    p = p * r + 1.0f / 120.0f;
-    p = p * r + 1.0f / 24.0f;
-    p = p * r + 1.0f / 6.0f;
-    p = p * r + 0.5f;
-    p = p * r + 1.0f;
-    p = p * r + 1.0f;
-    int32_t bits = ((int32_t)n + 127) << 23;
-    float scale;
-    memcpy(&scale, &bits, 4);
-    return x < -87.0f ? 0.0f : p * scale;
-}
-
 /* Eight float lanes (GCC vector extensions: AVX2/AVX-512 or SSE pairs, whatever the target has). */
 typedef float v8f __attribute__((vector_size(32)));
 typedef uint16_t v8h __attribute__((vector_size(16)));
@@ -208,11 +187,14 @@ static inline __attribute__((always_inline)) v8f dot8(const void *const rows[8],
     return sum8x8(acc);
 }
 
-static inline __attribute__((always_inline)) float kv_at(const void *row, int64_t i, int dt) {
+static inline __attribute__((always_inline)) float elem_at(const void *row, int64_t i, int dt) {
     return dt ? bf16_load(((const uint16_t *)row)[i]) : ((const float *)row)[i];
 }
 
-/* exp_neg on eight lanes (the same steps, written on vectors so that they vectorise). */
+/* exp(x) for x <= 0 (softmax inputs x - max, silu's exp(-|g|)), written on vectors so that it
+ * vectorises (libm's expf is a scalar call): 2^n * p(r), x = n ln2 + r, |r| <= ln2 / 2, p of
+ * degree 6; relative error ~2e-7; 0 below -87. n = round(y) = trunc(y - 0.5) for y <= 0, through
+ * int conversions. */
 static inline __attribute__((always_inline)) v8f exp_neg8(v8f x) {
     const v8f lo = {-87.0f, -87.0f, -87.0f, -87.0f, -87.0f, -87.0f, -87.0f, -87.0f};
     v8i under = x < lo;
@@ -228,6 +210,11 @@ static inline __attribute__((always_inline)) v8f exp_neg8(v8f x) {
     p = p * r + 1.0f;
     v8i scale = (__builtin_convertvector(n, v8i) + 127) << 23;
     return (v8f)((v8i)(p * (v8f)scale) & ~under);
+}
+
+static inline float exp_neg(float x) { /* one lane of exp_neg8 */
+    v8f v = {x};
+    return exp_neg8(v)[0];
 }
 
 /* x[0:n] := softmax(x[0:n]) in float32, eight lanes at a time (the max and the sum as v8f
@@ -263,9 +250,9 @@ static void softmax_row(float *x, int64_t n) {
 
 /* One request: its query heads qf [heads, d] (float32) attend over `len` positions (slots[s]);
  * acc [heads, dv] receives the normalised weighted sum of V; scores: [heads, len] scratch. Query
- * head h reads KV head h / group. Each position's K (and V) row of all KV heads is read once, in
- * order. Always inlined into calls with constant d, dv and dt, so the inner loops have known trip
- * counts and vectorise. */
+ * head h reads KV head h / group; a group's heads re-read its K/V rows, from L1. Always inlined
+ * into calls with constant d, dv and dt, so the inner loops have known trip counts and
+ * vectorise. */
 static inline __attribute__((always_inline)) void attend_request(
     float *acc, float *scores, const float *qf, const void *k_buf, const void *v_buf,
     const int64_t *slots, int64_t len, int64_t heads, int64_t kv_heads, int64_t d, int64_t dv,
@@ -293,7 +280,7 @@ static inline __attribute__((always_inline)) void attend_request(
             int64_t off = (h / group) * d;
             float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
-            for (int64_t i = 0; i < d; i++) dot += qh[i] * kv_at(kr, off + i, dt);
+            for (int64_t i = 0; i < d; i++) dot += qh[i] * elem_at(kr, off + i, dt);
             scores[h * len + s] = dot * scaling;
         }
     }
@@ -318,7 +305,7 @@ static inline __attribute__((always_inline)) void attend_request(
         for (int64_t h = 0; h < heads; h++) {
             float p = scores[h * len + s], *ah = acc + h * dv;
             int64_t off = (h / group) * dv;
-            for (int64_t i = 0; i < dv; i++) ah[i] += p * kv_at(vr, off + i, dt);
+            for (int64_t i = 0; i < dv; i++) ah[i] += p * elem_at(vr, off + i, dt);
         }
     }
 }
@@ -381,7 +368,7 @@ static void matvec(float *y, const void *rows, const float *x, int64_t n_rows, i
     for (; r < n_rows; r++) {
         const void *row = at(rows, r * n, dt);
         float dot = 0.0f;
-        for (int64_t i = 0; i < n; i++) dot += kv_at(row, i, dt) * x[i];
+        for (int64_t i = 0; i < n; i++) dot += elem_at(row, i, dt) * x[i];
         y[r] = dot;
     }
 }
@@ -434,7 +421,7 @@ void ms_topk_softmax(float *weights, int64_t *ids, const void *logits, int64_t t
         float m = -INFINITY, total = 0.0f;
         for (int64_t e = 0; e < experts; e++) m = p[e] > m ? p[e] : m;
         for (int64_t e = 0; e < experts; e++) {
-            p[e] = expf(p[e] - m);
+            p[e] = exp_neg(p[e] - m);
             total += p[e];
         }
         float *w = weights + t * k, chosen = 0.0f;

@@ -6,11 +6,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from parity import (FP32_CPU, decode_vs_recompute, hf_greedy, hf_logits, hf_model, make_runner,
-                    prefill_logits, prompts_of_lengths, rel_err)
+from parity import (FP32_CPU, decode_vs_recompute, extend_batch, hf_greedy, hf_logits, hf_model,
+                    make_runner, prefill_logits, prompts_of_lengths, rel_err)
 
 from moeserve import Engine
-from moeserve.core import ForwardMode
 
 ARCHS = ["llama", "qwen2", "qwen3", "qwen3_moe", "mixtral"]
 ALL_ARCHS = ARCHS + ["deepseek_v2", "deepseek_v3"]
@@ -92,13 +91,8 @@ def test_cpu_kernels_run_by_default_and_match_the_torch_ops(tiny_model):
     assert rel_err(a, b) < 3e-2 and rel_err(a, full_a) < 3e-2
     if fused.greedy_head is None:
         return  # no AVX512-BF16 here: the logits path is the only one
-    mem = fused.memory
-    rows, slots = mem.req_to_token.alloc(3), mem.allocator.alloc(3 * 12)
-    for i, row in enumerate(rows):
-        mem.req_to_token.write(row, 0, slots[12 * i : 12 * i + 12])
-    ids = prompts_of_lengths([12] * 3, fused.hf_config.vocab_size, seed=5)
-    fb = fused.make_batch(ForwardMode.EXTEND, sum(ids, []), list(range(12)) * 3, slots, rows,
-                          [0] * 3, [12] * 3)
-    logits = fused.forward(fb, float_logits=False)  # [3, V] bf16
-    chosen = fused.forward_greedy(fb)
+    prompts = prompts_of_lengths([12, 5, 9], fused.hf_config.vocab_size, seed=5)
+    with extend_batch(fused, prompts) as fb:
+        logits = fused.forward(fb, float_logits=False)  # [3, V] bf16, each prompt's last token
+        chosen = fused.forward_greedy(fb)
     assert torch.equal(logits.gather(1, chosen[:, None])[:, 0], logits.max(-1).values)
