@@ -13,7 +13,8 @@ from hydra.core.config_store import ConfigStore
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("safetensors", "dummy")
-ATTENTION_BACKENDS = ("auto", "torch", "cpu")
+ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")
+MOE_BACKENDS = ("auto", "torch", "triton")
 DEVICES = ("auto", "cpu", "cuda")
 SCHEDULE_POLICIES = ("lpm", "fcfs")
 A2A_BACKENDS = ("a2a", "allgather", "p2p", "deepep")
@@ -132,8 +133,27 @@ class EPLBConfig:
 
 @dataclass(frozen=True)
 class AttentionConfig:
-    # auto: cpu where the model runs on CPU with model.cpu_kernels built, else torch
+    # auto: triton on CUDA; on CPU the cpu backend where model.cpu_kernels built, else torch.
+    # triton also runs on CPU under TRITON_INTERPRET=1 (float32; for tests)
     backend: str = "auto"
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    # routed-expert GEMMs. auto: triton (fused MoE kernels) on CUDA, torch elsewhere; triton also
+    # runs on CPU under TRITON_INTERPRET=1 (float32; for tests)
+    backend: str = "auto"
+    # folder of tuned fused-MoE launch configs (JSON, from `python -m moeserve.tools.tune_moe`);
+    # None: the ones shipped in moeserve/kernels/moe_configs/
+    config_dir: str | None = None
+
+
+@dataclass(frozen=True)
+class CudaGraphConfig:
+    """Decode steps replayed from CUDA graphs captured at start-up, one per batch-size bucket."""
+
+    enabled: bool | None = None  # None: on CUDA devices; true with device=cpu is refused
+    max_bs: int = 256  # largest captured batch; larger decode batches run eager
 
 
 @dataclass(frozen=True)
@@ -177,6 +197,8 @@ class MoeserveConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     attention: AttentionConfig = field(default_factory=AttentionConfig)
+    moe: MoEConfig = field(default_factory=MoEConfig)
+    cuda_graph: CudaGraphConfig = field(default_factory=CudaGraphConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     eplb: EPLBConfig = field(default_factory=EPLBConfig)
@@ -245,6 +267,10 @@ def validate(cfg: MoeserveConfig) -> MoeserveConfig:
         raise ConfigError("attention.backend", "the cpu backend needs device=cpu (or auto "
                           "without CUDA) and model.cpu_kernels=true")
     _check_choice("device", cfg.device, DEVICES)
+    _check_choice("moe.backend", cfg.moe.backend, MOE_BACKENDS)
+    _check_positive("cuda_graph.max_bs", cfg.cuda_graph.max_bs, False)
+    if cfg.cuda_graph.enabled and cfg.device == "cpu":
+        raise ConfigError("cuda_graph.enabled", "CUDA graphs need a CUDA device (device=cpu)")
     _check_positive("model.context_length", cfg.model.context_length)
     _check_positive("cache.max_total_tokens", cfg.cache.max_total_tokens)
     _check_positive("cache.max_running_requests", cfg.cache.max_running_requests, False)
