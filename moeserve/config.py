@@ -45,6 +45,9 @@ class ModelConfig:
     # attention, the greedy LM head) as C kernels built with the system C compiler
     # (kernels/cpu_ops.py); without one, torch ops
     cpu_kernels: bool = True
+    # CUDA: RMSNorm (+ residual), q/k norm + rope and the softmax router top-k as Triton kernels
+    # (kernels/triton_ops.py); false: torch ops
+    gpu_kernels: bool = True
 
 
 @dataclass(frozen=True)

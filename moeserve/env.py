@@ -10,12 +10,16 @@ from dataclasses import dataclass
 class Env:
     cache_dir: str  # MOESERVE_CACHE_DIR: converted embedded model, compiled kernels, other caches
     cc: str | None  # CC (the usual variable): the C compiler of the CPU kernels; None: cc, gcc
+    # TRITON_INTERPRET=1 (Triton's own variable): Triton kernels run on CPU tensors in Triton's
+    # interpreter, so attention.backend=triton / moe.backend=triton work without a GPU (tests)
+    triton_interpret: bool
 
     @classmethod
     def read(cls) -> Env:
         default_cache = os.path.join(os.path.expanduser("~"), ".cache", "moeserve")
         return cls(cache_dir=os.environ.get("MOESERVE_CACHE_DIR") or default_cache,
-                   cc=os.environ.get("CC") or None)
+                   cc=os.environ.get("CC") or None,
+                   triton_interpret=os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"))
 
 
 def env() -> Env:

@@ -1,9 +1,13 @@
 #!/usr/bin/env bash
 # Runs on a lent GPU machine (see the device tool): GPU tests, then benchmarks, logs under $OUT.
-#   scripts/gpu_check.sh [tests|one_batch|profile|serving|multigpu|ep|p2p|all]   (multigpu, ep,
-#   p2p: 2+ GPUs; ep: the EP bench alone; p2p: the p2p kernels' tests, per-kernel sweep, EP bench
-#   and DP check; profile: profiler tables of a batch-64 decode step of a 4-layer Qwen3-30B-A3B
-#   shape; PROFILE=1 adds profiler tables to ep)
+#   scripts/gpu_check.sh [tests|kernels|tune|one_batch|profile|serving|multigpu|ep|p2p|all]
+#   tests: GPU tests (parity, CUDA graphs, Triton kernels in bf16); kernels: the kernel benchmark
+#   tables; tune: fused-MoE launch configs for the shipped shapes (into $OUT/moe_configs);
+#   one_batch: full-size dummy Qwen3-30B-A3B / Llama-3-8B / DeepSeek-V2-Lite decode tables with the
+#   roofline, the pre-fast-path rows and transformers; (multigpu, ep, p2p: 2+ GPUs; ep: the EP
+#   bench alone; p2p: the p2p kernels' tests, per-kernel sweep, EP bench and DP check; profile:
+#   profiler tables of a batch-64 decode step of a 4-layer Qwen3-30B-A3B shape; PROFILE=1 adds
+#   profiler tables to ep). ONE_BATCH_MODELS / ONE_BATCH_ARGS / ONE_BATCH_HF=0 narrow the one_batch mode.
 # The image lacks some pure-Python deps: they travel as wheels in .whl/ (not committed).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -20,18 +24,35 @@ what=${1:-all}
 nvidia-smi --query-gpu=name,memory.total --format=csv | tee "$OUT/gpu.txt"
 
 if [[ $what == tests || $what == all ]]; then
-  python3 -m pytest tests/gpu -q -s -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log"
+  python3 -m pytest tests/gpu tests/kernels -q -s -p no:cacheprovider 2>&1 \
+    | grep -v -E "Warning|warn" | tee "$OUT/gpu_tests.log" | grep -E "passed|failed|Error|error|^FAILED|\[bf16" | tail -40
+fi
+
+if [[ $what == kernels || $what == all ]]; then
+  for b in moe_kernels attention_kernels small_ops; do
+    python3 -m moeserve.bench.$b 2>&1 | grep -v -E "Warning|warn" | tee -a "$OUT/kernels.log"
+  done
+fi
+
+if [[ $what == tune ]]; then
+  mkdir -p "$OUT/moe_configs"
+  python3 -m moeserve.tools.tune_moe --experts 128 --hidden 2048 --intermediate 768 --topk 8 \
+    --dtype bfloat16 ${TUNE_ARGS:-} --out "$OUT/moe_configs" 2>&1 | tee -a "$OUT/tune.log" | tail -20
+  python3 -m moeserve.tools.tune_moe --experts 64 --hidden 2048 --intermediate 1408 --topk 6 \
+    --dtype bfloat16 ${TUNE_ARGS:-} --out "$OUT/moe_configs" 2>&1 | tee -a "$OUT/tune.log" | tail -20
 fi
 
 if [[ $what == one_batch || $what == all ]]; then
-  python3 -m moeserve.tools.make_random --shape qwen3_30b_a3b --layers 4 --device cuda \
-    --out /tmp/q3moe_l4 >/dev/null
-  python3 -m moeserve.tools.make_random --shape llama3_8b --layers 4 --device cuda \
-    --out /tmp/llama8b_l4 >/dev/null
-  for m in /tmp/llama8b_l4 /tmp/q3moe_l4; do
-    python3 -m moeserve.bench.one_batch --model "$m" --batch 1 16 64 --input-len 512 \
-      --output-len 32 --compare-hf -o device=cuda -o cache.max_total_tokens=65536 \
-      2>&1 | grep -v Warning | tee -a "$OUT/one_batch.log"
+  for shape in ${ONE_BATCH_MODELS:-qwen3_30b_a3b llama3_8b deepseek_v2_lite}; do
+    python3 -m moeserve.tools.make_random --shape $shape --config-only --out /tmp/$shape >/dev/null
+    case $shape in
+      llama3_8b) batches="1 64";;
+      *) batches="1 64 256";;
+    esac
+    timeout 420 python3 -m moeserve.bench.one_batch --model /tmp/$shape --batch $batches \
+      --input-len 512 --output-len 32 --compare-reference $([ "${ONE_BATCH_HF:-1}" = 1 ] && echo --compare-hf) ${ONE_BATCH_ARGS:-} \
+      -o model.load_format=dummy -o device=cuda -o cache.max_total_tokens=150000 2>&1 \
+      | grep -v -E "Warning|warn|capturing" | tee -a "$OUT/one_batch.log"
   done
 fi
 

@@ -33,7 +33,13 @@ class AttentionBackend(ABC):
 
     `init_forward_metadata` runs once per ForwardBatch (before the first layer) and may cache index
     tensors in `fb.attn_metadata`; `forward` runs once per layer.
+
+    `graph_safe` backends can be captured in a CUDA graph for DECODE: there both methods only
+    launch device work from fb's device tensors (never the *_cpu lists, stale at replay), with no
+    host sync and no state kept across steps.
     """
+
+    graph_safe: bool = False
 
     @abstractmethod
     def init_forward_metadata(self, fb: ForwardBatch) -> None:

@@ -9,6 +9,7 @@ from moeserve.attention.base import AttentionBackend
 _BACKENDS = {
     "torch": "moeserve.attention.torch_backend:TorchAttentionBackend",
     "cpu": "moeserve.attention.cpu_backend:CpuAttentionBackend",  # takes the CpuKernels
+    "triton": "moeserve.attention.triton_backend:TritonAttentionBackend",  # (num_kv_splits=8)
 }
 
 

@@ -7,13 +7,18 @@ weights, batch and lengths (random token prompts, greedy, ignore EOS).
 from __future__ import annotations
 
 import argparse
+import contextlib
+import gc
 import time
+from dataclasses import dataclass
 
 import torch
 
 from moeserve.bench.profiling import profile_table
 from moeserve.config import compose
+from moeserve.bench.roofline import measure_copy_bandwidth, step_bytes
 from moeserve.core import ForwardMode
+from moeserve.forward_batch import ForwardBatch
 from moeserve.runtime.model_runner import ModelRunner
 
 
@@ -22,55 +27,116 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+@dataclass
+class DecodeRun:
+    """One batch's figures on one path."""
+
+    prefill_tps: float
+    decode_tps: float
+    step_s: float  # mean decode step
+    mean_seq_len: float  # of the requests over the decode steps (KV read per step)
+    touched: torch.Tensor | None = None  # [L, P] bool: experts a decode step routed to
+
+
 def bench_moeserve(runner: ModelRunner, batch: int, input_len: int, output_len: int,
-                   seed: int = 0, profile: bool = False) -> tuple[float, float]:
-    """→ (prefill tok/s, decode tok/s) for one batch, greedy as the server decodes
-    (`ModelRunner.forward_greedy`); memory is returned afterwards. `profile`:
-    also print the profiler tables of 3 decode steps at the end."""
-    mem, vocab = runner.memory, runner.hf_config.vocab_size
+                   seed: int = 0, profile: bool = False, count_experts: bool = False) -> DecodeRun:
+    """Prefill then greedy decode of one batch as the server decodes
+    (`ModelRunner.forward_greedy`); memory is returned afterwards. `profile`: also print the
+    profiler tables of 3 decode steps. `count_experts`: record which experts one more decode
+    step routes to (eager, through the EPLB recorder)."""
+    mem, vocab, dev = runner.memory, runner.hf_config.vocab_size, runner.device
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, vocab, (batch, input_len), generator=gen).tolist()
     rows = mem.req_to_token.alloc(batch)
     slots = mem.allocator.alloc(batch * (input_len + output_len))
     if rows is None or slots is None:
         raise SystemExit("batch does not fit: raise cache.max_total_tokens / max_running_requests")
-    per_req = slots.view(batch, input_len + output_len)
+    per_req = slots.view(batch, input_len + output_len).to(dev)
     for row, s in zip(rows, per_req):
         mem.req_to_token.write(row, 0, s)
     lens = [input_len] * batch
     fb = runner.make_batch(ForwardMode.EXTEND, [t for x in ids for t in x],
                            list(range(input_len)) * batch, per_req[:, :input_len].flatten(), rows,
                            [0] * batch, lens)
-    _sync(runner.device)
+    _sync(dev)
     t0 = time.perf_counter()
-    next_ids = runner.forward_greedy(fb).tolist()
-    _sync(runner.device)
+    next_ids = runner.forward_greedy(fb)
+    next_ids.tolist()
+    _sync(dev)
     prefill = time.perf_counter() - t0
+    rows_dev = torch.tensor(rows, dtype=torch.int64, device=dev)
+
+    def decode_batch(pos: int) -> ForwardBatch:
+        return runner.make_batch(ForwardMode.DECODE, next_ids, [pos] * batch,
+                                 per_req[:, pos], rows_dev, [pos] * batch, [1] * batch)
+
     t0 = time.perf_counter()
     for step in range(output_len - 1):
-        pos = input_len + step
-        fb = runner.make_batch(ForwardMode.DECODE, next_ids, [pos] * batch, per_req[:, pos], rows,
-                               [pos] * batch, [1] * batch)
-        next_ids = runner.forward_greedy(fb).tolist()
-    _sync(runner.device)
+        next_ids = runner.forward_greedy(decode_batch(input_len + step))
+        next_ids.tolist()  # the host needs the tokens every step, as the server does
+    _sync(dev)
     decode = time.perf_counter() - t0
+    last = input_len + output_len - 1
     if profile:
-        pos = input_len + output_len - 1
-
-        def step():
-            fb = runner.make_batch(ForwardMode.DECODE, next_ids, [pos] * batch, per_req[:, pos],
-                                   rows, [pos] * batch, [1] * batch)
-            runner.forward_greedy(fb)
-
-        profile_table(f"decode step, batch {batch}", step, runner.device, rows=25)
+        profile_table(f"decode step, batch {batch}", lambda: runner.forward_greedy(
+            decode_batch(last)), dev, rows=25)
+    touched = _touched_experts(runner, decode_batch(last)) if count_experts else None
     mem.allocator.free(slots)
     mem.req_to_token.free(rows)
-    return batch * input_len / prefill, batch * (output_len - 1) / max(decode, 1e-9)
+    steps = max(output_len - 1, 1)
+    return DecodeRun(batch * input_len / prefill, batch * (output_len - 1) / max(decode, 1e-9),
+                     decode / steps, input_len + 1 + (output_len - 2) / 2, touched)
 
 
-def load_hf(path: str, dtype: torch.dtype, device: torch.device):
-    from transformers import AutoModelForCausalLM
+def _touched_experts(runner: ModelRunner, fb: ForwardBatch) -> torch.Tensor | None:
+    """[L, P] bool: the experts one eager decode step routes to (recorded, then the recorder is
+    put back as it was)."""
+    rec = runner.recorder
+    if rec is None:
+        return None
+    was = rec.recording
+    before = rec.physical_counts().clone()
+    rec.start()
+    runner.forward_hidden(fb)
+    counts = rec.physical_counts() - before
+    if not was:
+        rec.stop()
+    return counts > 0
 
+
+@contextlib.contextmanager
+def reference_path(runner: ModelRunner):
+    """Run `runner` as before the GPU fast path (torch attention, torch experts, torch norms and
+    rope, no CUDA graphs) on the same weights and KV memory, for a side-by-side row."""
+    from moeserve.attention.torch_backend import TorchAttentionBackend
+    from moeserve.layers.moe import MoEExperts
+
+    experts = [m for m in runner.model.modules() if isinstance(m, MoEExperts)]
+    ops = [m for m in runner.model.modules() if getattr(m, "gpu_ops", None) is not None]
+    saved = runner.attn_backend, runner.graph_runner, [e.backend for e in experts]
+    runner.attn_backend, runner.graph_runner = TorchAttentionBackend(), None
+    for m in experts:
+        m.backend = "torch"
+    for m in ops:
+        m.gpu_ops = None
+    try:
+        yield
+    finally:
+        runner.attn_backend, runner.graph_runner = saved[0], saved[1]
+        for m, b in zip(experts, saved[2]):
+            m.backend = b
+        for m in ops:
+            m.gpu_ops = runner.gpu_ops
+
+
+def load_hf(path: str, dtype: torch.dtype, device: torch.device, dummy: bool = False):
+    """transformers' model on the same weights (`dummy`: random ones from config.json alone)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if dummy:
+        with torch.device(device):
+            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=dtype)
+        return model.eval()
     return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
 
 
@@ -92,13 +158,30 @@ def bench_hf(model, device: torch.device, batch: int, input_len: int, output_len
     return batch * input_len / prefill, batch * (output_len - 1) / max(total - prefill, 1e-9)
 
 
+HEADER = (f"| {'path':<12} | {'batch':>5} | {'prefill tok/s':>13} | {'decode tok/s':>12} | "
+          f"{'step ms':>8} | {'GB/step':>7} | {'roofline ms':>11} | {'% roofline':>10} |")
+
+
+def _row(name: str, batch: int, prefill: float, decode: float, step_gb: float | None,
+         bw: float | None) -> str:
+    step_ms = batch / decode * 1e3 if decode else float("nan")
+    if step_gb is None or bw is None:
+        return (f"| {name:<12} | {batch:>5} | {prefill:>13.1f} | {decode:>12.1f} | {step_ms:>8.2f} "
+                f"| {'-':>7} | {'-':>11} | {'-':>10} |")
+    roof_ms = step_gb * 1e9 / bw * 1e3
+    return (f"| {name:<12} | {batch:>5} | {prefill:>13.1f} | {decode:>12.1f} | {step_ms:>8.2f} | "
+            f"{step_gb:>7.2f} | {roof_ms:>11.2f} | {100 * roof_ms / step_ms:>9.1f}% |")
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default=None, help="HF folder; default: the embedded SmolLM2")
     p.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=32)
-    p.add_argument("--compare-hf", action="store_true")
+    p.add_argument("--compare-hf", action="store_true", help="add transformers generate rows")
+    p.add_argument("--compare-reference", action="store_true",
+                   help="add rows of the pre-fast-path run (torch attention/experts, no graphs)")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("-o", "--override", action="append", default=[])
     p.add_argument("--profile", action="store_true",
@@ -113,22 +196,47 @@ def main(argv: list[str] | None = None) -> None:
     else:
         path = cfg.model.path
     runner = ModelRunner(cfg, path)
-    print(f"model={path} device={runner.device} dtype={runner.dtype} "
-          f"input={args.input_len} output={args.output_len}")
-    print(f"| {'engine':<12} | {'batch':>5} | {'prefill tok/s':>13} | {'decode tok/s':>12} |")
-    print(f"|{'-' * 14}|{'-' * 7}|{'-' * 15}|{'-' * 14}|")
-    hf = load_hf(path, runner.dtype, runner.device) if args.compare_hf else None
+    dev, dtype = runner.device, runner.dtype
+    bw = measure_copy_bandwidth(dev) if dev.type == "cuda" else None
+    print(f"model={path} device={dev} dtype={dtype} input={args.input_len} "
+          f"output={args.output_len} attention={type(runner.attn_backend).__name__} "
+          f"cuda_graphs={runner.graph_runner is not None}"
+          + (f" copy bandwidth={bw / 1e12:.2f} TB/s (read+write)" if bw else ""))
+    print(HEADER)
+    print("|" + "|".join("-" * len(c) for c in HEADER.split("|")[1:-1]) + "|")
+    gb: dict[int, float] = {}
     for b in args.batch:
-        for _ in range(args.warmup):
-            bench_moeserve(runner, b, args.input_len, min(args.output_len, 4))
-        pre, dec = bench_moeserve(runner, b, args.input_len, args.output_len,
-                                  profile=args.profile and b == args.batch[-1])
-        print(f"| {'moeserve':<12} | {b:>5} | {pre:>13.1f} | {dec:>12.1f} |", flush=True)
-        if hf is not None:
+        paths = [("moeserve", contextlib.nullcontext)]
+        if args.compare_reference:
+            paths.append(("reference", lambda: reference_path(runner)))
+        for name, ctx in paths:
+            with ctx():
+                for _ in range(args.warmup):
+                    bench_moeserve(runner, b, args.input_len, min(args.output_len, 4))
+                run = bench_moeserve(runner, b, args.input_len, args.output_len,
+                                     profile=args.profile and b == args.batch[-1],
+                                     count_experts=name == "moeserve")
+            if run.touched is not None or b not in gb:
+                sb = step_bytes(runner, b, run.mean_seq_len, run.touched)
+                gb[b] = sb.total / 1e9
+                if name == "moeserve":
+                    print(f"| bytes b={b}: weights {sb.weights / 1e9:.2f} GB + experts "
+                          f"{sb.experts / 1e9:.2f} GB ({int(run.touched.sum()) if run.touched is not None else 0} "
+                          f"expert-layers) + KV {sb.kv / 1e9:.2f} GB + io {sb.io / 1e9:.3f} GB",
+                          flush=True)
+            print(_row(name, b, run.prefill_tps, run.decode_tps, gb[b], bw), flush=True)
+    if args.compare_hf:
+        dummy = cfg.model.load_format == "dummy"
+        del runner
+        gc.collect()
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+        hf = load_hf(path, dtype, dev, dummy)
+        for b in args.batch:
             if args.warmup:
-                bench_hf(hf, runner.device, b, args.input_len, 4)
-            pre, dec = bench_hf(hf, runner.device, b, args.input_len, args.output_len)
-            print(f"| {'transformers':<12} | {b:>5} | {pre:>13.1f} | {dec:>12.1f} |", flush=True)
+                bench_hf(hf, dev, b, args.input_len, 4)
+            pre, dec = bench_hf(hf, dev, b, args.input_len, args.output_len)
+            print(_row("transformers", b, pre, dec, gb.get(b), bw), flush=True)
 
 
 if __name__ == "__main__":

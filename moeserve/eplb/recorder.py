@@ -61,6 +61,11 @@ class ExpertDistributionRecorder:
         self._buf = torch.zeros(shape, dtype=torch.int64, device=device)  # [W+1 or 1, L, P+1]
         self._slot = torch.zeros(1, dtype=torch.int64, device=device)  # ring index of the open pass
         self.recording = False
+        # CUDA graphs: a captured record() must count while recording and add 0 otherwise, and
+        # skip the bucket's padded rows, with no Python running at replay. `_on` (0/1) and
+        # `capture_rows` (a [T] 0/1 row mask, set by the graph runner during capture) do that.
+        self._on = torch.zeros(1, dtype=torch.int64, device=device)
+        self.capture_rows: torch.Tensor | None = None
         self.steps = 0
         self.topk = 0
         self.start_time: float | None = None
@@ -69,11 +74,13 @@ class ExpertDistributionRecorder:
     # ---- control ----
     def start(self) -> None:
         self.recording = True
+        self._on.fill_(1)
         self.start_time = self.start_time or time.time()
         self.end_time = None
 
     def stop(self) -> None:
         self.recording = False
+        self._on.fill_(0)
         self.end_time = time.time()
 
     def reset(self) -> None:
@@ -86,7 +93,8 @@ class ExpertDistributionRecorder:
     # ---- hot path ----
     def record(self, layer_id: int, topk_ids: torch.Tensor) -> None:
         """Add one layer's routing of one forward: topk_ids [T, K] (ids < 0 are ignored)."""
-        if not self.recording:
+        capturing = self.capture_rows is not None
+        if not self.recording and not capturing:
             return
         if self.input_space == "logical":
             topk_ids = self.location.to_physical(topk_ids, layer_id)
@@ -94,7 +102,12 @@ class ExpertDistributionRecorder:
         ids = torch.where(ids < 0, self.num_physical, ids)
         row = self._slot * self.num_layers + layer_id  # [1] (open pass, layer) row of the buffer
         flat = self._buf.view(-1)  # [(W+1) * L * (P+1)]
-        flat.scatter_add_(0, ids + row * (self.num_physical + 1), torch.ones_like(ids))
+        if capturing:  # [T] row mask repeated per choice, times the on/off switch
+            k = topk_ids.shape[-1] if topk_ids.dim() > 1 else 1
+            add = (self.capture_rows[:, None] * self._on).expand(-1, k).reshape(-1)
+        else:
+            add = torch.ones_like(ids)
+        flat.scatter_add_(0, ids + row * (self.num_physical + 1), add)
         self.topk = topk_ids.shape[-1] if topk_ids.dim() > 1 else 1
 
     def step(self) -> None:

@@ -22,6 +22,8 @@ from pathlib import Path
 
 import torch
 
+from moeserve.kernels.attach import attach_ops
+
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_decode.c")
@@ -107,7 +109,7 @@ class CpuKernels:
             assert x.is_contiguous() and x.dtype == q.dtype
         loc, rows, seq_lens = loc.contiguous(), rows.contiguous(), seq_lens.contiguous()
         for x in (loc, table, rows, seq_lens):
-            assert x.dtype == torch.int64 and x.stride(-1) == 1
+            assert x.dtype == torch.int64 and (x.stride(-1) == 1 or x.shape[-1] == 1)
         out = torch.empty((b, h, dv), dtype=q.dtype)
         self._lib.ms_decode_attention(
             out.data_ptr(), q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(),
@@ -168,10 +170,7 @@ class CpuKernels:
 def attach_cpu_kernels(model: torch.nn.Module, kernels: CpuKernels) -> int:
     """Give the kernels to every module that can use them (those declaring a `cpu_kernels`
     attribute: norms, attention, MoE routers); returns how many."""
-    modules = [m for m in model.modules() if hasattr(m, "cpu_kernels")]
-    for m in modules:
-        m.cpu_kernels = kernels
-    return len(modules)
+    return attach_ops(model, "cpu_kernels", kernels)
 
 
 def _ptr(x: torch.Tensor | None) -> int | None:

@@ -44,10 +44,15 @@ class MoEExperts(nn.Module):
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int,
                  first_expert: int = 0, num_local: int | None = None,
-                 slot_logical: list[int] | None = None):
+                 slot_logical: list[int] | None = None, backend: str = "torch",
+                 config_dir: str | None = None):
         """num_experts counts physical slots; `slot_logical[i]` is the checkpoint (logical)
-        expert whose weights local slot i holds (default: slot first_expert + i)."""
+        expert whose weights local slot i holds (default: slot first_expert + i). backend:
+        torch | triton (fused-MoE kernels, launch configs from config_dir or the shipped ones);
+        "auto" is resolved by the runner before it gets here."""
         super().__init__()
+        self.backend = backend
+        self.config_dir = config_dir
         self.num_experts = num_experts
         self.first_expert = first_expert
         self.num_local = num_experts if num_local is None else num_local
@@ -82,6 +87,8 @@ class MoEExperts(nn.Module):
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor,
                 topk_weights: torch.Tensor) -> torch.Tensor:
         """x: [T, H]; topk_ids/weights: [T, K] (global expert ids; non-local ids contribute 0)."""
+        if self.backend == "triton":
+            return self.forward_triton(x, topk_ids, topk_weights)
         macs = x.shape[0] * self.num_local * 3 * x.shape[1] * self.intermediate_size
         if x.device.type == "cpu" and macs <= CPU_DENSE_MAX_MACS:
             if self.cpu_kernels is not None and x.dtype == self.w13.dtype:
@@ -91,6 +98,17 @@ class MoEExperts(nn.Module):
         if _HAS_GROUPED_MM and (x.device.type == "cpu" or x.dtype == torch.bfloat16):
             return self.forward_grouped(x, topk_ids, topk_weights)
         return self.forward_loop(x, topk_ids, topk_weights)
+
+    def forward_triton(self, x: torch.Tensor, topk_ids: torch.Tensor,
+                       topk_weights: torch.Tensor) -> torch.Tensor:
+        """The fused-MoE Triton kernels (imported here: torch-only runs never import Triton)."""
+        from moeserve.kernels.fused_moe import fused_moe
+        from moeserve.kernels.moe_config import get_moe_config
+
+        cfg = get_moe_config(self.num_local, x.shape[1], self.intermediate_size,
+                             topk_ids.shape[1], x.dtype, x.shape[0], self.config_dir)
+        return fused_moe(x, self.w13, self.w2, topk_ids, topk_weights, self.first_expert,
+                         self.num_local, cfg)
 
     def forward_grouped(self, x: torch.Tensor, topk_ids: torch.Tensor,
                         topk_weights: torch.Tensor) -> torch.Tensor:
@@ -184,6 +202,8 @@ class MoEParallel:
     recorder: ExpertRecorder = field(default_factory=NullRecorder)
     location: Any = None  # moeserve.eplb.location.ExpertLocation
     experts_by_layer: dict[int, MoEExperts] = field(default_factory=dict)  # for live rebalance
+    moe_backend: str = "torch"  # torch | triton (the runner resolves moe.backend=auto)
+    moe_config_dir: str | None = None  # tuned fused-MoE launch configs (moe.config_dir)
 
     def num_physical(self, num_logical: int) -> int:
         return num_logical if self.location is None else self.location.num_physical
@@ -200,7 +220,8 @@ class MoEParallel:
         if self.location is not None:
             slots = self.location.physical_to_logical[layer_id, first : first + n].tolist()
         experts = MoEExperts(num_phy, hidden, intermediate, first_expert=first, num_local=n,
-                             slot_logical=slots)
+                             slot_logical=slots, backend=self.moe_backend,
+                             config_dir=self.moe_config_dir)
         self.experts_by_layer[layer_id] = experts
         return experts
 

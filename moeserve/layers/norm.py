@@ -2,15 +2,21 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from moeserve.kernels.cpu_ops import CpuKernels
 
+if TYPE_CHECKING:  # importing it imports Triton
+    from moeserve.kernels.triton_ops import TritonOps
+
 
 class RMSNorm(nn.Module):
     cpu_kernels: CpuKernels | None = None  # set on CPU models (kernels.cpu_ops)
+    gpu_ops: TritonOps | None = None  # set on CUDA models (kernels.triton_ops)
 
     def __init__(self, hidden_size: int, eps: float = 1e-6):
         super().__init__()
@@ -20,6 +26,8 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """Without residual: norm(x). With residual: (norm(x + residual), x + residual)."""
         kernels = self.cpu_kernels
+        if kernels is None and self.gpu_ops is not None and self.gpu_ops.usable(x):
+            kernels = self.gpu_ops
         if (kernels is not None and x.dim() == 2 and x.stride(1) == 1
                 and x.dtype == self.weight.dtype
                 and (residual is None or (residual.is_contiguous() and residual.dtype == x.dtype))):

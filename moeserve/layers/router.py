@@ -6,10 +6,14 @@ Returns (topk_weights [T, K] float32, topk_ids [T, K] int64) in logical expert i
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from moeserve.kernels.cpu_ops import CpuKernels
+
+if TYPE_CHECKING:  # importing it imports Triton
+    from moeserve.kernels.triton_ops import TritonOps
 
 
 @dataclass(frozen=True)
@@ -25,9 +29,11 @@ class RouterConfig:
 
 def select_experts(logits: torch.Tensor, cfg: RouterConfig,
                    correction_bias: torch.Tensor | None = None,
-                   kernels: CpuKernels | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                   kernels: CpuKernels | TritonOps | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """logits: [T, E] → (weights, ids). The correction bias (V3) steers choice, not the weights.
-    With CPU kernels, a plain softmax top-k is one kernel call."""
+    With kernels (CPU or Triton: the caller picks by device), a plain softmax top-k is one
+    kernel call."""
     if (kernels is not None and cfg.scoring == "softmax" and cfg.num_groups == 1
             and correction_bias is None and cfg.routed_scaling_factor == 1.0
             and logits.is_contiguous()):

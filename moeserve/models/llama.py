@@ -5,7 +5,7 @@ The attention and MLP blocks here are reused by the MoE models of the same famil
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -18,6 +18,9 @@ from moeserve.layers.linear import Linear, MergedLinear
 from moeserve.layers.norm import RMSNorm, rms_norm_heads
 from moeserve.layers.rotary import get_rope
 
+if TYPE_CHECKING:  # importing it imports Triton
+    from moeserve.kernels.triton_ops import TritonOps
+
 
 def head_dim_of(cfg: Any) -> int:
     return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
@@ -25,6 +28,7 @@ def head_dim_of(cfg: Any) -> int:
 
 class Attention(nn.Module):
     cpu_kernels: CpuKernels | None = None  # set on CPU models (kernels.cpu_ops)
+    gpu_ops: TritonOps | None = None  # set on CUDA models (kernels.triton_ops)
 
     def __init__(self, cfg: Any, layer_id: int, qkv_bias: bool = False, qk_norm: bool = False):
         super().__init__()
@@ -46,11 +50,14 @@ class Attention(nn.Module):
         h, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         # q and k as one [T, H + Hkv, D] view: their norms and rope in one pass each
         qk = qkv[:, : (h + hkv) * d].view(-1, h + hkv, d)
-        if self.cpu_kernels is not None and self.rotary.is_neox_style and qkv.stride(1) == 1:
+        kernels = self.cpu_kernels
+        if kernels is None and self.gpu_ops is not None and self.gpu_ops.usable(qkv):
+            kernels = self.gpu_ops
+        if kernels is not None and self.rotary.is_neox_style and qkv.stride(1) == 1:
             norms = (self.q_norm.weight, self.k_norm.weight) if self.q_norm else (None, None)
             eps = self.q_norm.eps if self.q_norm else 0.0
-            self.cpu_kernels.qk_norm_rope(qkv, h, hkv, d, positions, self.rotary.cos_sin_cache,
-                                          self.rotary.rotary_dim, *norms, eps)  # in place
+            kernels.qk_norm_rope(qkv, h, hkv, d, positions, self.rotary.cos_sin_cache,
+                                 self.rotary.rotary_dim, *norms, eps)  # in place
         else:
             if self.q_norm is not None:
                 qk = rms_norm_heads(qk, [(h, self.q_norm), (hkv, self.k_norm)])

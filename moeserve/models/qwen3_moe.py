@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -14,11 +14,15 @@ from moeserve.layers.moe import MoEParallel, run_routed_experts
 from moeserve.layers.router import RouterConfig, select_experts
 from moeserve.models.llama import MLP, Attention, CausalLM, DecoderLayer, DecoderModel
 
+if TYPE_CHECKING:  # importing it imports Triton
+    from moeserve.kernels.triton_ops import TritonOps
+
 
 class SparseMoeBlock(nn.Module):
     """Router → top-k → experts. Parameter names follow the checkpoint (`gate`, `experts`)."""
 
     cpu_kernels: CpuKernels | None = None  # set on CPU models (kernels.cpu_ops)
+    gpu_ops: TritonOps | None = None  # set on CUDA models (kernels.triton_ops)
 
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int,
                  router: RouterConfig, layer_id: int, parallel: MoEParallel | None = None):
@@ -30,7 +34,11 @@ class SparseMoeBlock(nn.Module):
                                                   layer_id)
 
     def forward(self, x: torch.Tensor, fb: ForwardBatch | None = None) -> torch.Tensor:
-        weights, ids = select_experts(self.gate(x), self.router, kernels=self.cpu_kernels)
+        logits = self.gate(x)
+        kernels = self.cpu_kernels
+        if kernels is None and self.gpu_ops is not None and self.gpu_ops.usable(logits):
+            kernels = self.gpu_ops
+        weights, ids = select_experts(logits, self.router, kernels=kernels)
         return run_routed_experts(self.experts, x, ids, weights, self.parallel, fb, self.layer_id)
 
 

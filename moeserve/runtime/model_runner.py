@@ -23,6 +23,8 @@ from moeserve.layers.linear import pack_linears
 from moeserve.layers.moe import ExpertRecorder, MoEParallel
 from moeserve.models.loader import WeightLoadError, iterate_weights, load_weights
 from moeserve.models.registry import model_class
+from moeserve.runtime.kernel_choice import (attention_backend_name, moe_backend_name,
+                                            use_cuda_graphs)
 from moeserve.runtime.sampler import greedy
 
 logger = logging.getLogger(__name__)
@@ -92,8 +94,10 @@ class ModelRunner:
         self.cpu_kernels = self._cpu_kernels()
         if self.cpu_kernels is not None:
             attach_cpu_kernels(self.model, self.cpu_kernels)
+        self.gpu_ops = self._gpu_ops()
         self.attn_backend = self._attention_backend()
         self.greedy_head = self._greedy_head()
+        self.graph_runner = self._cuda_graphs()
 
     # ---- construction -------------------------------------------------------------------------
     def _build_model(self, path: str) -> torch.nn.Module:
@@ -132,16 +136,37 @@ class ModelRunner:
         return k.pack_greedy_head(head.weight.detach())
 
     def _attention_backend(self):
-        name = self.cfg.attention.backend
-        if name == "auto":
-            name = "cpu" if self.cpu_kernels is not None else "torch"
-        if name != "cpu":
-            return create_attention_backend(name)
-        if self.cpu_kernels is None:
-            raise RuntimeError("attention.backend=cpu: the CPU kernels are not available here "
-                               f"(device {self.device}, dtype {self.dtype}, or no C compiler: see "
-                               "the log)")
-        return create_attention_backend(name, self.cpu_kernels)
+        name = attention_backend_name(self.cfg, self.device, self.cpu_kernels is not None,
+                                      env().triton_interpret)
+        return create_attention_backend(name, *([self.cpu_kernels] if name == "cpu" else []))
+
+    def _gpu_ops(self):
+        """Triton RMSNorm / q-k norm + rope / router top-k handed to the modules declaring a
+        `gpu_ops` attribute, on CUDA with model.gpu_kernels on; None otherwise."""
+        if self.device.type != "cuda" or not self.cfg.model.gpu_kernels:
+            return None
+        from moeserve.kernels.attach import attach_ops
+        from moeserve.kernels.triton_ops import TritonOps
+
+        ops = TritonOps()
+        attach_ops(self.model, "gpu_ops", ops)
+        return ops
+
+    def _cuda_graphs(self):
+        """Decode graphs per batch bucket, captured now (see runtime/cuda_graph.py); None where
+        the step runs eager (the log says why)."""
+        on, why = use_cuda_graphs(self.cfg, self.device, self.attn_backend.graph_safe,
+                                  self.moe_parallel.dispatcher)
+        if not on:
+            if self.device.type == "cuda":
+                logger.info("CUDA graphs off: %s", why)
+            return None
+        from moeserve.runtime.cuda_graph import CudaGraphRunner
+
+        graphs = CudaGraphRunner(self, min(self.cfg.cuda_graph.max_bs,
+                                           self.cfg.cache.max_running_requests))
+        graphs.capture()
+        return graphs
 
     def _model_kwargs(self, cls: type) -> dict:
         kwargs = {"parallel": self.moe_parallel}
@@ -151,7 +176,10 @@ class ModelRunner:
 
     def _moe_parallel(self, recorder: ExpertRecorder | None) -> MoEParallel:
         mesh, c = self.mesh, self.hf_config
-        par = MoEParallel(ep_rank=mesh.ep_rank, ep_size=mesh.ep_size)
+        par = MoEParallel(ep_rank=mesh.ep_rank, ep_size=mesh.ep_size,
+                          moe_backend=moe_backend_name(self.cfg, self.device,
+                                                       env().triton_interpret),
+                          moe_config_dir=self.cfg.moe.config_dir)
         num_logical = (getattr(c, "n_routed_experts", None) or getattr(c, "num_experts", None)
                        or getattr(c, "num_local_experts", None))
         if not num_logical:
@@ -239,8 +267,11 @@ class ModelRunner:
                    req_pool_indices: list[int], prefix_lens: list[int], extend_lens: list[int],
                    return_all_logits: bool = False,
                    global_mode: ForwardMode | None = None,
-                   global_num_tokens: list[int] | None = None) -> ForwardBatch:
-        """The one place a ForwardBatch is built; seq_lens = prefix_lens + extend_lens."""
+                   global_num_tokens: list[int] | None = None,
+                   seq_lens_dev: torch.Tensor | None = None) -> ForwardBatch:
+        """The one place a ForwardBatch is built; seq_lens = prefix_lens + extend_lens
+        (`seq_lens_dev`: the same, already on the device). Tensor arguments already on the
+        device are used as they are (no copy)."""
         dev = self.device
         seq_lens = [p + n for p, n in zip(prefix_lens, extend_lens)]
 
@@ -249,8 +280,9 @@ class ModelRunner:
 
         return ForwardBatch(
             forward_mode=mode, input_ids=ints(input_ids), positions=ints(positions),
-            out_cache_loc=out_cache_loc.to(dev), req_pool_indices=ints(req_pool_indices),
-            seq_lens=ints(seq_lens), seq_lens_cpu=seq_lens,
+            out_cache_loc=out_cache_loc.to(dev).contiguous(), req_pool_indices=ints(req_pool_indices),
+            seq_lens=ints(seq_lens) if seq_lens_dev is None else seq_lens_dev,
+            seq_lens_cpu=seq_lens,
             extend_prefix_lens_cpu=list(prefix_lens), extend_seq_lens_cpu=list(extend_lens),
             req_to_token_pool=self.memory.req_to_token, kv_pool=self.memory.pool,
             attn_backend=self.attn_backend, return_all_logits=return_all_logits,
@@ -262,19 +294,35 @@ class ModelRunner:
         or with float_logits=False the model dtype: greedy decoding reads those as they are (the
         upcast is exact and keeps the order), which saves writing B×V floats per step (1 ms on a
         CPU core for 16 × 129k)."""
-        logits = self.model.compute_logits(self.forward_hidden(fb))
+        logits = self._graph_logits(fb)
+        if logits is None:
+            logits = self.model.compute_logits(self.forward_hidden(fb))
         return logits.float() if float_logits else logits
 
     @torch.inference_mode()
     def forward_greedy(self, fb: ForwardBatch) -> torch.Tensor:
         """→ the greedy next token of each request [B] (int64): through the fused greedy LM head
         where it applies (`greedy_head`), else the argmax of the model-dtype logits."""
+        logits = self._graph_logits(fb)
+        if logits is not None:
+            return greedy(logits)
         hidden = self.forward_hidden(fb)
         if self.greedy_head is not None:
             ids = self.cpu_kernels.greedy_head(hidden, self.greedy_head, self.hf_config.vocab_size)
             if ids is not None:
                 return ids
         return greedy(self.model.compute_logits(hidden))  # also where some logit is NaN
+
+    def _graph_logits(self, fb: ForwardBatch) -> torch.Tensor | None:
+        """The step's logits [B, V] from a replayed CUDA graph, or None where it runs eager."""
+        graphs = self.graph_runner
+        bs = graphs.bucket_of_step(fb) if graphs is not None else None
+        if bs is None:
+            return None
+        logits = graphs.replay(fb, bs)
+        if self.recorder is not None:
+            self.recorder.step()
+        return logits
 
     def forward_hidden(self, fb: ForwardBatch) -> torch.Tensor:
         """The final hidden states that get logits: [B, H] (each request's last token), or [T, H]

@@ -33,9 +33,9 @@ class ScheduledBatch:
         new_ids = None
         if mode == ForwardMode.EXTEND:
             new_ids = [t for r, n in zip(reqs, extend_lens) for t in r.fill_ids[r.kv_len : r.kv_len + n]]
-        offset = 0
+        offset, slot_list = 0, slots.tolist()  # one conversion, not one per request
         for r, n, part in zip(reqs, extend_lens, partial):
-            r.kv_slots.extend(slots[offset : offset + n].tolist())
+            r.kv_slots.extend(slot_list[offset : offset + n])
             offset += n
             r.kv_len += n
             if not part:

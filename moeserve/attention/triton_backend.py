@@ -1,0 +1,92 @@
+"""Triton attention over the token-slot KV pool (`attention.backend=triton`), MHA/GQA and MLA."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from moeserve.attention.base import AttentionBackend, AttentionSpec
+from moeserve.forward_batch import ForwardBatch
+from moeserve.kernels.triton_attention import decode_attention, store_kv
+from moeserve.kernels.triton_attention_extend import extend_attention
+
+
+@dataclass
+class _ExtendMetadata:
+    qo_start: torch.Tensor  # [B + 1] int32: request i's new tokens are rows qo_start[i]:[i + 1]
+    prefix_lens: torch.Tensor  # [B] int32 tokens already cached
+    max_new: int  # largest new-token count (sizes the extend grid)
+
+
+class TritonAttentionBackend(AttentionBackend):
+    """Stores the step's K/V with one kernel, then attends from the pool only.
+
+    Decode is flash-decoding with a KV split count that depends on the batch size only, so a decode step launches
+    the same grids whatever the sequence lengths and reads only fb's device tensors: it can be
+    captured in a CUDA graph and replayed with new contents. Extend runs eager and sizes its grid
+    from the host-side lengths. MLA (an MLAKVPool, v None) attends the latent in absorbed form:
+    key = [R main | r rope] channels, value = the main R.
+    """
+
+    graph_safe = True
+
+    def __init__(self, num_kv_splits: int | None = None):
+        self.num_kv_splits = num_kv_splits  # None: by batch size (`kv_splits`)
+
+    def kv_splits(self, batch: int, programs_per_request: int) -> int:
+        """Enough splits that small batches still fill the GPU (~2 programs per SM on an H200's
+        132), at least 4 and at most 32; a function of shapes only, so a captured graph keeps
+        its own."""
+        if self.num_kv_splits is not None:
+            return self.num_kv_splits
+        want = -(-256 // max(batch * programs_per_request, 1))
+        return min(32, max(4, 1 << (want - 1).bit_length()))
+
+    def init_forward_metadata(self, fb: ForwardBatch) -> None:
+        if fb.forward_mode.is_decode():
+            fb.attn_metadata = None  # decode needs nothing beyond fb's device tensors
+            return
+        device = fb.req_pool_indices.device
+        starts = [0]
+        for n in fb.extend_seq_lens_cpu:
+            starts.append(starts[-1] + n)
+        fb.attn_metadata = _ExtendMetadata(
+            qo_start=torch.tensor(starts, dtype=torch.int32, device=device),
+            prefix_lens=torch.tensor(fb.extend_prefix_lens_cpu, dtype=torch.int32, device=device),
+            max_new=max(fb.extend_seq_lens_cpu, default=0),
+        )
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None,
+                spec: AttentionSpec, fb: ForwardBatch) -> torch.Tensor:
+        q, k = _rows_contiguous(q), _rows_contiguous(k)
+        v = None if v is None else _rows_contiguous(v)
+        pool = fb.kv_pool
+        k_buf = pool.key_buffer(spec.layer_id)
+        v_buf = None if v is None else pool.value_buffer(spec.layer_id)  # None: MLA, V in K
+        store_kv(k, v, fb.out_cache_loc, k_buf, v_buf)
+        dk = spec.head_dim if v is not None else spec.v_head_dim  # MLA: main part R; rest rope
+        out = q.new_empty((q.shape[0], spec.num_heads, spec.v_head_dim))  # [T, H, Dv]
+        if q.shape[0] == 0:
+            return out
+        table = fb.req_to_token_pool.req_to_token
+        if fb.forward_mode.is_decode():
+            b = q.shape[0]
+            per_req = k_buf.shape[1] if v is not None else -(-spec.num_heads // 16)
+            splits = self.kv_splits(b, per_req)
+            part_out = torch.empty((b, spec.num_heads, splits, spec.v_head_dim),
+                                   dtype=torch.float32, device=q.device)
+            part_lse = torch.empty((b, spec.num_heads, splits), dtype=torch.float32,
+                                   device=q.device)
+            decode_attention(q, k_buf, v_buf, table, fb.req_pool_indices, fb.seq_lens,
+                             spec.scaling, dk, spec.v_head_dim, out, part_out, part_lse)
+            return out
+        meta: _ExtendMetadata = fb.attn_metadata
+        extend_attention(q, k_buf, v_buf, table, fb.req_pool_indices, meta.qo_start,
+                         meta.prefix_lens, meta.max_new, spec.scaling, dk, spec.v_head_dim, out)
+        return out
+
+
+def _rows_contiguous(x: torch.Tensor) -> torch.Tensor:
+    """The kernels index [T, heads, dim] by the first two strides and need a unit last stride."""
+    return x if x.stride(-1) == 1 else x.contiguous()

@@ -1,0 +1,103 @@
+"""`python -m moeserve.bench.small_ops`: µs per call of the small per-layer ops, Triton
+(`kernels.triton_ops`) vs the torch path they replace, at Qwen3-30B-A3B shapes (CUDA only).
+
+Two timings per row: eager (a loop of calls: host launch cost included, as without CUDA graphs) and
+graph (the same calls captured once in a CUDA graph and replayed: device time plus the gaps between
+kernels, as the decode step runs).
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+
+import torch
+
+from moeserve.kernels.triton_ops import TritonOps
+from moeserve.layers.norm import RMSNorm, rms_norm_heads
+from moeserve.layers.rotary import RotaryEmbedding
+from moeserve.layers.router import RouterConfig, select_experts
+
+HIDDEN, HEADS, KV_HEADS, HEAD_DIM, EXPERTS, TOP_K, EPS = 2048, 32, 4, 128, 128, 8, 1e-6
+
+
+def time_us(fn: Callable[[], object], iters: int, graph: bool) -> float:
+    """Mean µs per call of `fn`, eagerly or replayed from one CUDA graph of `iters` calls."""
+    for _ in range(3):  # warm-up: Triton compiles, the allocator settles
+        fn()
+    torch.cuda.synchronize()
+    if graph:
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, stream=stream):
+            for _ in range(iters):
+                fn()
+        run = g.replay
+    else:
+        def run():
+            for _ in range(iters):
+                fn()
+    run()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(5):
+        run()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1000 / (5 * iters)
+
+
+def cases(t: int, dtype: torch.dtype, ops: TritonOps) -> dict[str, tuple[Callable, Callable]]:
+    """name → (torch path, Triton) closures over fresh inputs of t tokens."""
+    norm = RMSNorm(HIDDEN, EPS).to(dtype)
+    q_norm, k_norm = RMSNorm(HEAD_DIM, EPS).to(dtype), RMSNorm(HEAD_DIM, EPS).to(dtype)
+    inv_freq = 1.0 / (1e6 ** (torch.arange(0, HEAD_DIM, 2, dtype=torch.float32) / HEAD_DIM))
+    rope = RotaryEmbedding(inv_freq, 1.0, 4096)
+    x, res = torch.randn(t, HIDDEN, dtype=dtype), torch.randn(t, HIDDEN, dtype=dtype)
+    qkv = torch.randn(t, (HEADS + 2 * KV_HEADS) * HEAD_DIM, dtype=dtype)
+    pos = torch.randint(0, 4096, (t,))
+    logits = torch.randn(t, EXPERTS, dtype=dtype)
+    router = RouterConfig(top_k=TOP_K, renormalize=True)
+    n = HEADS + KV_HEADS
+
+    def torch_qk():
+        qk = qkv[:, : n * HEAD_DIM].view(t, n, HEAD_DIM)
+        return rope.rotate(pos, rms_norm_heads(qk, [(HEADS, q_norm), (KV_HEADS, k_norm)]))
+
+    return {
+        "rms_norm": (lambda: norm(x), lambda: ops.rms_norm(x, norm.weight, EPS)),
+        "rms_norm + residual": (lambda: norm(x, res),
+                                lambda: ops.rms_norm(x, norm.weight, EPS, res)),
+        "qk_norm_rope": (torch_qk, lambda: ops.qk_norm_rope(
+            qkv, HEADS, KV_HEADS, HEAD_DIM, pos, rope.cos_sin_cache, HEAD_DIM, q_norm.weight,
+            k_norm.weight, EPS)),
+        "topk_softmax": (lambda: select_experts(logits, router),
+                         lambda: ops.topk_softmax(logits, TOP_K, True)),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tokens", type=int, nargs="+", default=[1, 64, 256])
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--iters", type=int, default=100, help="calls per timing (and per graph)")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("small_ops benchmarks CUDA kernels: no CUDA device")
+    torch.set_default_device("cuda")
+    dtype, ops = getattr(torch, args.dtype), TritonOps()
+    cols = ["torch eager", "triton eager", "torch graph", "triton graph"]
+    print(f"{'op':<22}{'T':>6}" + "".join(f"{c:>14}" for c in cols) + f"{'graph x':>9}")
+    with torch.inference_mode():
+        for t in args.tokens:
+            for name, (ref, ours) in cases(t, dtype, ops).items():
+                us = [time_us(fn, args.iters, graph) for graph in (False, True)
+                      for fn in (ref, ours)]
+                row = "".join(f"{u:>14.2f}" for u in us)
+                print(f"{name:<22}{t:>6}{row}{us[2] / us[3]:>8.1f}x", flush=True)
+
+
+if __name__ == "__main__":
+    main()

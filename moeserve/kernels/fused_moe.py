@@ -1,0 +1,252 @@
+"""Fused MoE for routed experts: token pairs sorted into expert blocks, then two grouped GEMMs.
+
+    x [T, H] ──gather rows──▶ gate_up GEMM (+ silu(gate) * up) ──▶ inter [T*K, I]     (by pair id)
+    inter ──down GEMM (× routing weight)──▶ y [T*K, H] ──sum over K (local pairs)──▶ out [T, H]
+
+A pair p = t * K + k is token t's k-th choice. `moe_align_block_size` lays the local pairs out
+expert by expert, each expert padded to whole blocks of BLOCK_SIZE_M rows, so every m-block of
+the GEMMs reads one expert's weights. Everything is sized from T*K, E_local and BLOCK_SIZE_M and
+never waits on the host, so the whole call can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from moeserve.kernels.moe_config import get_moe_config
+
+# Up to this many pairs one single-program kernel sorts them (one launch for decode); above it
+# the torch ops (argsort, cumsum, scatter: ~15 launches) are cheaper than its serial loop.
+TRITON_ALIGN_MAX_PAIRS = 1024
+
+
+def max_padded_pairs(num_pairs: int, num_local: int, block_m: int) -> int:
+    """Rows of the sorted layout: at most min(pairs, experts) experts are touched, each padded by
+    fewer than block_m rows; rounded up to whole blocks."""
+    bound = num_pairs + min(num_pairs, num_local) * (block_m - 1)
+    return triton.cdiv(bound, block_m) * block_m
+
+
+def moe_align_block_size(topk_ids: torch.Tensor, block_m: int, first_expert: int,
+                         num_local: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """topk_ids [T, K] global ids → (sorted_ids int32 [P], expert_ids int32 [P / block_m],
+    num_tokens_post_padded int32 [1]), P = `max_padded_pairs`.
+
+    sorted_ids lists local pairs expert by expert (stable within an expert), each expert's run
+    padded to a multiple of block_m with T*K (no pair); non-local pairs appear nowhere. Block b
+    belongs to expert_ids[b], -1 past num_tokens_post_padded (whose rows are all padding)."""
+    topk_ids, n = topk_ids.contiguous(), topk_ids.numel()
+    p = max_padded_pairs(n, num_local, block_m)
+    if n <= TRITON_ALIGN_MAX_PAIRS:
+        return _align_triton(topk_ids, block_m, first_expert, num_local, p)
+    return _align_torch(topk_ids, block_m, first_expert, num_local, p)
+
+
+def _align_triton(topk_ids, block_m, first_expert, num_local, p):
+    n, dev = topk_ids.numel(), topk_ids.device
+    sorted_ids = torch.empty(p, dtype=torch.int32, device=dev)
+    expert_ids = torch.empty(p // block_m, dtype=torch.int32, device=dev)
+    num_post = torch.empty(1, dtype=torch.int32, device=dev)
+    block_e = max(16, triton.next_power_of_2(num_local))
+    chunk = max(16, min(triton.next_power_of_2(n), 8192 // block_e))
+    _align_kernel[(1,)](topk_ids, sorted_ids, expert_ids, num_post, n, first_expert, num_local,
+                        p // block_m, BLOCK_M=block_m, BLOCK_E=block_e, CHUNK=chunk,
+                        CHUNK_B=max(16, 2048 // block_m), num_warps=8 if chunk * block_e > 4096
+                        else 4)
+    return sorted_ids, expert_ids, num_post
+
+
+def _align_torch(topk_ids, block_m, first_expert, num_local, p):
+    from moeserve.layers.moe import count_per_expert
+
+    n, dev = topk_ids.numel(), topk_ids.device
+    local = topk_ids.flatten().long() - first_expert  # [T*K]
+    key = torch.where((local >= 0) & (local < num_local), local, num_local)  # num_local: dropped
+    counts = count_per_expert(key, num_local)  # [E]
+    padded = (counts + block_m - 1) // block_m * block_m
+    ends = padded.cumsum(0)  # [E] padded run ends
+    order = key.argsort(stable=True)  # [T*K] pairs grouped by expert
+    skey = key[order]
+    e = skey.clamp(max=num_local - 1)
+    rank = torch.arange(n, device=dev) - (counts.cumsum(0) - counts)[e]  # place within its expert
+    dest = torch.where(skey < num_local, (ends - padded)[e] + rank, p)  # p: a spare slot
+    sorted_ids = torch.full((p + 1,), n, dtype=torch.int32, device=dev)
+    sorted_ids.scatter_(0, dest, order.to(torch.int32))
+    block_start = torch.arange(0, p, block_m, device=dev)  # [P / block_m]
+    owner = torch.searchsorted(ends, block_start, right=True)
+    expert_ids = torch.where(owner < num_local, owner, -1).to(torch.int32)
+    return sorted_ids[:p], expert_ids, ends[-1:].to(torch.int32)
+
+
+@triton.jit
+def _local_one_hot(ids_ptr, pairs, num_pairs, first_expert, num_local, experts):
+    """[BLOCK_E, CHUNK] int32: 1 where pair `pairs[j]` goes to local expert `experts[i]` (pairs on
+    the last axis, so the scan over them is along the fastest-varying one)."""
+    ok = pairs < num_pairs
+    local = tl.load(ids_ptr + pairs, mask=ok, other=0) - first_expert
+    hit = (experts[:, None] == local[None, :]) & ok[None, :] & (experts < num_local)[:, None]
+    return hit.to(tl.int32)
+
+
+# NOTE: sizes that change with the batch are not specialized on (divisibility by 16, == 1):
+# otherwise each new batch size could compile another variant.
+@triton.jit(do_not_specialize=["num_pairs", "num_blocks"])
+def _align_kernel(ids_ptr, sorted_ptr, expert_ptr, num_post_ptr, num_pairs, first_expert,
+                  num_local, num_blocks, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr,
+                  CHUNK: tl.constexpr, CHUNK_B: tl.constexpr):
+    # NOTE: one program; every output element is written exactly once (no ordering between
+    # threads is needed): padding, unused blocks and pair slots are disjoint.
+    experts = tl.arange(0, BLOCK_E)
+    lanes = tl.arange(0, CHUNK)
+    counts = tl.zeros([BLOCK_E], dtype=tl.int32)
+    for start in range(0, num_pairs, CHUNK):
+        hot = _local_one_hot(ids_ptr, start + lanes, num_pairs, first_expert, num_local, experts)
+        counts += tl.sum(hot, axis=1)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, axis=0)  # [E]
+    starts = ends - padded
+    total = tl.sum(padded, axis=0)
+    tl.store(num_post_ptr, total)
+    rows = tl.arange(0, BLOCK_M)
+    pos = (starts + counts)[:, None] + rows[None, :]  # [E, BLOCK_M] each run's padding
+    tl.store(sorted_ptr + pos, num_pairs, mask=pos < ends[:, None])
+    for b0 in range(0, num_blocks, CHUNK_B):
+        blocks = b0 + tl.arange(0, CHUNK_B)
+        first_row = blocks * BLOCK_M
+        before = (ends[None, :] <= first_row[:, None]) & (experts < num_local)[None, :]
+        owner = tl.where(first_row < total, tl.sum(before.to(tl.int32), axis=1), -1)
+        tl.store(expert_ptr + blocks, owner, mask=blocks < num_blocks)
+        unused = (owner < 0) & (blocks < num_blocks)
+        tl.store(sorted_ptr + first_row[:, None] + rows[None, :], num_pairs, mask=unused[:, None])
+    seen = tl.zeros([BLOCK_E], dtype=tl.int32)
+    for start in range(0, num_pairs, CHUNK):
+        pairs = start + lanes
+        hot = _local_one_hot(ids_ptr, pairs, num_pairs, first_expert, num_local, experts)
+        slot = (starts + seen)[:, None] + tl.cumsum(hot, axis=1) - hot  # [E, CHUNK]
+        dest = tl.sum(hot * slot, axis=0)
+        tl.store(sorted_ptr + dest, pairs, mask=tl.sum(hot, axis=0) > 0)
+        seen += tl.sum(hot, axis=1)
+
+
+@triton.jit(do_not_specialize=["num_pairs", "num_pid_m"])
+def _moe_gemm_kernel(a_ptr, b_ptr, c_ptr, weight_ptr, sorted_ptr, expert_ptr, num_post_ptr,
+                     N, K, num_pairs, num_pid_m, stride_am, stride_ak, stride_be, stride_bn,
+                     stride_bk, stride_cm, stride_cn, ROW_DIV: tl.constexpr, GATED: tl.constexpr,
+                     WEIGHTED: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_SIZE_M: tl.constexpr,
+                     BLOCK_SIZE_N: tl.constexpr, BLOCK_SIZE_K: tl.constexpr,
+                     GROUP_SIZE_M: tl.constexpr):
+    """c[pair, n] = a[pair // ROW_DIV] @ b[expert, n]^T for the pairs of one expert block.
+    GATED: b holds [gate | up] rows (N each), c = silu(gate) * up. WEIGHTED: c *= weight[pair]."""
+    pid = tl.program_id(0)
+    num_pid_n = tl.cdiv(N, BLOCK_SIZE_N)
+    in_group = GROUP_SIZE_M * num_pid_n  # GROUP_SIZE_M m-blocks share each B tile while in L2
+    group_first = pid // in_group * GROUP_SIZE_M
+    group_rows = min(num_pid_m - group_first, GROUP_SIZE_M)
+    pid_m = group_first + (pid % in_group) % group_rows
+    pid_n = (pid % in_group) // group_rows
+    if pid_m * BLOCK_SIZE_M >= tl.load(num_post_ptr):
+        return
+    expert = tl.load(expert_ptr + pid_m).to(tl.int64)
+    if expert < 0:
+        return
+    pair = tl.load(sorted_ptr + pid_m * BLOCK_SIZE_M + tl.arange(0, BLOCK_SIZE_M))  # [BM]
+    row_ok = pair < num_pairs
+    offs_n = pid_n * BLOCK_SIZE_N + tl.arange(0, BLOCK_SIZE_N)
+    offs_bn = offs_n % N  # wrapped columns stay in bounds; their results are never stored
+    offs_k = tl.arange(0, BLOCK_SIZE_K)
+    a_ptrs = (a_ptr + (pair // ROW_DIV).to(tl.int64)[:, None] * stride_am
+              + offs_k[None, :] * stride_ak)  # [BM, BK]
+    b_ptrs = (b_ptr + expert * stride_be + offs_bn[None, :] * stride_bn
+              + offs_k[:, None] * stride_bk)  # [BK, BN]; one expert's offsets fit in int32
+    up_shift = N * stride_bn
+    acc = tl.zeros((BLOCK_SIZE_M, BLOCK_SIZE_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_SIZE_M, BLOCK_SIZE_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_SIZE_K):
+        if EVEN_K:
+            a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
+            b = tl.load(b_ptrs)
+        else:
+            k_ok = offs_k < K - k0
+            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=k_ok[:, None], other=0.0)
+        acc = tl.dot(a, b, acc=acc)
+        if GATED:
+            if EVEN_K:
+                b_up = tl.load(b_ptrs + up_shift)
+            else:
+                b_up = tl.load(b_ptrs + up_shift, mask=k_ok[:, None], other=0.0)
+            acc_up = tl.dot(a, b_up, acc=acc_up)
+        a_ptrs += BLOCK_SIZE_K * stride_ak
+        b_ptrs += BLOCK_SIZE_K * stride_bk
+    if GATED:
+        acc = acc * tl.sigmoid(acc) * acc_up
+    if WEIGHTED:
+        acc = acc * tl.load(weight_ptr + pair, mask=row_ok, other=0.0)[:, None]
+    c_ptrs = c_ptr + pair.to(tl.int64)[:, None] * stride_cm + offs_n[None, :] * stride_cn
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty),
+             mask=row_ok[:, None] & (offs_n < N)[None, :])
+
+
+@triton.jit
+def _sum_local_pairs_kernel(y_ptr, ids_ptr, out_ptr, first_expert, num_local, H,
+                            TOP_K: tl.constexpr, BLOCK_H: tl.constexpr):
+    """out[t] = sum_k y[t*K + k] over local pairs: other rows were never written (masked load)."""
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_ok = offs < H
+    acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+    for k in tl.static_range(TOP_K):
+        local = tl.load(ids_ptr + t * TOP_K + k) - first_expert
+        if (local >= 0) & (local < num_local):
+            acc += tl.load(y_ptr + (t * TOP_K + k) * H + offs, mask=h_ok).to(tl.float32)
+    tl.store(out_ptr + t * H + offs, acc.to(out_ptr.dtype.element_ty), mask=h_ok)
+
+
+def _grouped_gemm(a, b, c, weights, sorted_ids, expert_ids, num_post, row_div, gated, cfg):
+    """c [T*K, N] by pair id ← a rows (pair // row_div) @ b[expert]^T; b [E, N or 2N, Kdim]."""
+    n = c.shape[1]
+    kdim = a.shape[1]
+    bm, bn = cfg["BLOCK_SIZE_M"], cfg["BLOCK_SIZE_N"]
+    num_pid_m = sorted_ids.shape[0] // bm
+    grid = (num_pid_m * triton.cdiv(n, bn),)
+    _moe_gemm_kernel[grid](
+        a, b, c, weights if weights is not None else c, sorted_ids, expert_ids, num_post,
+        n, kdim, c.shape[0], num_pid_m, a.stride(0), a.stride(1), b.stride(0), b.stride(1),
+        b.stride(2), c.stride(0), c.stride(1), ROW_DIV=row_div, GATED=gated,
+        WEIGHTED=weights is not None, EVEN_K=kdim % cfg["BLOCK_SIZE_K"] == 0, BLOCK_SIZE_M=bm,
+        BLOCK_SIZE_N=bn, BLOCK_SIZE_K=cfg["BLOCK_SIZE_K"], GROUP_SIZE_M=cfg["GROUP_SIZE_M"],
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+
+
+def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
+              topk_weights: torch.Tensor, first_expert: int = 0, num_local: int | None = None,
+              config: dict | None = None) -> torch.Tensor:
+    """sum_k w[t,k] * (silu(x[t] @ gate_e^T) * (x[t] @ up_e^T)) @ w2_e^T over the pairs whose
+    e = ids[t,k] - first_expert is in [0, num_local): [T, H] in x.dtype (fp32 accumulation).
+
+    x [T, H]; w13 [E_local, 2I, H] as [gate | up]; w2 [E_local, H, I]; topk_ids [T, K] global ids;
+    topk_weights [T, K]. `config`: launch config (default: `get_moe_config` for this shape)."""
+    t, h = x.shape
+    e_local, two_i, _ = w13.shape
+    inter_size, k = two_i // 2, topk_ids.shape[1]
+    num_local = e_local if num_local is None else num_local
+    if num_local > e_local:
+        raise ValueError(f"num_local={num_local} but w13 holds {e_local} experts")
+    if t == 0:
+        return x.new_empty((0, h))
+    cfg = config or get_moe_config(e_local, h, inter_size, k, x.dtype, t)
+    ids = topk_ids.contiguous()
+    sorted_ids, expert_ids, num_post = moe_align_block_size(ids, cfg["BLOCK_SIZE_M"],
+                                                            first_expert, num_local)
+    inter = x.new_empty((t * k, inter_size))  # [T*K, I] by pair; non-local rows never written
+    _grouped_gemm(x, w13, inter, None, sorted_ids, expert_ids, num_post, k, True, cfg)
+    y = x.new_empty((t * k, h))  # [T*K, H] weighted by pair
+    weights = topk_weights.to(torch.float32).contiguous().view(-1)
+    _grouped_gemm(inter, w2, y, weights, sorted_ids, expert_ids, num_post, 1, False, cfg)
+    out = x.new_empty((t, h))
+    block_h = min(1024, triton.next_power_of_2(h))
+    _sum_local_pairs_kernel[(t, triton.cdiv(h, block_h))](y, ids, out, first_expert, num_local,
+                                                          h, TOP_K=k, BLOCK_H=block_h)
+    return out

@@ -1,0 +1,204 @@
+"""Triton kernels for the small per-layer ops of decode: RMSNorm (+ residual add), Qwen3's per-head
+q/k RMSNorm + neox rope, and the softmax top-k router, each one launch.
+
+Why: at batch 1 the GPU decode step is launch-bound, and these ops were chains of tiny torch
+kernels (about 5, 12 and 6 per layer). `TritonOps` mirrors the `CpuKernels` methods it replaces
+(same signatures, same rounding as the torch paths in `layers/`), so a module holds it in a
+`gpu_ops` attribute next to `cpu_kernels` (given by `kernels.attach.attach_ops`).
+
+Every method launches nothing for T = 0, never syncs with the host and allocates only
+shape-determined outputs: safe under CUDA graph capture. Unlike the CPU kernel, positions beyond the
+rope table are not checked (that would be a host sync). Without CUDA the kernels run in Triton's
+interpreter (TRITON_INTERPRET=1 before this import; float32 only: its bf16 math is wrong).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+try:  # optional: only the CUDA image has Triton
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - CPU installs
+    triton = None
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # read at import, as @triton.jit does
+
+
+def _warps(block: int, per_warp: int, most: int) -> int:
+    """Warps for a program over `block` elements, about `per_warp` each (a power of two)."""
+    return max(1, min(most, block // per_warp))
+
+
+class TritonOps:
+    """One-launch replacements of small torch op chains. Tensors are on one CUDA device (the
+    current one: Triton launches there), or on the CPU under the interpreter; see `usable`."""
+
+    def usable(self, t: torch.Tensor) -> bool:
+        """Whether the kernels can run on t's device (CUDA, or the CPU under the interpreter)."""
+        return triton is not None and (t.is_cuda or (_INTERPRET and t.device.type == "cpu"))
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
+                 residual: torch.Tensor | None = None):
+        """RMSNorm of x [T, N] (rows may be strided) as `layers.norm.RMSNorm` computes it; with a
+        residual, (norm(x + residual), x + residual). Outputs are fresh tensors: the callers'
+        x and residual are left as they were."""
+        t, n = x.shape
+        assert x.stride(1) == 1 and weight.dtype == x.dtype and weight.is_contiguous()
+        out = torch.empty((t, n), dtype=x.dtype, device=x.device)
+        res_out = None
+        if residual is not None:
+            assert residual.is_contiguous() and residual.dtype == x.dtype
+            res_out = torch.empty((t, n), dtype=x.dtype, device=x.device)
+        if t:
+            block = triton.next_power_of_2(n)
+            _rms_norm_kernel[(t,)](
+                out, out if res_out is None else res_out, x, x.stride(0),
+                x if residual is None else residual, weight, eps, N=n,
+                HAS_RES=residual is not None, BLOCK=block, num_warps=_warps(block, 256, 16))
+        return out if residual is None else (out, res_out)
+
+    def qk_norm_rope(self, qkv: torch.Tensor, num_q: int, num_k: int, head_dim: int,
+                     positions: torch.Tensor, table: torch.Tensor, rotary_dim: int,
+                     q_weight: torch.Tensor | None, k_weight: torch.Tensor | None,
+                     eps: float) -> None:
+        """In place on qkv [T, >= (num_q + num_k) * head_dim]: per-head RMSNorm of the q and k
+        heads (when weights are given), then neox rope on each head's first rotary_dim channels
+        with `table` [P, 2 * rotary_dim] float32 (cos | cos | -sin | sin) at each token's
+        position; as `rms_norm_heads` then `RotaryEmbedding.rotate`. One program per (token,
+        head)."""
+        t = qkv.shape[0]
+        assert qkv.stride(1) == 1 and table.dtype == torch.float32 and table.is_contiguous()
+        assert rotary_dim % 2 == 0 and 0 < rotary_dim <= head_dim
+        assert table.shape[1] == 2 * rotary_dim and positions.dim() == 1
+        has_norm = q_weight is not None
+        if has_norm:
+            assert k_weight is not None and q_weight.is_contiguous() and k_weight.is_contiguous()
+            assert q_weight.dtype == k_weight.dtype  # one pointer type in the kernel's branch
+        if t == 0:
+            return
+        half = triton.next_power_of_2(rotary_dim // 2)
+        rest = head_dim - rotary_dim
+        dummy = table  # stands for absent weights (never read)
+        _qk_norm_rope_kernel[(t, num_q + num_k)](
+            qkv, qkv.stride(0), positions, positions.stride(0), table,
+            q_weight if has_norm else dummy, k_weight if has_norm else dummy, eps,
+            NUM_Q=num_q, D=head_dim, ROT=rotary_dim, HAS_NORM=has_norm, BLOCK_HALF=half,
+            BLOCK_REST=triton.next_power_of_2(max(rest, 1)), HAS_REST=rest > 0,
+            num_warps=_warps(half, 128, 4),
+            # no FMA contraction: x1 * cos + x2 * -sin rounds as the torch path's mul, mul, add
+            enable_fp_fusion=False)
+
+    def topk_softmax(self, logits: torch.Tensor, k: int, renormalize: bool):
+        """logits [T, E] (any float dtype) → (weights [T, k] float32, ids [T, k] int64) of the
+        float32 softmax's top-k (largest first; equal values: lower expert id first), divided
+        by their sum when `renormalize`; as `select_experts` with a plain softmax router."""
+        t, e = logits.shape
+        assert logits.is_contiguous() and 0 < k <= e
+        weights = torch.empty((t, k), dtype=torch.float32, device=logits.device)
+        ids = torch.empty((t, k), dtype=torch.int64, device=logits.device)
+        if t:
+            block = triton.next_power_of_2(e)
+            _topk_softmax_kernel[(t,)](
+                weights, ids, logits, E=e, K=k, RENORM=bool(renormalize), BLOCK_E=block,
+                BLOCK_K=triton.next_power_of_2(k), num_warps=_warps(block, 128, 8))
+        return weights, ids
+
+
+if triton is not None:
+
+    @triton.jit
+    def _rms_norm_kernel(out, res_out, x, x_stride, res, weight, eps, N: tl.constexpr,
+                         HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
+        """One row: the sum rounded to x's dtype (and stored), normalised in float32, rounded,
+        times the weight in float32, rounded: RMSNorm's torch rounding sequence."""
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        mask = cols < N
+        dt = x.dtype.element_ty
+        v = tl.load(x + row * x_stride + cols, mask=mask, other=0.0).to(tl.float32)
+        if HAS_RES:
+            r = tl.load(res + row * N + cols, mask=mask, other=0.0).to(tl.float32)
+            s = (v + r).to(dt)
+            tl.store(res_out + row * N + cols, s, mask=mask)
+            v = s.to(tl.float32)
+        rstd = tl.rsqrt(tl.sum(v * v, axis=0) / N + eps)
+        h = (v * rstd).to(dt).to(tl.float32)
+        w = tl.load(weight + cols, mask=mask, other=0.0).to(tl.float32)
+        tl.store(out + row * N + cols, (w * h).to(dt), mask=mask)
+
+    @triton.jit
+    def _norm_part(v, w_ptr, offs, mask, rstd, dt: tl.constexpr):
+        """weight * round(v * rstd), rounded as `rms_norm_heads` does, back in float32."""
+        w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        return (w * (v * rstd).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+
+    @triton.jit
+    def _qk_norm_rope_kernel(qkv, row_stride, positions, pos_stride, table, q_weight, k_weight,
+                             eps, NUM_Q: tl.constexpr, D: tl.constexpr, ROT: tl.constexpr,
+                             HAS_NORM: tl.constexpr, BLOCK_HALF: tl.constexpr,
+                             BLOCK_REST: tl.constexpr, HAS_REST: tl.constexpr):
+        """One head of one token, held as its two rotated halves and the unrotated rest: the rope
+        partners sit in registers (no read of a channel another thread may have written)."""
+        t = tl.program_id(0).to(tl.int64)
+        head = tl.program_id(1)
+        HALF: tl.constexpr = ROT // 2
+        dt = qkv.dtype.element_ty
+        base = qkv + t * row_stride + head * D
+        i = tl.arange(0, BLOCK_HALF)
+        mi = i < HALF
+        x1 = tl.load(base + i, mask=mi, other=0.0).to(tl.float32)
+        x2 = tl.load(base + HALF + i, mask=mi, other=0.0).to(tl.float32)
+        if HAS_NORM:
+            ss = tl.sum(x1 * x1, axis=0) + tl.sum(x2 * x2, axis=0)
+            if HAS_REST:
+                j = tl.arange(0, BLOCK_REST)
+                mj = j < D - ROT
+                xr = tl.load(base + ROT + j, mask=mj, other=0.0).to(tl.float32)
+                ss += tl.sum(xr * xr, axis=0)
+            rstd = tl.rsqrt(ss / D + eps)
+            if head < NUM_Q:
+                w_ptr = q_weight
+            else:
+                w_ptr = k_weight
+            x1 = _norm_part(x1, w_ptr, i, mi, rstd, dt)
+            x2 = _norm_part(x2, w_ptr, HALF + i, mi, rstd, dt)
+            if HAS_REST:
+                xr = _norm_part(xr, w_ptr, ROT + j, mj, rstd, dt)
+                tl.store(base + ROT + j, xr.to(dt), mask=mj)
+        pos = tl.load(positions + t * pos_stride).to(tl.int64)
+        row = table + pos * (2 * ROT)  # cos | cos | -sin | sin
+        cos1 = tl.load(row + i, mask=mi, other=0.0)
+        cos2 = tl.load(row + HALF + i, mask=mi, other=0.0)
+        nsin1 = tl.load(row + ROT + i, mask=mi, other=0.0)
+        sin2 = tl.load(row + ROT + HALF + i, mask=mi, other=0.0)
+        tl.store(base + i, (x1 * cos1 + x2 * nsin1).to(dt), mask=mi)
+        tl.store(base + HALF + i, (x2 * cos2 + x1 * sin2).to(dt), mask=mi)
+
+    @triton.jit
+    def _topk_softmax_kernel(weights, ids, logits, E: tl.constexpr, K: tl.constexpr,
+                             RENORM: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+        """One token: float32 softmax, then K rounds of (max, lowest id holding it, mask it)."""
+        t = tl.program_id(0).to(tl.int64)
+        e = tl.arange(0, BLOCK_E)
+        me = e < E
+        x = tl.load(logits + t * E + e, mask=me, other=float("-inf")).to(tl.float32)
+        p = tl.exp(x - tl.max(x, axis=0))
+        p = p / tl.sum(p, axis=0)
+        p = tl.where(me, p, -1.0)  # padding: below every probability, never chosen
+        ks = tl.arange(0, BLOCK_K)
+        w_acc = tl.zeros([BLOCK_K], dtype=tl.float32)
+        id_acc = tl.zeros([BLOCK_K], dtype=tl.int32)
+        for j in tl.static_range(K):
+            best = tl.max(p, axis=0)
+            idx = tl.minimum(tl.min(tl.where(p == best, e, BLOCK_E), axis=0), E - 1)  # NaN: E-1
+            w_acc = tl.where(ks == j, best, w_acc)
+            id_acc = tl.where(ks == j, idx, id_acc)
+            p = tl.where(e == idx, -2.0, p)  # taken
+        if RENORM:
+            w_acc = w_acc / tl.sum(w_acc, axis=0)  # lanes >= K hold 0
+        mk = ks < K
+        tl.store(weights + t * K + ks, w_acc, mask=mk)
+        tl.store(ids + t * K + ks, id_acc.to(tl.int64), mask=mk)

@@ -1,0 +1,131 @@
+"""Tune the fused-MoE launch configs of one expert shape on this GPU (CUDA only).
+
+    python -m moeserve.tools.tune_moe --experts 128 --hidden 2048 --intermediate 768 --topk 8 \\
+        --dtype bfloat16 --tokens 1 2 4 8 16 32 64 128 256 512 1024 2048 4096 8192 --out DIR
+
+Times the whole `fused_moe` call (align + both GEMMs + the top-k sum) with triton.testing.do_bench
+(L2 flushed between calls, as in a real layer whose weights are cold) on random inputs, prints one
+row per token count and writes `E=..,N=..,H=..,dtype=..,device=...json` with the fastest config
+of each: the table `moe_config.get_moe_config` reads.
+
+The search space is hand-picked rather than a grid, since compiling dominates (two kernels per
+config, ~1-2 s each): BLOCK_SIZE_M 16 configs vary tile width (N 32-128) and pipeline depth (K
+64-256, 3-5 stages) because decode only streams weights; mid sizes (M 32-64) and prefill (M
+64-128, N 64-256, 8 warps) vary the tile shape of a compute-bound GEMM. Configs whose M tile is
+far above the rows per expert (T*K/E) are not timed for that T. `--quick` keeps 12.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+
+from moeserve.kernels.moe_config import KEYS, SHIPPED_DIR, config_file_name, default_config
+
+# (BLOCK_SIZE_M, BLOCK_SIZE_N, BLOCK_SIZE_K, GROUP_SIZE_M, num_warps, num_stages)
+SPACE = [
+    (16, 32, 64, 1, 4, 5), (16, 32, 128, 1, 4, 4), (16, 32, 256, 1, 4, 3), (16, 64, 64, 1, 4, 5),
+    (16, 64, 128, 1, 4, 4), (16, 64, 128, 1, 4, 3), (16, 64, 256, 1, 4, 3), (16, 128, 64, 1, 4, 4),
+    (16, 128, 128, 1, 4, 3), (16, 64, 128, 1, 8, 4), (16, 32, 128, 1, 2, 4),
+    (16, 128, 128, 1, 8, 4),
+    (32, 32, 128, 1, 4, 4), (32, 64, 64, 8, 4, 4), (32, 64, 128, 8, 4, 3), (32, 128, 64, 8, 4, 4),
+    (32, 128, 128, 8, 8, 3), (32, 64, 256, 1, 4, 3),
+    (64, 64, 64, 8, 4, 4), (64, 64, 128, 8, 4, 3), (64, 128, 64, 8, 4, 4), (64, 128, 64, 8, 8, 3),
+    (64, 128, 128, 8, 8, 3), (64, 256, 64, 8, 8, 3), (64, 64, 64, 1, 4, 3), (64, 128, 64, 16, 8, 4),
+    (128, 64, 64, 8, 4, 4), (128, 64, 64, 8, 8, 3), (128, 128, 64, 8, 8, 3),
+    (128, 128, 64, 8, 8, 4), (128, 128, 128, 8, 8, 3), (128, 64, 64, 1, 4, 4),
+    (128, 64, 128, 8, 8, 3), (128, 128, 64, 16, 8, 3),
+]
+QUICK = [SPACE[j] for j in (1, 2, 4, 6, 8, 14, 15, 18, 21, 22, 28, 30)]
+
+
+def as_config(row: tuple[int, ...]) -> dict:
+    return dict(zip(KEYS, row))
+
+
+def random_inputs(t: int, e: int, h: int, i: int, k: int, dtype: torch.dtype, seed: int = 0):
+    """x [T, H], w13 [E, 2I, H], w2 [E, H, I] (unit-variance outputs), top-k of random logits
+    (ids [T, K] and softmax weights), all on CUDA."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    rand = lambda *s: torch.randn(*s, generator=g, device="cuda")  # noqa: E731
+    x = rand(t, h).to(dtype)
+    w13 = (rand(e, 2 * i, h) / h**0.5).to(dtype)
+    w2 = (rand(e, h, i) / i**0.5).to(dtype)
+    logits, ids = rand(t, e).topk(k, dim=1)
+    return x, w13, w2, ids, logits.softmax(1)
+
+
+def candidates(space: list[tuple[int, ...]], t: int, k: int, e: int) -> list[dict]:
+    """Configs worth timing at T tokens: BLOCK_SIZE_M at most 2x the rows per expert (≥ 16)."""
+    rows = max(1, -(-t * k // e))
+    cap = max(16, 2 * (1 << (rows - 1).bit_length()))
+    return [as_config(r) for r in space if r[0] <= cap]
+
+
+def time_config(fn, cfg: dict, ref: torch.Tensor) -> float | None:
+    """Median µs of fn(cfg), or None if it does not compile/launch or disagrees with ref."""
+    import triton.testing
+
+    try:
+        out = fn(cfg)
+        torch.cuda.synchronize()
+    except Exception as e:  # OutOfResources (shared memory), compile errors
+        print(f"  skip {cfg}: {type(e).__name__}")
+        return None
+    if not torch.allclose(out.float(), ref.float(), rtol=5e-2, atol=5e-2):
+        print(f"  skip {cfg}: wrong result")
+        return None
+    return triton.testing.do_bench(lambda: fn(cfg), warmup=5, rep=25, return_mode="median") * 1e3
+
+
+def tune(e: int, h: int, i: int, k: int, dtype: torch.dtype, tokens: list[int],
+         space: list[tuple[int, ...]]) -> dict[str, dict]:
+    from moeserve.kernels.fused_moe import fused_moe
+
+    best: dict[str, dict] = {}
+    print(f"{'tokens':>7} {'best µs':>9} {'default µs':>10}  best config")
+    for t in tokens:
+        x, w13, w2, ids, w = random_inputs(t, e, h, i, k, dtype, seed=t)
+        fn = lambda cfg: fused_moe(x, w13, w2, ids, w, config=cfg)  # noqa: E731
+        dflt = default_config(e, h, i, k, dtype, t)
+        ref = fn(dflt)
+        base = time_config(fn, dflt, ref)
+        timed = [(us, cfg) for cfg in candidates(space, t, k, e)
+                 if (us := time_config(fn, cfg, ref)) is not None]
+        if base is not None:
+            timed.append((base, dflt))
+        us, cfg = min(timed, key=lambda p: p[0])
+        best[str(t)] = cfg
+        print(f"{t:>7} {us:>9.1f} {base or float('nan'):>10.1f}  "
+              + " ".join(f"{key}={cfg[key]}" for key in KEYS), flush=True)
+    return best
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--experts", type=int, required=True, help="experts on one GPU (E_local)")
+    p.add_argument("--hidden", type=int, required=True)
+    p.add_argument("--intermediate", type=int, required=True, help="per-expert I (w2: [E, H, I])")
+    p.add_argument("--topk", type=int, required=True)
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    p.add_argument("--tokens", type=int, nargs="+",
+                   default=[1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192])
+    p.add_argument("--out", default=str(SHIPPED_DIR), help="folder of the JSON (moe.config_dir)")
+    p.add_argument("--quick", action="store_true", help=f"{len(QUICK)} configs, not {len(SPACE)}")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("tune_moe needs a CUDA GPU: it times the compiled Triton kernels")
+    dtype = getattr(torch, args.dtype)
+    best = tune(args.experts, args.hidden, args.intermediate, args.topk, dtype,
+                sorted(args.tokens), QUICK if args.quick else SPACE)
+    out = Path(args.out) / config_file_name(args.experts, args.hidden, args.intermediate, dtype)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(best, indent=1) + "\n")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
