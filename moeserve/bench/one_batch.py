@@ -97,7 +97,8 @@ def _touched_experts(runner: ModelRunner, fb: ForwardBatch) -> torch.Tensor | No
     was = rec.recording
     before = rec.physical_counts().clone()
     rec.start()
-    runner.forward_hidden(fb)
+    with torch.inference_mode():
+        runner.forward_hidden(fb)
     counts = rec.physical_counts() - before
     if not was:
         rec.stop()

@@ -3,8 +3,13 @@ tensors (declarative packing)."""
 
 from __future__ import annotations
 
+import functools
+import logging
+
 import torch
 from torch import nn
+
+logger = logging.getLogger(__name__)
 
 
 class Linear(nn.Linear):
@@ -22,7 +27,7 @@ class Linear(nn.Linear):
         """Prepack for CPU bf16 (the only dtype where oneDNN matches F.linear bit for bit);
         returns whether it did."""
         w = self.weight
-        if w.device.type != "cpu" or w.dtype != torch.bfloat16 or not _HAS_ONEDNN_LINEAR:
+        if w.device.type != "cpu" or w.dtype != torch.bfloat16 or not onednn_bf16_linear_works():
             return False
         self.packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), 16)
         return True
@@ -37,6 +42,23 @@ class Linear(nn.Linear):
 
 _HAS_ONEDNN_LINEAR = (torch.backends.mkldnn.is_available()
                       and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+
+
+@functools.cache
+def onednn_bf16_linear_works() -> bool:
+    """Run-time probe: oneDNN's bf16 prepack needs AVX512-BW/VL/DQ or AVX-NE-CONVERT, which the
+    flags alone do not tell (it raises on AVX2-only CPUs); without it F.linear runs."""
+    if not _HAS_ONEDNN_LINEAR:
+        return False
+    try:
+        w = torch.zeros(16, 16, dtype=torch.bfloat16)
+        packed = torch.ops.mkldnn._reorder_linear_weight(w, 16)
+        torch.ops.mkldnn._linear_pointwise(w, packed, None, "none", [None], "")
+        return True
+    except RuntimeError as e:
+        logger.info("oneDNN bf16 linear prepack unavailable on this CPU (%s): F.linear instead",
+                    str(e).splitlines()[0])
+        return False
 
 
 def pack_linears(model: nn.Module) -> int:

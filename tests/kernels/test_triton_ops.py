@@ -35,7 +35,7 @@ def close_to_torch(ours: torch.Tensor, ref: torch.Tensor) -> None:
     assert ours.dtype == ref.dtype and ours.shape == ref.shape
     if ours.dtype == torch.bfloat16:
         ulps = (ours.view(torch.int16).int() - ref.view(torch.int16).int()).abs()
-        assert int(ulps.max(initial=0)) <= 1
+        assert ulps.numel() == 0 or int(ulps.max()) <= 1
     else:
         torch.testing.assert_close(ours, ref, rtol=1e-6, atol=1e-6)
 
@@ -146,7 +146,11 @@ def test_topk_softmax(dtype, t, e, k, renormalize):
     assert weights.dtype == torch.float32 and ids.dtype == torch.int64
     assert weights.shape == ids.shape == (t, k)
     ref_w, ref_ids = select_experts(logits, RouterConfig(top_k=k, renormalize=renormalize))
-    assert torch.equal(ids, ref_ids)
+    # bf16 logits tie often; tied experts may come in another order than torch.topk's, with the
+    # same values
+    assert torch.equal(logits.gather(1, ids), logits.gather(1, ref_ids))
+    if dtype == torch.float32:
+        assert torch.equal(ids, ref_ids)
     torch.testing.assert_close(weights, ref_w, rtol=1e-6, atol=1e-7)
     probs = logits.double().softmax(-1)
     oracle = probs.gather(1, ids)  # the chosen ids are the top k of the float64 softmax
