@@ -36,9 +36,15 @@ def moe_align_block_size(topk_ids: torch.Tensor, block_m: int, first_expert: int
 
     sorted_ids lists local pairs expert by expert (stable within an expert), each expert's run
     padded to a multiple of block_m with T*K (no pair); non-local pairs appear nowhere. Block b
-    belongs to expert_ids[b], -1 past num_tokens_post_padded (whose rows are all padding)."""
+    belongs to expert_ids[b], -1 past num_tokens_post_padded (whose rows are all padding).
+
+    One token (batch-1 decode) whose K distinct experts all fit: block k holds pair k alone, in
+    pair order, with expert -1 where that expert is not local (`_align_one_token`: a parallel
+    kernel; the sorting one ran ~7 µs there, ×48 layers of a batch-1 step)."""
     topk_ids, n = topk_ids.contiguous(), topk_ids.numel()
     p = max_padded_pairs(n, num_local, block_m)
+    if topk_ids.shape[0] == 1 and p == n * block_m:
+        return _align_one_token(topk_ids, block_m, first_expert, num_local)
     if n <= TRITON_ALIGN_MAX_PAIRS:
         return _align_triton(topk_ids, block_m, first_expert, num_local, p)
     return _align_torch(topk_ids, block_m, first_expert, num_local, p)
@@ -56,6 +62,33 @@ def _align_triton(topk_ids, block_m, first_expert, num_local, p):
                         CHUNK_B=max(16, 2048 // block_m), num_warps=8 if chunk * block_e > 4096
                         else 4)
     return sorted_ids, expert_ids, num_post
+
+
+def _align_one_token(topk_ids, block_m, first_expert, num_local):
+    k, dev = topk_ids.numel(), topk_ids.device
+    sorted_ids = torch.empty(k * block_m, dtype=torch.int32, device=dev)
+    expert_ids = torch.empty(k, dtype=torch.int32, device=dev)
+    num_post = torch.empty(1, dtype=torch.int32, device=dev)
+    _align_one_token_kernel[(1,)](topk_ids, sorted_ids, expert_ids, num_post, first_expert,
+                                  num_local, K=k, BLOCK_K=max(16, triton.next_power_of_2(k)),
+                                  BLOCK_M=block_m)
+    return sorted_ids, expert_ids, num_post
+
+
+@triton.jit
+def _align_one_token_kernel(ids_ptr, sorted_ptr, expert_ptr, num_post_ptr, first_expert,
+                            num_local, K: tl.constexpr, BLOCK_K: tl.constexpr,
+                            BLOCK_M: tl.constexpr):
+    kk = tl.arange(0, BLOCK_K)
+    ok = kk < K
+    local = tl.load(ids_ptr + kk, mask=ok, other=0) - first_expert
+    is_local = (local >= 0) & (local < num_local)
+    tl.store(expert_ptr + kk, tl.where(is_local, local, -1).to(tl.int32), mask=ok)
+    rows = tl.arange(0, BLOCK_M)
+    vals = tl.where(rows[None, :] == 0, kk[:, None], K)  # [BK, BM]: the pair, then padding
+    tl.store(sorted_ptr + kk[:, None] * BLOCK_M + rows[None, :], vals.to(tl.int32),
+             mask=ok[:, None])
+    tl.store(num_post_ptr, K * BLOCK_M)
 
 
 def _align_torch(topk_ids, block_m, first_expert, num_local, p):

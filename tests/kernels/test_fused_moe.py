@@ -130,6 +130,20 @@ def test_align_block_size_layout(path, t, k, e, block_m, first, num_local, monke
     assert post == sum(-(-int((local == j).sum()) // block_m) * block_m for j in range(num_local))
 
 
+@pytest.mark.parametrize("first,num_local", [(0, 16), (4, 10)])
+def test_align_one_token_blocks_in_pair_order(first, num_local):
+    """Batch-1 decode: block k holds pair k alone; a non-local expert's block is -1 (skipped)."""
+    ids = torch.tensor([[9, 2, 15, 5]], device=DEVICE)
+    s, ex, post = fm.moe_align_block_size(ids, 16, first, num_local)
+    assert s.shape == (64,) and ex.shape == (4,) and int(post) == 64
+    blocks = s.view(4, 16).cpu()
+    assert blocks[:, 0].tolist() == [0, 1, 2, 3] and (blocks[:, 1:] == 4).all()
+    want = [i - first if 0 <= i - first < num_local else -1 for i in [9, 2, 15, 5]]
+    assert ex.tolist() == want
+    x, w13, w2, _, w = _inputs(1, 32, 24, 16, 4, seed=3, num_local=num_local)
+    _check(fm.fused_moe(x, w13, w2, ids, w, first, num_local), x, w13, w2, ids, w, first)
+
+
 def test_align_paths_agree():
     ids = _inputs(97, 16, 16, 32, 5, seed=9, stray=True)[3]
     p = fm.max_padded_pairs(ids.numel(), 20, 32)
