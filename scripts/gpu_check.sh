@@ -85,7 +85,7 @@ if [[ $what == serving || $what == all ]]; then
   python3 -m moeserve.tools.make_random --shape qwen3_30b_a3b --config-only --out /tmp/q3moe_full \
     >/dev/null
   python3 -m launch.server model.path=/tmp/q3moe_full model.load_format=dummy device=cuda \
-    server.port=31000 cache.max_running_requests=256 scheduler=throughput ${SERVER_ARGS:-} \
+    server.port=31000 cache.max_running_requests=256 ${SERVER_ARGS:-} \
     > "$OUT/server.log" 2>&1 &
   SERVER=$!
   for _ in $(seq 1 120); do curl -sf http://127.0.0.1:31000/health >/dev/null && break; sleep 2; done
