@@ -132,6 +132,57 @@ if triton is not None:
                             stride_vbt, stride_vbh, HEADS, DV, BLOCK_V)
 
     @triton.jit
+    def load_query(q_rows, mask_rows, dk, dpe, BLOCK_D: tl.constexpr, BLOCK_DPE: tl.constexpr,
+                   HAS_PE: tl.constexpr):
+        """Query rows [R, BLOCK_D] (the main dk channels) and, for MLA, the rope part
+        [R, BLOCK_DPE] (channels dk..dk+dpe; the main part again when there is none)."""
+        offs_d = tl.arange(0, BLOCK_D)
+        q = tl.load(q_rows + offs_d[None, :], mask=mask_rows[:, None] & (offs_d[None, :] < dk),
+                    other=0.0)
+        if HAS_PE:
+            offs_pe = dk + tl.arange(0, BLOCK_DPE)
+            q_pe = tl.load(q_rows + offs_pe[None, :],
+                           mask=mask_rows[:, None] & (offs_pe[None, :] < dk + dpe), other=0.0)
+        else:
+            q_pe = q
+        return q, q_pe
+
+    @triton.jit
+    def attend_kv_block(q, q_pe, k_buf, v_buf, slots, mask_n, keep, kv_head, stride_kt,
+                        stride_kh, stride_vt, stride_vh, dk, dpe, dv, scale_log2, m_i, l_i, acc,
+                        BLOCK_D: tl.constexpr, BLOCK_DPE: tl.constexpr, BLOCK_DV: tl.constexpr,
+                        HAS_PE: tl.constexpr, V_IS_K: tl.constexpr):
+        """One block of BLOCK_N keys at `slots` (valid where mask_n) into the online softmax of
+        the query rows: `keep` [R, BLOCK_N] says which scores count (validity, causality).
+        Shared by the decode and extend kernels; returns the updated (m_i, l_i, acc)."""
+        offs_d = tl.arange(0, BLOCK_D)
+        k_rows = k_buf + slots.to(tl.int64)[:, None] * stride_kt + kv_head * stride_kh
+        k = tl.load(k_rows + offs_d[None, :], mask=mask_n[:, None] & (offs_d[None, :] < dk),
+                    other=0.0).to(q.dtype)  # [BLOCK_N, BLOCK_D]
+        qk = tl.dot(q, tl.trans(k))  # [R, BLOCK_N] float32
+        if HAS_PE:
+            offs_pe = dk + tl.arange(0, BLOCK_DPE)
+            k_pe = tl.load(k_rows + offs_pe[None, :],
+                           mask=mask_n[:, None] & (offs_pe[None, :] < dk + dpe),
+                           other=0.0).to(q.dtype)
+            qk += tl.dot(q_pe, tl.trans(k_pe))
+        qk = tl.where(keep, qk * scale_log2, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(qk - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if V_IS_K:
+            v = k  # BLOCK_DV == BLOCK_D, dv == dk
+        else:
+            offs_dv = tl.arange(0, BLOCK_DV)
+            v_rows = v_buf + slots.to(tl.int64)[:, None] * stride_vt + kv_head * stride_vh
+            v = tl.load(v_rows + offs_dv[None, :],
+                        mask=mask_n[:, None] & (offs_dv[None, :] < dv), other=0.0)
+            v = v.to(q.dtype)  # [BLOCK_N, BLOCK_DV]
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        return m_new, l_i, acc
+
+    @triton.jit
     def _decode_split_kernel(
         q_ptr, k_buf, v_buf, req_to_token, req_pool_indices, seq_lens, part_out, part_lse,
         scale_log2, stride_qb, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_rt,
@@ -162,14 +213,8 @@ if triton is not None:
         start = split * per_split
         end = tl.minimum(start + per_split, seq_len)
 
-        offs_d = tl.arange(0, BLOCK_D)
         q_rows = q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh
-        q = tl.load(q_rows + offs_d[None, :], mask=mask_h[:, None] & (offs_d[None, :] < dk),
-                    other=0.0)  # [BLOCK_H, BLOCK_D]
-        if HAS_PE:
-            offs_pe = dk + tl.arange(0, BLOCK_DPE)
-            q_pe = tl.load(q_rows + offs_pe[None, :],
-                           mask=mask_h[:, None] & (offs_pe[None, :] < dk + dpe), other=0.0)
+        q, q_pe = load_query(q_rows, mask_h, dk, dpe, BLOCK_D, BLOCK_DPE, HAS_PE)
         offs_dv = tl.arange(0, BLOCK_DV)
 
         m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
@@ -179,29 +224,10 @@ if triton is not None:
             offs_n = n0 + tl.arange(0, BLOCK_N)
             mask_n = offs_n < end
             slots = tl.load(req_to_token + row * stride_rt + offs_n, mask=mask_n, other=0)
-            k_rows = k_buf + slots.to(tl.int64)[:, None] * stride_kt + kv_head * stride_kh
-            k = tl.load(k_rows + offs_d[None, :], mask=mask_n[:, None] & (offs_d[None, :] < dk),
-                        other=0.0).to(q.dtype)  # [BLOCK_N, BLOCK_D]
-            qk = tl.dot(q, tl.trans(k))  # [BLOCK_H, BLOCK_N] float32
-            if HAS_PE:
-                k_pe = tl.load(k_rows + offs_pe[None, :],
-                               mask=mask_n[:, None] & (offs_pe[None, :] < dk + dpe),
-                               other=0.0).to(q.dtype)
-                qk += tl.dot(q_pe, tl.trans(k_pe))
-            qk = tl.where(mask_n[None, :], qk * scale_log2, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(qk, 1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(qk - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            if V_IS_K:
-                v = k  # BLOCK_DV == BLOCK_D, dv == dk
-            else:
-                v_rows = v_buf + slots.to(tl.int64)[:, None] * stride_vt + kv_head * stride_vh
-                v = tl.load(v_rows + offs_dv[None, :],
-                            mask=mask_n[:, None] & (offs_dv[None, :] < dv), other=0.0)
-                v = v.to(q.dtype)  # [BLOCK_N, BLOCK_DV]
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            m_i = m_new
+            m_i, l_i, acc = attend_kv_block(
+                q, q_pe, k_buf, v_buf, slots, mask_n, mask_n[None, :], kv_head, stride_kt,
+                stride_kh, stride_vt, stride_vh, dk, dpe, dv, scale_log2, m_i, l_i, acc,
+                BLOCK_D, BLOCK_DPE, BLOCK_DV, HAS_PE, V_IS_K)
 
         nonempty = l_i > 0
         out = acc / tl.where(nonempty, l_i, 1.0)[:, None]

@@ -15,6 +15,8 @@ from moeserve.kernels.triton_attention import LOG2E, block_dim, triton
 if triton is not None:
     import triton.language as tl
 
+    from moeserve.kernels.triton_attention import attend_kv_block, load_query
+
 
 def extend_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor | None,
                      req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
@@ -75,14 +77,8 @@ if triton is not None:
         offs_m = m_blk * BLOCK_M + tl.arange(0, BLOCK_M)
         mask_m = offs_m < n_new
         q_pos = prefix + offs_m  # [BLOCK_M] absolute positions
-        offs_d = tl.arange(0, BLOCK_D)
         q_rows = q_ptr + (q0 + offs_m)[:, None] * stride_qt + h * stride_qh
-        q = tl.load(q_rows + offs_d[None, :], mask=mask_m[:, None] & (offs_d[None, :] < dk),
-                    other=0.0)  # [BLOCK_M, BLOCK_D]
-        if HAS_PE:
-            offs_pe = dk + tl.arange(0, BLOCK_DPE)
-            q_pe = tl.load(q_rows + offs_pe[None, :],
-                           mask=mask_m[:, None] & (offs_pe[None, :] < dk + dpe), other=0.0)
+        q, q_pe = load_query(q_rows, mask_m, dk, dpe, BLOCK_D, BLOCK_DPE, HAS_PE)
         offs_dv = tl.arange(0, BLOCK_DV)
 
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -93,31 +89,12 @@ if triton is not None:
             offs_n = n0 + tl.arange(0, BLOCK_N)
             mask_n = offs_n < kv_end
             slots = tl.load(req_to_token + row * stride_rt + offs_n, mask=mask_n, other=0)
-            k_rows = k_buf + slots.to(tl.int64)[:, None] * stride_kt + kv_head * stride_kh
-            k = tl.load(k_rows + offs_d[None, :], mask=mask_n[:, None] & (offs_d[None, :] < dk),
-                        other=0.0).to(q.dtype)  # [BLOCK_N, BLOCK_D]
-            qk = tl.dot(q, tl.trans(k))  # [BLOCK_M, BLOCK_N] float32
-            if HAS_PE:
-                k_pe = tl.load(k_rows + offs_pe[None, :],
-                               mask=mask_n[:, None] & (offs_pe[None, :] < dk + dpe),
-                               other=0.0).to(q.dtype)
-                qk += tl.dot(q_pe, tl.trans(k_pe))
             # row r sees position 0 in the first block, so m_i is finite from then on
             causal = mask_n[None, :] & (offs_n[None, :] <= q_pos[:, None])
-            qk = tl.where(causal, qk * scale_log2, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(qk, 1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(qk - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            if V_IS_K:
-                v = k
-            else:
-                v_rows = v_buf + slots.to(tl.int64)[:, None] * stride_vt + kv_head * stride_vh
-                v = tl.load(v_rows + offs_dv[None, :],
-                            mask=mask_n[:, None] & (offs_dv[None, :] < dv), other=0.0)
-                v = v.to(q.dtype)  # [BLOCK_N, BLOCK_DV]
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            m_i = m_new
+            m_i, l_i, acc = attend_kv_block(
+                q, q_pe, k_buf, v_buf, slots, mask_n, causal, kv_head, stride_kt, stride_kh,
+                stride_vt, stride_vh, dk, dpe, dv, scale_log2, m_i, l_i, acc, BLOCK_D,
+                BLOCK_DPE, BLOCK_DV, HAS_PE, V_IS_K)
 
         res = acc / l_i[:, None]
         o_rows = out_ptr + (q0 + offs_m)[:, None] * stride_ot + h * stride_oh
