@@ -35,6 +35,16 @@ SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
         n_routed_experts=64, num_experts_per_tok=6, n_shared_experts=2, first_k_dense_replace=1,
         routed_scaling_factor=1.0, topk_method="greedy", n_group=1, topk_group=1,
         max_position_embeddings=163840, rms_norm_eps=1e-6)),
+    # DeepSeek-V3 / R1 (671B); its checkpoint is FP8 in 128x128 blocks (quantization_config)
+    "deepseek_v3": ("DeepseekV3Config", dict(
+        hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048,
+        num_hidden_layers=61, num_attention_heads=128, num_key_value_heads=128, q_lora_rank=1536,
+        kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+        n_routed_experts=256, num_experts_per_tok=8, n_shared_experts=1, first_k_dense_replace=3,
+        routed_scaling_factor=2.5, n_group=8, topk_group=4, norm_topk_prob=True,
+        num_nextn_predict_layers=1, max_position_embeddings=163840, rms_norm_eps=1e-6,
+        quantization_config={"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                             "weight_block_size": [128, 128]})),
 }
 
 
