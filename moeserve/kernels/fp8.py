@@ -1,0 +1,136 @@
+"""Block-scaled FP8 (e4m3) GEMM kernels in the layout of DeepSeek-V3's checkpoints.
+
+Weights: `w` [N, K] float8_e4m3fn with `w_scale` [ceil(N/128), ceil(K/128)] float32, so that
+w_real[n, k] = w[n, k] * w_scale[n // 128, k // 128] (the checkpoints' `weight_scale_inv`).
+Activations are quantized on the fly per token and group of 128 channels:
+x_real[t, k] = x_q[t, k] * x_scale[t, k // 128]. The GEMM multiplies FP8 tiles on the tensor cores
+(fp32 accumulation) and applies both scales per 128-wide K block, so BLOCK_K is the group size.
+Dimensions that are not multiples of 128 work: the last block is partial and masked.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+GROUP = 128  # quantization group / weight block edge
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0  # largest finite e4m3fn value
+
+
+def quant_fp8_per_token_group(x: torch.Tensor, group: int = GROUP
+                              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, K] (any float dtype) → (x_q [T, K] float8_e4m3fn, scale [T, ceil(K/group)] float32)
+    with scale = amax(|group|) / 448 (a tiny floor keeps all-zero groups finite)."""
+    t, k = x.shape
+    groups = triton.cdiv(k, group)
+    x_q = torch.empty((t, k), dtype=FP8, device=x.device)
+    scale = torch.empty((t, groups), dtype=torch.float32, device=x.device)
+    if t == 0 or k == 0:
+        return x_q, scale
+    if not x.is_cuda:  # Triton's interpreter rounds float32 -> e4m3 wrongly for some values
+        return _quant_torch(x, group, groups)
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    _quant_group_kernel[(t, groups)](x, x_q, scale, k, x.stride(0), x_q.stride(0),
+                                     scale.stride(0), GROUP_SIZE=group, FP8_MAX=FP8_MAX)
+    return x_q, scale
+
+
+def _quant_torch(x: torch.Tensor, group: int, groups: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same quantization in torch ops (the CPU path, and the kernel's reference)."""
+    t, k = x.shape
+    padded = torch.nn.functional.pad(x.float(), (0, groups * group - k)).view(t, groups, group)
+    scale = padded.abs().amax(-1).clamp(min=1e-10) / FP8_MAX  # [T, G]
+    q = (padded / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).view(t, groups * group)[:, :k]
+    return q.to(FP8).contiguous(), scale
+
+
+@triton.jit
+def _quant_group_kernel(x_ptr, q_ptr, s_ptr, k, stride_x, stride_q, stride_s,
+                        GROUP_SIZE: tl.constexpr, FP8_MAX: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    g = tl.program_id(1)
+    offs = g * GROUP_SIZE + tl.arange(0, GROUP_SIZE)
+    mask = offs < k
+    x = tl.load(x_ptr + t * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+    scale = tl.maximum(tl.max(tl.abs(x), 0), 1e-10) / FP8_MAX
+    q = tl.clamp(x / scale, -FP8_MAX, FP8_MAX)
+    tl.store(q_ptr + t * stride_q + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
+    tl.store(s_ptr + t * stride_s + g, scale)
+
+
+def fp8_block_matmul(x_q: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor,
+                     w_scale: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16,
+                     block_m: int | None = None, block_n: int = 128, num_warps: int = 4,
+                     num_stages: int = 3) -> torch.Tensor:
+    """(x_q * x_scale) @ (w * w_scale)^T: x_q [T, K] fp8, x_scale [T, ceil(K/128)], w [N, K] fp8,
+    w_scale [ceil(N/128), ceil(K/128)] → [T, N] in out_dtype, fp32 accumulation."""
+    t, k = x_q.shape
+    n = w.shape[0]
+    out = torch.empty((t, n), dtype=out_dtype, device=x_q.device)
+    if t == 0 or n == 0:
+        return out
+    if block_m is None:
+        block_m = 16 if t <= 16 else 32 if t <= 64 else 64
+    assert GROUP % block_n == 0 or block_n % GROUP == 0
+    grid = (triton.cdiv(t, block_m), triton.cdiv(n, block_n))
+    _fp8_block_matmul_kernel[grid](
+        x_q, x_scale, w, w_scale, out, t, n, k, x_q.stride(0), x_scale.stride(0), w.stride(0),
+        w_scale.stride(0), out.stride(0), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=GROUP,
+        num_warps=num_warps, num_stages=num_stages)
+    return out
+
+
+@triton.jit
+def _fp8_block_matmul_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, m, n, k, stride_am,
+                             stride_asm, stride_bn, stride_bsn, stride_cm, BLOCK_M: tl.constexpr,
+                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Program (m block, n block): the K loop runs over 128-wide groups, each tile product
+    scaled by its activation-row scales and its weight block's scale."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_m, mask_n = offs_m < m, offs_n < n
+    offs_k = tl.arange(0, BLOCK_K)
+    a_rows = a_ptr + offs_m.to(tl.int64)[:, None] * stride_am
+    b_rows = b_ptr + offs_n.to(tl.int64)[:, None] * stride_bn
+    w_block = offs_n // BLOCK_K  # the weight scale row of each output column
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for g in range(0, tl.cdiv(k, BLOCK_K)):
+        kk = g * BLOCK_K + offs_k
+        mask_k = kk < k
+        a = tl.load(a_rows + kk[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+        b = tl.load(b_rows + kk[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0)
+        a_s = tl.load(as_ptr + offs_m * stride_asm + g, mask=mask_m, other=0.0)  # [BM]
+        b_s = tl.load(bs_ptr + w_block * stride_bsn + g, mask=mask_n, other=0.0)  # [BN]
+        acc += tl.dot(a, tl.trans(b)) * a_s[:, None] * b_s[None, :]
+    c = c_ptr + offs_m.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
+    tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+
+
+def fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
+               bias: torch.Tensor | None = None) -> torch.Tensor:
+    """A linear layer on block-FP8 weights: x [..., K] → [..., N] in x.dtype."""
+    x2 = x.reshape(-1, x.shape[-1])
+    x_q, x_s = quant_fp8_per_token_group(x2)
+    out = fp8_block_matmul(x_q, x_s, w, w_scale, out_dtype=x.dtype)
+    if bias is not None:
+        out += bias
+    return out.view(*x.shape[:-1], w.shape[0])
+
+
+def quantize_weight_fp8_blocks(w: torch.Tensor, block: int = GROUP
+                               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [N, K] float → (w_q float8_e4m3fn [N, K], scale [ceil(N/block), ceil(K/block)] float32):
+    the checkpoint format (`weight_scale_inv`), for `model.quantization=fp8` on bf16 weights and
+    for test checkpoints. Torch ops (runs once, at load)."""
+    n, k = w.shape
+    nb, kb = triton.cdiv(n, block), triton.cdiv(k, block)
+    padded = torch.zeros((nb * block, kb * block), dtype=torch.float32, device=w.device)
+    padded[:n, :k] = w.float()
+    tiles = padded.view(nb, block, kb, block)
+    scale = tiles.abs().amax(dim=(1, 3)).clamp(min=1e-10) / FP8_MAX  # [nb, kb]
+    q = (tiles / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).view(nb * block, kb * block)
+    return q[:n, :k].to(FP8).contiguous(), scale
