@@ -74,3 +74,50 @@ def test_fp8_linear_close_to_the_bf16_linear():
     ref = torch.nn.functional.linear(x.double(), w.double(), b.double())
     assert out.shape == (3, 4, 200)
     assert float((out.double() - ref).norm() / ref.norm()) < 0.05  # two e4m3 roundings
+
+
+def _fp8_experts(e: int, rows: int, cols: int, gen):
+    """e experts of [rows, cols] quantized in 128 x 128 blocks: (w_q [e, rows, cols] fp8,
+    scales [e, ceil(rows/128), ceil(cols/128)], dequantized float64)."""
+    ws = [torch.randn(rows, cols, generator=gen) / cols**0.5 for _ in range(e)]
+    qs = [quantize_weight_fp8_blocks(w.to(DEVICE)) for w in ws]
+    w_q = torch.stack([q for q, _ in qs])
+    scales = torch.stack([s for _, s in qs])
+    deq = torch.stack([dequantize_fp8_blocks(q, s).double().cpu() for q, s in qs])
+    return w_q, scales, deq
+
+
+@pytest.mark.parametrize("t,k,first,num_local", [(1, 2, 0, 6), (9, 4, 0, 6), (40, 2, 3, 4)])
+def test_fp8_fused_moe_equals_float64_on_dequantized_weights(t, k, first, num_local):
+    """Partial blocks (H 200, I 72), EP-local masking (ids outside [first, first + num_local))."""
+    from moeserve.kernels.fused_moe import fused_moe
+
+    h, i, e_global = 200, 72, 10
+    g = torch.Generator().manual_seed(t * 7 + k)
+    w13_q, w13_s, w13 = _fp8_experts(num_local, 2 * i, h, g)
+    w2_q, w2_s, w2 = _fp8_experts(num_local, h, i, g)
+    x = torch.randn(t, h, generator=g).to(DEVICE)
+    ids = torch.rand(t, e_global, generator=g).argsort(1)[:, :k].to(DEVICE)
+    w = torch.rand(t, k, generator=g).to(DEVICE)
+    dtype = torch.float32 if DEVICE == "cpu" else torch.bfloat16
+    cfg = dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=32, BLOCK_SIZE_K=64, GROUP_SIZE_M=1, num_warps=4,
+               num_stages=2)
+    out = fused_moe(x.to(dtype), w13_q, w2_q, ids, w, first, num_local, cfg, w13_s, w2_s)
+    # reference: the same activation quantization, float64 products on dequantized weights
+    x_q, x_s = quant_fp8_per_token_group(x.to(dtype))
+    xd = _dequant_rows(x_q, x_s).cpu()
+    ref = torch.zeros(t, h, dtype=torch.float64)
+    for tok in range(t):
+        for j in range(k):
+            e = int(ids[tok, j]) - first
+            if not 0 <= e < num_local:
+                continue
+            gu = w13[e] @ xd[tok]
+            inter = torch.nn.functional.silu(gu[:i]) * gu[i:]
+            iq, i_s = quant_fp8_per_token_group(inter[None].float().to(DEVICE))
+            ref[tok] += float(w[tok, j]) * (w2[e] @ _dequant_rows(iq, i_s).cpu()[0])
+    tol = 1e-4 if dtype == torch.float32 else 5e-2  # fp32: only rounding flips of the intermediate
+    assert out.shape == (t, h) and out.dtype == dtype
+    err = float((out.double().cpu() - ref).norm() / ref.norm())
+    print(f"fp8 fused moe rel err {err:.2e}")
+    assert err < tol
