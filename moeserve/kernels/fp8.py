@@ -14,9 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
-GROUP = 128  # quantization group / weight block edge
-FP8 = torch.float8_e4m3fn
-FP8_MAX = 448.0  # largest finite e4m3fn value
+from moeserve.kernels.fp8_format import FP8, FP8_MAX
+from moeserve.kernels.fp8_format import FP8_BLOCK as GROUP
 
 
 def quant_fp8_per_token_group(x: torch.Tensor, group: int = GROUP
@@ -119,18 +118,3 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
     if bias is not None:
         out += bias
     return out.view(*x.shape[:-1], w.shape[0])
-
-
-def quantize_weight_fp8_blocks(w: torch.Tensor, block: int = GROUP
-                               ) -> tuple[torch.Tensor, torch.Tensor]:
-    """w [N, K] float → (w_q float8_e4m3fn [N, K], scale [ceil(N/block), ceil(K/block)] float32):
-    the checkpoint format (`weight_scale_inv`), for `model.quantization=fp8` on bf16 weights and
-    for test checkpoints. Torch ops (runs once, at load)."""
-    n, k = w.shape
-    nb, kb = triton.cdiv(n, block), triton.cdiv(k, block)
-    padded = torch.zeros((nb * block, kb * block), dtype=torch.float32, device=w.device)
-    padded[:n, :k] = w.float()
-    tiles = padded.view(nb, block, kb, block)
-    scale = tiles.abs().amax(dim=(1, 3)).clamp(min=1e-10) / FP8_MAX  # [nb, kb]
-    q = (tiles / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).view(nb * block, kb * block)
-    return q[:n, :k].to(FP8).contiguous(), scale

@@ -21,7 +21,8 @@ from safetensors import safe_open
 from torch import nn
 from tqdm import tqdm
 
-FP8_BLOCK = 128
+from moeserve.kernels.fp8_format import dequantize_fp8_blocks  # noqa: F401 (re-exported)
+
 _EXPERT_RE = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<id>\d+)\.(?P<proj>\w+)\.weight$")
 
 
@@ -73,13 +74,6 @@ def _ready_fp8(pending: dict, scales: dict, dtype: torch.dtype):
     for name in [n for n in pending if n in scales]:
         w = dequantize_fp8_blocks(pending.pop(name), scales.pop(name))
         yield name, w if dtype is None else w.to(dtype)
-
-
-def dequantize_fp8_blocks(weight: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
-    """weight: [N, K] fp8, scale_inv: [ceil(N/128), ceil(K/128)] → float32 [N, K]."""
-    n, k = weight.shape
-    scale = scale_inv.float().repeat_interleave(FP8_BLOCK, 0).repeat_interleave(FP8_BLOCK, 1)
-    return weight.float() * scale[:n, :k]
 
 
 def load_weights(model: nn.Module, weights: Iterator[tuple[str, torch.Tensor]]) -> None:

@@ -307,24 +307,70 @@ def make_tiny(
     seed: int = 0,
     num_layers: int | None = None,
     shard: bool = False,
+    fp8: bool = False,
     **config_overrides: Any,
 ) -> str:
     """Write a tiny random `arch` checkpoint into `out` (created if needed) and return `out`.
 
     The model equals `build_tiny_model(arch, seed, num_layers, **config_overrides)`. DeepSeek archs
     also get one MTP layer (`model.layers.{num_hidden_layers}.*`) and `num_nextn_predict_layers: 1`.
+    `fp8`: the projections are stored as DeepSeek-V3's are, e4m3 with a `weight_scale_inv` per
+    128 x 128 block, and config.json gets its `quantization_config` (the model is then the one
+    these tensors dequantize to, `dequantized_checkpoint`).
     """
     model = build_tiny_model(arch, seed, num_layers, **config_overrides)
     tensors = _checkpoint_tensors(model, mtp=arch in DEEPSEEK_ARCHS, seed=seed)
+    if fp8:
+        tensors = fp8_checkpoint(tensors)
     os.makedirs(out, exist_ok=True)
     for name in os.listdir(out):  # a previous run may have used the other layout
         if name.startswith("model") and name.endswith((".safetensors", ".safetensors.index.json")):
             os.remove(os.path.join(out, name))
     _write_safetensors(tensors, out, shard)
+    config = _config_dict(model, arch)
+    if fp8:
+        config["quantization_config"] = dict(FP8_QUANTIZATION_CONFIG)
     with open(os.path.join(out, "config.json"), "w") as f:
-        json.dump(_config_dict(model, arch), f, indent=2)
+        json.dump(config, f, indent=2)
     model.generation_config.save_pretrained(out)
     load_tokenizer().save_pretrained(out)
+    return out
+
+
+FP8_QUANTIZATION_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                           "weight_block_size": [128, 128]}
+
+
+def _is_fp8_weight(name: str, t: torch.Tensor) -> bool:
+    """DeepSeek-V3 stores its linear projections in FP8 (`*_proj`, `kv_a_proj_with_mqa`);
+    embeddings, the LM head, norms, routers and the correction bias stay in higher precision."""
+    return t.dim() == 2 and name.endswith(("_proj.weight", "_proj_with_mqa.weight"))
+
+
+def fp8_checkpoint(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The projections of a checkpoint as e4m3 + `weight_scale_inv` blocks."""
+    from moeserve.kernels.fp8_format import quantize_fp8_blocks
+
+    out: dict[str, torch.Tensor] = {}
+    for name, t in tensors.items():
+        if _is_fp8_weight(name, t):
+            out[name], out[name + "_scale_inv"] = quantize_fp8_blocks(t)
+        else:
+            out[name] = t
+    return out
+
+
+def dequantized_checkpoint(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The tensors an FP8 checkpoint stands for (float32 projections, no scales): what
+    transformers should hold to be compared with a model loaded from the FP8 files."""
+    from moeserve.kernels.fp8_format import dequantize_fp8_blocks
+
+    out = {}
+    for name, t in tensors.items():
+        if name.endswith("_scale_inv"):
+            continue
+        scale = tensors.get(name + "_scale_inv")
+        out[name] = t if scale is None else dequantize_fp8_blocks(t, scale)
     return out
 
 
@@ -380,10 +426,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--layers", type=int, default=None, help="num_hidden_layers (without MTP)")
     p.add_argument("--shard", action="store_true", help="2 shards + model.safetensors.index.json")
+    p.add_argument("--fp8", action="store_true",
+                   help="projections in DeepSeek's block FP8 (e4m3 + weight_scale_inv)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=JSON", help="config override")
     args = p.parse_args(argv)
     overrides = dict(_parse_override(s) for s in args.set)
-    print(make_tiny(args.arch, args.out, args.seed, args.layers, args.shard, **overrides))
+    print(make_tiny(args.arch, args.out, args.seed, args.layers, args.shard, args.fp8,
+                    **overrides))
 
 
 if __name__ == "__main__":

@@ -6,9 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moeserve.kernels.fp8 import (FP8_MAX, fp8_block_matmul, fp8_linear,
-                                  quant_fp8_per_token_group, quantize_weight_fp8_blocks)
-from moeserve.models.loader import dequantize_fp8_blocks
+from moeserve.kernels.fp8 import fp8_block_matmul, fp8_linear, quant_fp8_per_token_group
+from moeserve.kernels.fp8_format import FP8_MAX, dequantize_fp8_blocks, quantize_fp8_blocks
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -45,7 +44,7 @@ def test_block_matmul_equals_float64_on_dequantized_operands(t, n, k):
     g = torch.Generator().manual_seed(t * n + k)
     x = torch.randn(t, k, generator=g).to(DEVICE)
     w = (torch.randn(n, k, generator=g) * 0.05).to(DEVICE)
-    w_q, w_s = quantize_weight_fp8_blocks(w)
+    w_q, w_s = quantize_fp8_blocks(w)
     assert w_s.shape == (-(-n // 128), -(-k // 128))
     x_q, x_s = quant_fp8_per_token_group(x)
     dtype = torch.float32 if DEVICE == "cpu" else torch.bfloat16
@@ -58,7 +57,7 @@ def test_block_matmul_equals_float64_on_dequantized_operands(t, n, k):
 def test_weight_blocks_round_trip_through_the_checkpoint_dequantizer():
     """Our quantizer writes what the loader reads: dequantized within e4m3 rounding."""
     w = torch.randn(200, 300, generator=torch.Generator().manual_seed(1)).to(DEVICE)
-    w_q, w_s = quantize_weight_fp8_blocks(w)
+    w_q, w_s = quantize_fp8_blocks(w)
     back = dequantize_fp8_blocks(w_q, w_s)
     block_scale = w_s.repeat_interleave(128, 0).repeat_interleave(128, 1)[:200, :300]
     assert ((back - w).abs() <= w.abs() / 16 + block_scale * 2**-9).all()
@@ -69,7 +68,7 @@ def test_fp8_linear_close_to_the_bf16_linear():
     x = torch.randn(3, 4, 300, generator=g).to(DEVICE)
     w = (torch.randn(200, 300, generator=g) * 0.05).to(DEVICE)
     b = torch.randn(200, generator=g).to(DEVICE)
-    w_q, w_s = quantize_weight_fp8_blocks(w)
+    w_q, w_s = quantize_fp8_blocks(w)
     out = fp8_linear(x, w_q, w_s, b)
     ref = torch.nn.functional.linear(x.double(), w.double(), b.double())
     assert out.shape == (3, 4, 200)
@@ -80,7 +79,7 @@ def _fp8_experts(e: int, rows: int, cols: int, gen):
     """e experts of [rows, cols] quantized in 128 x 128 blocks: (w_q [e, rows, cols] fp8,
     scales [e, ceil(rows/128), ceil(cols/128)], dequantized float64)."""
     ws = [torch.randn(rows, cols, generator=gen) / cols**0.5 for _ in range(e)]
-    qs = [quantize_weight_fp8_blocks(w.to(DEVICE)) for w in ws]
+    qs = [quantize_fp8_blocks(w.to(DEVICE)) for w in ws]
     w_q = torch.stack([q for q, _ in qs])
     scales = torch.stack([s for _, s in qs])
     deq = torch.stack([dequantize_fp8_blocks(q, s).double().cpu() for q, s in qs])
