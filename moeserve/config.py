@@ -22,6 +22,8 @@ DEEPEP_MODES = ("auto", "normal", "low_latency")
 DP_POLICIES = ("round_robin", "shortest_queue", "prefix_aware")
 RECORD_MODES = ("off", "stat", "per_pass")
 CLUSTER_KINDS = ("local", "local_2node", "slurm")
+TOOL_PARSERS = ("auto", "none", "deepseek_v3", "hermes", "llama3")
+REASONING_PARSERS = (None, "deepseek_r1", "qwen3")
 SPEC_ALGORITHMS = ("none", "nextn")
 
 
@@ -91,6 +93,8 @@ class ServerConfig:
     max_n: int = 16  # largest `n` accepted per request
     log_level: str = "info"
     startup_timeout_s: float = 600.0
+    tool_parser: str = "auto"  # auto (from the chat template) | none | deepseek_v3 | hermes | llama3
+    reasoning_parser: str | None = None  # deepseek_r1 | qwen3: <think>…</think> → reasoning_content
 
 
 @dataclass(frozen=True)
@@ -161,9 +165,13 @@ class CudaGraphConfig:
 
 @dataclass(frozen=True)
 class TBOConfig:
-    """Two-batch overlap. Schema only: enabling it is refused until it is implemented."""
+    """Two-batch overlap (moeserve/tbo/): each step of a MoE model under expert parallelism runs
+    as two micro-batches whose dispatch/combine hides behind the other's compute. With a dense
+    model or ep_size=1 it is a no-op (logged)."""
 
     enabled: bool = False
+    # a step splits when some rank has at least this many tokens (1: every step with a token)
+    min_tokens: int = 32
 
 
 @dataclass(frozen=True)
@@ -283,9 +291,12 @@ def validate(cfg: MoeserveConfig) -> MoeserveConfig:
     _check_positive("scheduler.stream_interval", cfg.scheduler.stream_interval, False)
     _check_positive("scheduler.cpu_threads", cfg.scheduler.cpu_threads)
     _check_positive("server.max_n", cfg.server.max_n, False)
+    _check_choice("server.tool_parser", cfg.server.tool_parser, TOOL_PARSERS)
+    _check_choice("server.reasoning_parser", cfg.server.reasoning_parser, REASONING_PARSERS)
     if not 0 < cfg.server.port < 65536:
         raise ConfigError("server.port", f"{cfg.server.port} is not a TCP port")
     _validate_parallel(cfg.parallel)
+    _check_positive("tbo.min_tokens", cfg.tbo.min_tokens, False)
     _check_choice("eplb.record_mode", cfg.eplb.record_mode, RECORD_MODES)
     if cfg.eplb.num_redundant_experts < 0:
         raise ConfigError("eplb.num_redundant_experts", "must be >= 0")
@@ -302,8 +313,6 @@ def validate(cfg: MoeserveConfig) -> MoeserveConfig:
 
 def _validate_not_implemented(cfg: MoeserveConfig) -> None:
     """Schemas that exist ahead of their feature: enabling them is refused, never ignored."""
-    if cfg.tbo.enabled:
-        raise ConfigError("tbo.enabled", "two-batch overlap is not implemented yet")
     _check_choice("spec.algorithm", cfg.spec.algorithm, SPEC_ALGORITHMS)
     if cfg.spec.algorithm != "none":
         raise ConfigError("spec.algorithm", "speculative decoding (MTP/NextN) is not implemented yet")

@@ -48,17 +48,36 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    # OpenAI: logit -= count × frequency + (count > 0) × presence, over the generated tokens
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    # transformers/vLLM: seen (prompt or generated) tokens' logits divided (>0) or multiplied by it
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))  # normalise before use; still frozen
         object.__setattr__(self, "stop", tuple(self.stop or ()))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
+        bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
+        object.__setattr__(self, "logit_bias", tuple(sorted((int(t), float(b)) for t, b in bias)))
         self.validate()
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def has_penalties(self) -> bool:
+        """Penalties need the request's token history at every sampling step."""
+        return (self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
+                or self.repetition_penalty != 1.0)
+
+    @property
+    def edits_logits(self) -> bool:
+        """The raw logits are not what is sampled (greedy must see the edited ones too)."""
+        return self.has_penalties or bool(self.logit_bias)
 
     def validate(self) -> None:
         checks = [
@@ -67,6 +86,11 @@ class SamplingParams:
             (0.0 < self.top_p <= 1.0, "top_p must be in (0, 1]"),
             (self.top_k == -1 or self.top_k >= 1, "top_k must be -1 or >= 1"),
             (0.0 <= self.min_p <= 1.0, "min_p must be in [0, 1]"),
+            (-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty must be in [-2, 2]"),
+            (-2.0 <= self.presence_penalty <= 2.0, "presence_penalty must be in [-2, 2]"),
+            (0.0 < self.repetition_penalty <= 2.0, "repetition_penalty must be in (0, 2]"),
+            (all(-100.0 <= b <= 100.0 for _, b in self.logit_bias),
+             "logit_bias values must be in [-100, 100]"),
         ]
         for ok, message in checks:
             if not ok:

@@ -39,6 +39,9 @@ class ForwardBatch:
     global_forward_mode: ForwardMode | None = None  # across DP ranks: EXTEND if any rank extends
     global_num_tokens: list[int] | None = None  # every rank's token count (DP sync), for EP
     attn_metadata: object = field(default=None, repr=False)  # filled by the backend
+    tbo: bool = False  # run as two overlapped micro-batches (every rank agreed in the DP sync)
+    # one half of a two-batch-overlap step (tbo/split.py): backends keep no cross-step state for it
+    micro_batch: bool = False
 
     @property
     def batch_size(self) -> int:

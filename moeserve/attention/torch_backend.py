@@ -48,7 +48,8 @@ class _KeptKV:
     index_selects per layer, ~0.1 ms each for 16 requests of 256 tokens). The next step whose key is
     this one's with every seq_len + 1 appends its new row instead. The positions below seq_len - 1
     of a running request never change between two decode steps; any other step (extend, verify,
-    idle) drops everything kept, so a request re-admitted into the same row is gathered afresh.
+    idle, a two-batch-overlap micro-batch) drops everything kept, so a request re-admitted into the
+    same row is gathered afresh.
     """
 
     key: tuple
@@ -90,7 +91,8 @@ class TorchAttentionBackend(AttentionBackend):
             meta.mask_bias = torch.zeros(kv_mask.shape, dtype=torch.float32, device=table.device)
             meta.mask_bias.masked_fill_(~kv_mask, float("-inf"))
             meta.mask_bias = meta.mask_bias[:, None, None, :]
-        if fb.forward_mode.is_decode() and table.device.type == "cpu":
+        # NOTE: a TBO micro-batch keeps nothing: its two halves would evict each other's K/V
+        if fb.forward_mode.is_decode() and table.device.type == "cpu" and not fb.micro_batch:
             rows = tuple(fb.req_pool_indices.tolist())
             meta.step_key = (rows, tuple(fb.seq_lens_cpu), max_len)
             meta.prev_key = (rows, tuple(n - 1 for n in fb.seq_lens_cpu), max_len)

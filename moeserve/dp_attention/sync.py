@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from moeserve.core import ForwardMode
 from moeserve.distributed import ParallelMesh
+from moeserve.tbo.strategy import decide
 
 NO_BATCH = 0  # mode slot when the rank has nothing to run
 OP_REBALANCE = 1  # an EPLB rebalance was requested
@@ -25,6 +26,7 @@ class GlobalBatchInfo:
     modes: list[int]  # ForwardMode value per rank, NO_BATCH when idle
     stop: list[bool]  # the rank's caller wants the loop to end (Engine runs)
     ops: list[int]  # per rank: bitmask of pending lockstep operations (OP_*)
+    tbo_votes: list[int]  # per rank: two-batch-overlap vote (tbo/strategy.py: NO_VOTE/WANT/VETO)
 
     @property
     def any_work(self) -> bool:
@@ -39,6 +41,11 @@ class GlobalBatchInfo:
         return all(o & op for o in self.ops)
 
     @property
+    def tbo_split(self) -> bool:
+        """Every rank runs this step as two micro-batches (the same answer on every rank)."""
+        return decide(self.tbo_votes)
+
+    @property
     def global_mode(self) -> ForwardMode:
         """EXTEND when any rank extends (DeepEP normal mode), else DECODE."""
         extend = any(m not in (NO_BATCH, ForwardMode.DECODE) for m in self.modes)
@@ -46,9 +53,10 @@ class GlobalBatchInfo:
 
 
 def dp_sync(mesh: ParallelMesh, num_tokens: int, mode: ForwardMode | None, stop: bool,
-            ops: int = 0) -> GlobalBatchInfo:
-    """Gather (tokens, mode, stop, ops) from every rank; a single-rank mesh answers locally."""
-    local = [num_tokens, int(mode) if mode is not None else NO_BATCH, int(stop), ops]
+            ops: int = 0, tbo_vote: int = 0) -> GlobalBatchInfo:
+    """Gather (tokens, mode, stop, ops, tbo vote) from every rank in one collective; a single-rank
+    mesh answers locally."""
+    local = [num_tokens, int(mode) if mode is not None else NO_BATCH, int(stop), ops, tbo_vote]
     if not mesh.distributed:
         rows = [local]
     else:
@@ -58,4 +66,5 @@ def dp_sync(mesh: ParallelMesh, num_tokens: int, mode: ForwardMode | None, stop:
         gather(out, mine, group=mesh.cpu_group)
         rows = out.view(mesh.world_size, len(local)).tolist()
     return GlobalBatchInfo([r[0] for r in rows], [r[1] for r in rows],
-                           [bool(r[2]) for r in rows], [r[3] for r in rows])
+                           [bool(r[2]) for r in rows], [r[3] for r in rows],
+                           [r[4] for r in rows])

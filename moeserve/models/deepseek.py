@@ -83,16 +83,31 @@ class MLAttention(nn.Module):
         return self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+        return self.output(self.core(self.prepare(x, positions), fb))
+
+    def _w_kv(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """kv_b_proj as (W_UK [H, nope, R], W_UV [H, v, R])."""
+        w_kv = self.kv_b_proj.weight.view(self.num_heads, self.nope_dim + self.v_dim,
+                                          self.kv_lora_rank)
+        return w_kv.split([self.nope_dim, self.v_dim], dim=1)
+
+    # The three stages of the op list (DecoderLayer.operations): projections, backend, output.
+    def prepare(self, x: torch.Tensor, positions: torch.Tensor) -> tuple:
+        """→ (absorbed q [T, H, R + r], latent [T, 1, R + r])."""
         q = self._q(x).view(-1, self.num_heads, self.nope_dim + self.rope_dim)
         q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], dim=-1)  # [T, H, nope], [T, H, r]
         c_kv, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
         q_pe, k_pe = self.rotary(positions, q_pe, k_pe[:, None])  # k_pe: [T, 1, r]
-        w_kv = self.kv_b_proj.weight.view(self.num_heads, self.nope_dim + self.v_dim,
-                                          self.kv_lora_rank)
-        w_uk, w_uv = w_kv.split([self.nope_dim, self.v_dim], dim=1)  # [H, nope, R], [H, v, R]
-        q_lat = torch.einsum("thn,hnr->thr", q_nope, w_uk)  # [T, H, R]
+        q_lat = torch.einsum("thn,hnr->thr", q_nope, self._w_kv()[0])  # [T, H, R]
         latent = torch.cat([self.kv_a_layernorm(c_kv)[:, None], k_pe], dim=-1)  # [T, 1, R + r]
-        out = self.attn(torch.cat([q_lat, q_pe], dim=-1), latent, None, fb)  # [T, H * R]
+        return torch.cat([q_lat, q_pe], dim=-1), latent
+
+    def core(self, q_latent: tuple, fb: ForwardBatch) -> torch.Tensor:
+        q, latent = q_latent
+        return self.attn(q, latent, None, fb)  # [T, H * R]
+
+    def output(self, out: torch.Tensor) -> torch.Tensor:
+        w_uv = self._w_kv()[1]  # [H, v, R]
         out = torch.einsum("thr,hvr->thv", out.view(-1, self.num_heads, self.kv_lora_rank), w_uv)
         return self.o_proj(out.flatten(1))  # [T, hidden]
 
@@ -126,11 +141,18 @@ class DeepseekMoE(nn.Module):
         self.shared_experts = (MLP(cfg.hidden_size, cfg.moe_intermediate_size * n_shared)
                                if n_shared else None)
 
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """→ (weights, logical ids), [T, K] each."""
+        return select_experts(self.gate(x), self.router, self.gate.e_score_correction_bias)
+
+    def shared(self, x: torch.Tensor) -> torch.Tensor | None:
+        return None if self.shared_experts is None else self.shared_experts(x)
+
     def forward(self, x: torch.Tensor, fb: ForwardBatch | None = None) -> torch.Tensor:
-        weights, ids = select_experts(self.gate(x), self.router,
-                                      self.gate.e_score_correction_bias)  # [T, K] each
+        weights, ids = self.route(x)
         out = run_routed_experts(self.experts, x, ids, weights, self.parallel, fb, self.layer_id)
-        return out if self.shared_experts is None else out + self.shared_experts(x)
+        shared = self.shared(x)
+        return out if shared is None else out + shared
 
 
 class DeepseekDecoderLayer(DecoderLayer):
@@ -173,12 +195,8 @@ class DeepseekModel(DecoderModel):
         self.num_main_layers = cfg.num_hidden_layers
         self.layers.extend(extra_layers)
 
-    def forward(self, fb: ForwardBatch) -> torch.Tensor:
-        x, residual = self.embed_tokens(fb.input_ids), None
-        for layer in self.layers[: self.num_main_layers]:
-            x, residual = layer(x, residual, fb.positions, fb)
-        x, _ = self.norm(x, residual)
-        return x
+    def main_layers(self) -> list[nn.Module]:
+        return list(self.layers[: self.num_main_layers])
 
 
 def _is_moe_layer(cfg: Any, i: int) -> bool:

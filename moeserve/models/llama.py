@@ -15,8 +15,10 @@ from moeserve.kernels.cpu_ops import CpuKernels
 from moeserve.layers.activation import silu_and_mul
 from moeserve.layers.attention import PagedAttention
 from moeserve.layers.linear import Linear, MergedLinear
+from moeserve.layers.moe import moe_operations
 from moeserve.layers.norm import RMSNorm, rms_norm_heads
 from moeserve.layers.rotary import get_rope
+from moeserve.tbo.operations import ForwardState, MoEStepState, Op, Yield, run_straight
 
 if TYPE_CHECKING:  # importing it imports Triton
     from moeserve.kernels.triton_ops import TritonOps
@@ -46,6 +48,11 @@ class Attention(nn.Module):
                                    self.head_dim**-0.5)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+        return self.output(self.core(self.prepare(x, positions), fb))
+
+    # The three stages of the op list (DecoderLayer.operations): projections, backend, output.
+    def prepare(self, x: torch.Tensor, positions: torch.Tensor) -> tuple:
+        """→ (q [T, H, D], k [T, Hkv, D], v [T, Hkv * D]) with norms and rope applied."""
         qkv = self.qkv_proj(x)  # [T, (H + 2 Hkv) D], a fresh tensor
         h, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         # q and k as one [T, H + Hkv, D] view: their norms and rope in one pass each
@@ -62,8 +69,13 @@ class Attention(nn.Module):
             if self.q_norm is not None:
                 qk = rms_norm_heads(qk, [(h, self.q_norm), (hkv, self.k_norm)])
             qk = self.rotary.rotate(positions, qk)
-        q, k, v = qk[:, :h], qk[:, h:], qkv[:, (h + hkv) * d :]
-        return self.o_proj(self.attn(q, k, v, fb))
+        return qk[:, :h], qk[:, h:], qkv[:, (h + hkv) * d :]
+
+    def core(self, qkv: tuple, fb: ForwardBatch) -> torch.Tensor:
+        return self.attn(*qkv, fb)  # [T, H * D]
+
+    def output(self, out: torch.Tensor) -> torch.Tensor:
+        return self.o_proj(out)
 
 
 class MLP(nn.Module):
@@ -87,13 +99,70 @@ class DecoderLayer(nn.Module):
         setattr(self, mlp_name, mlp)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self._ops: list[Op | Yield] | None = None  # built on first use
+
+    @property
+    def layer_id(self) -> int:
+        return self.self_attn.attn.spec.layer_id
+
+    @property
+    def is_moe(self) -> bool:
+        """The feed-forward block is routed experts (it has the MoE stages: `route`, `shared`)."""
+        return hasattr(getattr(self, self.mlp_name), "route")
 
     def forward(self, x, residual, positions, fb):
-        x, residual = self.input_layernorm(x, residual) if residual is not None else (
-            self.input_layernorm(x), x)
+        if not self.is_moe:
+            return self._forward_dense(x, residual, positions, fb)
+        state = ForwardState(fb, positions, x, residual)
+        run_straight(self.operations(), state)
+        return state.hidden, state.residual
+
+    def _forward_dense(self, x, residual, positions, fb):
+        x, residual = self._input_norm(x, residual)
         x = self.self_attn(x, positions, fb)
         x, residual = self.post_attention_layernorm(x, residual)
         return getattr(self, self.mlp_name)(x, fb), residual
+
+    def _input_norm(self, x, residual):
+        return self.input_layernorm(x, residual) if residual is not None else (
+            self.input_layernorm(x), x)
+
+    def operations(self) -> list[Op | Yield]:
+        """This layer as an op list (tbo/operations.py). A dense layer is one op; a MoE layer
+        is attention (prepare, core, output) → router → dispatch start | dispatch wait →
+        experts → combine start | combine wait → shared experts → residual, where `|` is a
+        yield: the other micro-batch computes while this one's tokens travel."""
+        if self._ops is None:
+            self._ops = self._moe_operations() if self.is_moe else [
+                Op("layer", self._dense_op, self.layer_id)]
+        return self._ops
+
+    def _dense_op(self, s: ForwardState) -> None:
+        s.hidden, s.residual = self._forward_dense(s.hidden, s.residual, s.positions, s.fb)
+
+    def _moe_operations(self) -> list[Op | Yield]:
+        attn, lid = self.self_attn, self.layer_id
+
+        def attn_prepare(s: ForwardState) -> None:
+            x, s.residual = self._input_norm(s.hidden, s.residual)
+            s.attn = attn.prepare(x, s.positions)
+
+        def attn_core(s: ForwardState) -> None:
+            s.attn = (attn.core(s.attn, s.fb),)
+
+        def attn_output(s: ForwardState) -> None:
+            x, s.attn = attn.output(s.attn[0]), ()
+            s.hidden, s.residual = self.post_attention_layernorm(x, s.residual)
+
+        def residual(s: ForwardState) -> None:
+            m = s.moe  # the residual itself is added in the next norm (fused)
+            s.hidden = m.routed if m.shared is None else m.routed + m.shared
+            s.moe = MoEStepState()
+
+        return [Op("attn_prepare", attn_prepare, lid), Op("attn_core", attn_core, lid),
+                Op("attn_output", attn_output, lid),
+                *moe_operations(getattr(self, self.mlp_name), lid),
+                Op("residual", residual, lid)]
 
 
 class DecoderModel(nn.Module):
@@ -104,13 +173,30 @@ class DecoderModel(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(make_layer(i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self._ops: list[Op | Yield] | None = None
+
+    def main_layers(self) -> list[nn.Module]:
+        """The layers a forward runs (DeepSeek keeps its MTP layer after them)."""
+        return list(self.layers)
+
+    def operations(self) -> list[Op | Yield]:
+        """embed → every layer's ops → final norm: the plain forward runs it straight through,
+        two-batch overlap interleaves two micro-batches over it (tbo/operations.py)."""
+        if self._ops is None:
+            layer_ops = [op for layer in self.main_layers() for op in layer.operations()]
+            self._ops = [Op("embed", self._embed), *layer_ops, Op("final_norm", self._final_norm)]
+        return self._ops
+
+    def _embed(self, s: ForwardState) -> None:
+        s.hidden, s.residual = self.embed_tokens(s.fb.input_ids), None
+
+    def _final_norm(self, s: ForwardState) -> None:
+        s.hidden, s.residual = self.norm(s.hidden, s.residual)[0], None
 
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
-        x, residual = self.embed_tokens(fb.input_ids), None
-        for layer in self.layers:
-            x, residual = layer(x, residual, fb.positions, fb)
-        x, _ = self.norm(x, residual)
-        return x
+        state = ForwardState(fb, fb.positions)
+        run_straight(self.operations(), state)
+        return state.hidden
 
 
 class CausalLM(nn.Module):

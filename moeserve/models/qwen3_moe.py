@@ -33,12 +33,19 @@ class SparseMoeBlock(nn.Module):
         self.experts = self.parallel.make_experts(num_experts, hidden_size, intermediate_size,
                                                   layer_id)
 
-    def forward(self, x: torch.Tensor, fb: ForwardBatch | None = None) -> torch.Tensor:
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """→ (weights, logical ids), [T, K] each."""
         logits = self.gate(x)
         kernels = self.cpu_kernels
         if kernels is None and self.gpu_ops is not None and self.gpu_ops.usable(logits):
             kernels = self.gpu_ops
-        weights, ids = select_experts(logits, self.router, kernels=kernels)
+        return select_experts(logits, self.router, kernels=kernels)
+
+    def shared(self, x: torch.Tensor) -> None:
+        return None  # no shared experts
+
+    def forward(self, x: torch.Tensor, fb: ForwardBatch | None = None) -> torch.Tensor:
+        weights, ids = self.route(x)
         return run_routed_experts(self.experts, x, ids, weights, self.parallel, fb, self.layer_id)
 
 

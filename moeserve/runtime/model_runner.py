@@ -26,6 +26,8 @@ from moeserve.models.registry import model_class
 from moeserve.runtime.kernel_choice import (attention_backend_name, moe_backend_name,
                                             use_cuda_graphs)
 from moeserve.runtime.sampler import greedy
+from moeserve.tbo.operations import Timeline
+from moeserve.tbo.strategy import forward_two_batches, tbo_active
 
 logger = logging.getLogger(__name__)
 
@@ -98,6 +100,12 @@ class ModelRunner:
         self.attn_backend = self._attention_backend()
         self.greedy_head = self._greedy_head()
         self.graph_runner = self._cuda_graphs()
+        # two-batch overlap applies (the scheduler votes with it in the DP sync)
+        self.tbo_active = tbo_active(cfg.tbo, bool(self.moe_parallel.experts_by_layer),
+                                     self.mesh.ep_size)
+        prefix = env().tbo_timeline
+        self.tbo_timeline = Timeline(self.mesh.rank, f"{prefix}.rank{self.mesh.rank}.jsonl"
+                                     ) if prefix else None
 
     # ---- construction -------------------------------------------------------------------------
     def _build_model(self, path: str) -> torch.nn.Module:
@@ -268,7 +276,7 @@ class ModelRunner:
                    return_all_logits: bool = False,
                    global_mode: ForwardMode | None = None,
                    global_num_tokens: list[int] | None = None,
-                   seq_lens_dev: torch.Tensor | None = None) -> ForwardBatch:
+                   seq_lens_dev: torch.Tensor | None = None, tbo: bool = False) -> ForwardBatch:
         """The one place a ForwardBatch is built; seq_lens = prefix_lens + extend_lens
         (`seq_lens_dev`: the same, already on the device). Tensor arguments already on the
         device are used as they are (no copy)."""
@@ -286,7 +294,8 @@ class ModelRunner:
             extend_prefix_lens_cpu=list(prefix_lens), extend_seq_lens_cpu=list(extend_lens),
             req_to_token_pool=self.memory.req_to_token, kv_pool=self.memory.pool,
             attn_backend=self.attn_backend, return_all_logits=return_all_logits,
-            global_forward_mode=global_mode or mode, global_num_tokens=global_num_tokens)
+            global_forward_mode=global_mode or mode, global_num_tokens=global_num_tokens,
+            tbo=tbo)
 
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch, float_logits: bool = True) -> torch.Tensor:
@@ -327,8 +336,13 @@ class ModelRunner:
     def forward_hidden(self, fb: ForwardBatch) -> torch.Tensor:
         """The final hidden states that get logits: [B, H] (each request's last token), or [T, H]
         if return_all_logits."""
-        self.attn_backend.init_forward_metadata(fb)
-        hidden = self.model(fb)
+        if fb.tbo:  # two micro-batches, each with its own attention metadata
+            timeline = self.tbo_timeline
+            hidden = forward_two_batches(self.model.model, fb, timeline if timeline is not None
+                                         and timeline.recording else None)
+        else:
+            self.attn_backend.init_forward_metadata(fb)
+            hidden = self.model(fb)
         if self.recorder is not None:
             self.recorder.step()
         if fb.forward_mode.is_decode():

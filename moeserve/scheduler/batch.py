@@ -30,9 +30,11 @@ class ScheduledBatch:
               partial: list[bool]) -> ScheduledBatch:
         """Assign the new tokens' slots, advance kv_len/device_len and describe the step."""
         prefix_lens = [r.kv_len for r in reqs]
-        new_ids = None
+        new_ids, history = None, []
         if mode == ForwardMode.EXTEND:
             new_ids = [t for r, n in zip(reqs, extend_lens) for t in r.fill_ids[r.kv_len : r.kv_len + n]]
+            history = [(r.req_pool_idx, r.fill_ids[: r.kv_len]) for r in reqs
+                       if r.kv_len and r.sampling.has_penalties]
         offset, slot_list = 0, slots.tolist()  # one conversion, not one per request
         for r, n, part in zip(reqs, extend_lens, partial):
             r.kv_slots.extend(slot_list[offset : offset + n])
@@ -44,6 +46,7 @@ class ScheduledBatch:
             mode=mode, rows=[r.req_pool_idx for r in reqs], prefix_lens=prefix_lens,
             extend_lens=list(extend_lens), out_cache_loc=slots, new_token_ids=new_ids,
             sampling=[r.sampling for r in reqs], generators=[r.generator for r in reqs],
-            top_logprobs_nums=[r.top_logprobs_num if r.return_logprob else -1 for r in reqs])
+            top_logprobs_nums=[r.top_logprobs_num if r.return_logprob else -1 for r in reqs],
+            prompt_lens=[len(r.input_ids) for r in reqs], history=history)
         return cls(mode, list(reqs), [r.epoch for r in reqs], list(partial),
                    [r.kv_len for r in reqs], fi)

@@ -26,6 +26,7 @@ from moeserve.scheduler.ops import SchedulerOps
 from moeserve.scheduler.prefill import AddResult, PrefillAdder
 from moeserve.scheduler.stop import StopChecker
 from moeserve.scheduler.worker import ForwardWorker
+from moeserve.tbo.strategy import vote as tbo_vote
 
 logger = logging.getLogger(__name__)
 
@@ -253,8 +254,9 @@ class Scheduler:
         """This rank's next batch after the DP sync: IDLE when only other ranks have work, None
         when no rank has (then no rank runs a forward)."""
         batch = self.get_next_batch()
-        info = dp_sync(self.mesh, batch.num_tokens if batch else 0,
-                       batch.mode if batch else None, stop, self.ops.pending())
+        n, mode = (batch.num_tokens, batch.mode) if batch else (0, None)
+        info = dp_sync(self.mesh, n, mode, stop, self.ops.pending(),
+                       tbo_vote(self.cfg.tbo, self.runner.tbo_active, mode, n))
         self._global_idle = not info.any_work
         self.ops.synced_steps += info.any_work
         if batch is None and info.any_work:
@@ -262,6 +264,7 @@ class Scheduler:
         if batch is not None:
             batch.forward_input.global_mode = info.global_mode
             batch.forward_input.global_num_tokens = info.num_tokens
+            batch.forward_input.tbo = info.tbo_split
         return batch, info
 
     def event_loop_normal(self, should_stop: Callable[[], bool] = lambda: False) -> None:

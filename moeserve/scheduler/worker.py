@@ -8,13 +8,14 @@ step N sampled from the device token table.
 from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from moeserve.core import ForwardMode, SamplingParams
 from moeserve.forward_batch import ForwardBatch
 from moeserve.runtime.model_runner import ModelRunner
+from moeserve.runtime.penalties import LogitEdits, edit_logits
 from moeserve.runtime.sampler import sample
 
 
@@ -34,11 +35,16 @@ class ForwardInput:
     return_all_logits: bool = False
     global_mode: ForwardMode | None = None  # set after the DP sync
     global_num_tokens: list[int] | None = None  # every rank's token count, from the DP sync
+    tbo: bool = False  # two micro-batches (the DP sync's agreed answer)
+    prompt_lens: list[int] = field(default_factory=list)  # penalties: where generated ids start
+    # EXTEND, penalised requests: (row, ids of positions [0, prefix_len)), since a prefix served
+    # from the radix cache left those positions of the token table stale
+    history: list[tuple[int, list[int]]] = field(default_factory=list)
 
     def greedy_only(self) -> bool:
-        """Only greedy next tokens are needed (no sampling, logprobs or returned logits)."""
+        """Only greedy next tokens are needed (no sampling, logprobs, edits or returned logits)."""
         return (not self.return_all_logits and all(n < 0 for n in self.top_logprobs_nums)
-                and all(p.is_greedy for p in self.sampling))
+                and all(p.is_greedy and not p.edits_logits for p in self.sampling))
 
     @classmethod
     def idle(cls) -> ForwardInput:
@@ -90,7 +96,7 @@ class ForwardWorker:
         else:
             logits = self.runner.forward(fb, float_logits=fi.return_all_logits)  # sampling upcasts
             last = logits if not fi.return_all_logits else logits[fb.last_token_indices()]
-            next_ids = sample(last, fi.sampling, fi.generators)  # [B]
+            next_ids = sample(self._edit(fi, fb, last), fi.sampling, fi.generators)  # [B]
         self.runner.memory.req_to_token.token_ids[fb.req_pool_indices, fb.seq_lens] = next_ids
         out = ForwardOutput(next_ids.tolist())
         if any(n >= 0 for n in fi.top_logprobs_nums):
@@ -99,12 +105,34 @@ class ForwardWorker:
             out.logits = logits
         return out
 
+    def _edit(self, fi: ForwardInput, fb: ForwardBatch, logits: torch.Tensor) -> torch.Tensor:
+        """Penalties and logit_bias; logprobs keep reading the raw logits (as vLLM's do)."""
+        edits = LogitEdits.build(fi.sampling)
+        if edits is None:
+            return logits
+        dev = logits.device
+        known = torch.tensor([p + e for p, e in zip(fi.prefix_lens, fi.extend_lens)],
+                             dtype=torch.int64).to(dev)
+        prompt = torch.tensor(fi.prompt_lens, dtype=torch.int64).to(dev)
+        table = self.runner.memory.req_to_token.token_ids
+        return edit_logits(logits, edits, table, fb.req_pool_indices, prompt, known)
+
+    def _write_history(self, fi: ForwardInput) -> None:
+        if not fi.history:
+            return
+        table = self.runner.memory.req_to_token.token_ids
+        rows = torch.tensor([r for r, ids in fi.history for _ in ids], dtype=torch.int64)
+        pos = torch.cat([torch.arange(len(ids)) for _, ids in fi.history])
+        ids = torch.tensor([t for _, ids in fi.history for t in ids], dtype=torch.int64)
+        table[rows.to(table.device), pos.to(table.device)] = ids.to(table.device)
+
     def _prepare(self, fi: ForwardInput) -> ForwardBatch:
         """Write the step's slot map (and, for EXTEND, its token ids) into the request rows, then
         read the input ids back from the token table (decode inputs were sampled on the device)."""
         mem, dev = self.runner.memory, self.runner.device
         if fi.mode.is_decode():
             return self._prepare_decode(fi)
+        self._write_history(fi)
         lens = torch.tensor(fi.extend_lens, dtype=torch.int64)  # [B]
         row_of_tok = torch.repeat_interleave(torch.tensor(fi.rows, dtype=torch.int64), lens)
         starts = torch.tensor(fi.prefix_lens, dtype=torch.int64) - (lens.cumsum(0) - lens)
@@ -117,7 +145,7 @@ class ForwardWorker:
         input_ids = mem.req_to_token.token_ids[row_of_tok, positions]
         return self.runner.make_batch(fi.mode, input_ids, positions, fi.out_cache_loc, fi.rows,
                                       fi.prefix_lens, fi.extend_lens, fi.return_all_logits,
-                                      fi.global_mode, fi.global_num_tokens)
+                                      fi.global_mode, fi.global_num_tokens, tbo=fi.tbo)
 
     def _prepare_decode(self, fi: ForwardInput) -> ForwardBatch:
         """One token per request, at its prefix length: rows, positions, seq lens and KV slots
@@ -135,7 +163,7 @@ class ForwardWorker:
         input_ids = mem.req_to_token.token_ids[rows, positions]
         return self.runner.make_batch(fi.mode, input_ids, positions, loc, rows, fi.prefix_lens,
                                       fi.extend_lens, fi.return_all_logits, fi.global_mode,
-                                      fi.global_num_tokens, seq_lens_dev=seq_lens)
+                                      fi.global_num_tokens, seq_lens_dev=seq_lens, tbo=fi.tbo)
 
 
 def _logprobs(logits: torch.Tensor, next_ids: torch.Tensor, nums: list[int]):

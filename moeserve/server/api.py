@@ -7,6 +7,7 @@ raise `BadRequestError`. The heavy lifting lives in serving_*.py; this file only
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import secrets
@@ -20,13 +21,14 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from moeserve.config import MoeserveConfig
 from moeserve.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest,
-                                      GenerateRequest, ModelCard, ModelList, error_body)
-from moeserve.server.serving_chat import chat_response, chat_stream, prepare_chat
+                                      DetokenizeRequest, GenerateRequest, ModelCard, ModelList,
+                                      TokenizeRequest, error_body)
+from moeserve.server.serving_chat import chat_response, chat_stream, message_dict, prepare_chat
 from moeserve.server.serving_common import ClientGone, sse_stream, until_disconnect
 from moeserve.server.serving_completions import (completion_response, completion_stream,
                                                  prepare_completion)
@@ -107,6 +109,19 @@ async def _complete(request: Request, work: Awaitable[Any]) -> Response:
     return JSONResponse(body)
 
 
+async def _json_body(request: Request, model: type[BaseModel]) -> Any:
+    """Parse the body as JSON whatever its Content-Type (SGLang's /generate does: curl -d sends
+    form encoding by default), with the same 400s as FastAPI's own parsing."""
+    try:
+        data = json.loads(await request.body())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise APIError(f"invalid JSON body: {e}") from None
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        raise RequestValidationError(e.errors()) from None
+
+
 # ---- routes ------------------------------------------------------------------------------------
 def _add_openai_routes(app: FastAPI, manager: TokenizerManager, auth: list) -> None:
     @app.post("/v1/completions", dependencies=auth)
@@ -148,11 +163,37 @@ def _add_native_routes(app: FastAPI, manager: TokenizerManager, cfg: MoeserveCon
         return JSONResponse({"status": "ok"})
 
     @app.post("/generate", dependencies=auth)
-    async def generate(req: GenerateRequest, request: Request) -> Response:
+    async def generate(request: Request) -> Response:
+        req = await _json_body(request, GenerateRequest)
         job = prepare_native(manager, req)
         if req.stream:
             return _stream(native_stream(manager, job))
         return await _complete(request, native_response(manager, job))
+
+    @app.post("/tokenize", dependencies=auth)
+    async def tokenize(req: TokenizeRequest) -> dict[str, Any]:
+        if (req.prompt is None) == (req.messages is None):
+            raise APIError("pass exactly one of prompt or messages", param="prompt")
+        if req.messages is not None:
+            ids = manager.apply_chat_template([message_dict(m) for m in req.messages],
+                                              add_generation_prompt=req.add_generation_prompt)
+        else:
+            ids = list(manager.tokenizer(req.prompt, add_special_tokens=req.add_special_tokens)
+                       ["input_ids"])
+        return {"tokens": ids, "count": len(ids), "max_model_len": manager.max_req_len}
+
+    @app.post("/detokenize", dependencies=auth)
+    async def detokenize(req: DetokenizeRequest) -> dict[str, Any]:
+        if req.tokens:
+            manager.check_ids(req.tokens, "tokens")
+        return {"prompt": manager.tokenizer.decode(req.tokens)}
+
+    @app.get("/get_model_info")
+    async def get_model_info() -> dict[str, Any]:
+        """SGLang's route: what the served model is."""
+        return {"model_path": manager.model_path, "tokenizer_path": manager.model_path,
+                "served_model_name": manager.served_model_name, "is_generation": True,
+                "max_req_len": manager.max_req_len, "vocab_size": manager.vocab_size}
 
     @app.get("/server_info")
     async def server_info() -> dict[str, Any]:

@@ -1,8 +1,8 @@
 """OpenAI-compatible request/response schemas (pydantic) and the OpenAI error body.
 
 Requests accept the fields the official clients send; unknown fields are ignored like other
-OpenAI-compatible servers do, but fields that would silently change the meaning of a request
-(penalties, logit_bias, tools) are refused with a clear message rather than ignored.
+OpenAI-compatible servers do, but fields that would silently change the meaning of a request and
+that this server does not implement are refused with a message naming exactly those fields.
 """
 
 from __future__ import annotations
@@ -66,12 +66,12 @@ class _SamplingRequest(_Request):
     user: str | None = None
     presence_penalty: float | None = 0.0
     frequency_penalty: float | None = 0.0
+    repetition_penalty: float | None = 1.0  # SGLang/vLLM extra
     logit_bias: dict[str, float] | None = None
 
     def unsupported(self) -> list[str]:
         """Names of fields set to values this server cannot honour."""
-        bad = [k for k in ("presence_penalty", "frequency_penalty") if getattr(self, k)]
-        return bad + (["logit_bias"] if self.logit_bias else [])
+        return []
 
     @property
     def include_usage(self) -> bool:
@@ -94,6 +94,30 @@ class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # assistant turns that called tools
+    tool_call_id: str | None = None  # role "tool": the call this result answers
+    reasoning_content: str | None = None
+
+
+class FunctionDefinition(_Request):
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Request):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(_Request):
+    name: str
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"] = "function"
+    function: NamedFunction
 
 
 class ChatCompletionRequest(_SamplingRequest):
@@ -101,13 +125,16 @@ class ChatCompletionRequest(_SamplingRequest):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    tools: list[dict[str, Any]] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None  # e.g. {"enable_thinking": false}
+    separate_reasoning: bool = True  # SGLang extra: false keeps <think>…</think> in content
     response_format: dict[str, Any] | None = None
 
     def unsupported(self) -> list[str]:
-        bad = super().unsupported() + (["tools"] if self.tools else [])
         fmt = (self.response_format or {}).get("type", "text")
-        return bad + (["response_format"] if fmt != "text" else [])
+        return super().unsupported() + (["response_format"] if fmt != "text" else [])
 
 
 class GenerateRequest(_Request):
@@ -119,6 +146,21 @@ class GenerateRequest(_Request):
     stream: bool = False
     return_logprob: bool = False
     top_logprobs_num: int = 0
+
+
+class TokenizeRequest(_Request):
+    """vLLM's /tokenize: a prompt, or chat messages rendered through the chat template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(_Request):
+    model: str | None = None
+    tokens: list[int]
 
 
 # ---- responses -----------------------------------------------------------------------------------
@@ -180,9 +222,31 @@ class ChatLogprobs(BaseModel):
     content: list[TokenLogprob] | None = None
 
 
+class FunctionCall(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallOut(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class DeltaToolCall(BaseModel):
+    """OpenAI's streamed form: `index` always, id/type/name on a call's first chunk."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionCall
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCallOut] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -204,6 +268,8 @@ class ChatCompletionResponse(_Response):
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatStreamChoice(BaseModel):

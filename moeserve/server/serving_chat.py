@@ -1,4 +1,5 @@
-"""/v1/chat/completions: chat template → sub-requests → one response or a chunk stream."""
+"""/v1/chat/completions: chat template (with tools) → sub-requests → one response or a chunk
+stream, the text split into reasoning, content and tool calls (chat_output.py)."""
 
 from __future__ import annotations
 
@@ -7,12 +8,16 @@ from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any
 
+from moeserve.server.chat_output import ChatOutputSpec, ChatParts
 from moeserve.server.protocol import (APIError, AssistantMessage, ChatChoice, ChatCompletionChunk,
                                       ChatCompletionRequest, ChatCompletionResponse, ChatLogprobs,
-                                      ChatStreamChoice, DeltaMessage, new_id)
+                                      ChatStreamChoice, DeltaMessage, DeltaToolCall, FunctionCall,
+                                      NamedToolChoice, ToolCallOut, new_id)
+from moeserve.server.reasoning import STYLES
 from moeserve.server.serving_common import (ChoiceState, chat_logprobs, check_request,
                                             check_top_logprobs, collect, sampling_params, usage)
 from moeserve.server.tokenizer_manager import GenInput, TokenizerManager, expand_n
+from moeserve.server.tool_parsers import make_parser
 
 
 @dataclass
@@ -23,9 +28,10 @@ class ChatJob:
     inputs: list[GenInput]
     id: str
     model: str
+    output: ChatOutputSpec
 
 
-def _message_dict(m: Any) -> dict[str, Any]:
+def message_dict(m: Any) -> dict[str, Any]:
     """Flatten content parts to text; the server has no multimodal input."""
     content = m.content
     if isinstance(content, list):
@@ -36,8 +42,51 @@ def _message_dict(m: Any) -> dict[str, Any]:
                                param="messages")
             texts.append(part["text"])
         content = "".join(texts)
-    out = {"role": m.role, "content": content or ""}
-    return out | ({"name": m.name} if m.name else {})
+    keep_none = m.role == "assistant" and m.tool_calls  # templates test `content is none`
+    out = {"role": m.role, "content": content if keep_none else content or ""}
+    extra = {"name": m.name, "tool_calls": m.tool_calls, "tool_call_id": m.tool_call_id,
+             "reasoning_content": m.reasoning_content}
+    return out | {k: v for k, v in extra.items() if v is not None}
+
+
+def _tools(manager: TokenizerManager, req: ChatCompletionRequest
+           ) -> tuple[list[dict[str, Any]] | None, ChatOutputSpec]:
+    """The tools offered to the template and how replies are parsed, from tools/tool_choice."""
+    choice = req.tool_choice or ("auto" if req.tools else "none")
+    style = STYLES.get(manager.cfg.server.reasoning_parser or "") if req.separate_reasoning \
+        else None
+    if choice == "none" or not req.tools:
+        if choice != "none":
+            raise APIError("tool_choice needs tools", param="tool_choice")
+        return None, ChatOutputSpec(reasoning=style)
+    tools = req.tools
+    if isinstance(choice, NamedToolChoice):
+        tools = [t for t in tools if t.function.name == choice.function.name]
+        if not tools:
+            raise APIError(f"tool_choice names {choice.function.name!r}, which is not in tools",
+                           param="tool_choice")
+    parser = make_parser(manager.cfg.server.tool_parser, manager.tokenizer.chat_template)
+    if parser is None:
+        raise APIError("tools need a tool-call parser: this model's chat template has no known "
+                       "tool format; start the server with server.tool_parser=hermes, "
+                       "deepseek_v3 or llama3", param="tools")
+    names = frozenset(t.function.name for t in tools)
+    return [t.model_dump(exclude_none=True) for t in tools], ChatOutputSpec(
+        style, parser, names, req.parallel_tool_calls)
+
+
+def _messages(manager: TokenizerManager, req: ChatCompletionRequest,
+              tools: list[dict[str, Any]] | None, spec: ChatOutputSpec) -> list[dict[str, Any]]:
+    """Message dicts; a template that cannot render tools gets them in a system prompt written
+    in the parser's format (SmolLM2's, for instance)."""
+    msgs = [message_dict(m) for m in req.messages]
+    if tools and spec.tools is not None and "tools" not in (manager.tokenizer.chat_template or ""):
+        prompt = spec.tools.format_prompt(tools)
+        if msgs[0]["role"] == "system":
+            msgs[0] = msgs[0] | {"content": f"{msgs[0]['content']}\n\n{prompt}"}
+        else:
+            msgs.insert(0, {"role": "system", "content": prompt})
+    return msgs
 
 
 def prepare_chat(manager: TokenizerManager, req: ChatCompletionRequest) -> ChatJob:
@@ -45,14 +94,37 @@ def prepare_chat(manager: TokenizerManager, req: ChatCompletionRequest) -> ChatJ
     top = check_top_logprobs(req.top_logprobs, "top_logprobs")
     if top and not req.logprobs:
         raise APIError("top_logprobs needs logprobs=true", param="top_logprobs")
-    ids = manager.apply_chat_template([_message_dict(m) for m in req.messages])
+    tools, spec = _tools(manager, req)
+    template_tools = tools if "tools" in (manager.tokenizer.chat_template or "") else None
+    ids = manager.apply_chat_template(_messages(manager, req, tools, spec), template_tools,
+                                      req.chat_template_kwargs)
     manager.check_ids(ids, "messages")
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None \
         else req.max_tokens
     max_new = manager.resolve_max_tokens(len(ids), max_tokens, "messages")
-    base = GenInput(ids, sampling_params(req, max_new), req.logprobs, top)
+    base = GenInput(ids, sampling_params(manager, req, max_new), req.logprobs, top)
     return ChatJob(req, expand_n([base], req.n), new_id("chatcmpl"), req.model or
-                   manager.served_model_name)
+                   manager.served_model_name, spec)
+
+
+def _finish_reason(reason: str | None, called: bool) -> str | None:
+    return "tool_calls" if called and reason == "stop" else reason
+
+
+def _message(job: ChatJob, text: str) -> tuple[AssistantMessage, bool]:
+    reasoning, content, calls = job.output.parse(text)
+    tool_calls = [ToolCallOut(id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments))
+                  for c in calls] or None
+    return AssistantMessage(content=None if calls and not content.strip() else content,
+                            reasoning_content=reasoning, tool_calls=tool_calls), bool(calls)
+
+
+def _delta(parts: ChatParts, first_index: int) -> DeltaMessage:
+    calls = [DeltaToolCall(index=first_index + k, id=c.id, type="function",
+                           function=FunctionCall(name=c.name, arguments=c.arguments))
+             for k, c in enumerate(parts.calls)] or None
+    return DeltaMessage(content=parts.content or None, reasoning_content=parts.reasoning or None,
+                        tool_calls=calls)
 
 
 def _logprobs(manager: TokenizerManager, job: ChatJob, ids: list[int], lps: list[float] | None,
@@ -64,10 +136,13 @@ def _logprobs(manager: TokenizerManager, job: ChatJob, ids: list[int], lps: list
 
 async def chat_response(manager: TokenizerManager, job: ChatJob) -> ChatCompletionResponse:
     states = await collect(manager.generate(job.inputs, stream=False), len(job.inputs))
-    choices = [ChatChoice(index=i, message=AssistantMessage(content=s.text),
-                          logprobs=_logprobs(manager, job, s.ids, s.logprobs, s.top_logprobs),
-                          finish_reason=s.finish_reason, stop_reason=s.matched)
-               for i, s in enumerate(states)]
+    choices = []
+    for i, s in enumerate(states):
+        message, called = _message(job, s.text)
+        choices.append(ChatChoice(
+            index=i, message=message, finish_reason=_finish_reason(s.finish_reason, called),
+            logprobs=_logprobs(manager, job, s.ids, s.logprobs, s.top_logprobs),
+            stop_reason=s.matched))
     return ChatCompletionResponse(id=job.id, model=job.model, choices=choices,
                                   usage=usage(states, job.req.n))
 
@@ -79,17 +154,23 @@ async def chat_stream(manager: TokenizerManager, job: ChatJob
         return ChatCompletionChunk(id=job.id, model=job.model, choices=choices, **kw)
 
     states = [ChoiceState() for _ in job.inputs]
+    streams = [job.output.stream() for _ in job.inputs]
     yield chunk([ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
                  for i in range(len(job.inputs))])
     async with aclosing(manager.generate(job.inputs, stream=True)) as outputs:
         async for i, out in outputs:
             states[i].update(out)
-            if not out.text_delta and out.finish_reason is None and not job.req.logprobs:
+            first_call = streams[i].num_calls
+            parts = streams[i].feed(out.text_delta)
+            if out.finish_reason is not None:
+                parts += streams[i].finish()
+            delta = _delta(parts, first_call)
+            if (delta.content is None and delta.reasoning_content is None and not delta.tool_calls
+                    and out.finish_reason is None and not job.req.logprobs):
                 continue
-            delta = DeltaMessage(content=out.text_delta if out.text_delta else None)
             yield chunk([ChatStreamChoice(
-                index=i, delta=delta, finish_reason=out.finish_reason,
-                stop_reason=out.finish_matched,
+                index=i, delta=delta, stop_reason=out.finish_matched,
+                finish_reason=_finish_reason(out.finish_reason, streams[i].num_calls > 0),
                 logprobs=_logprobs(manager, job, out.new_ids, out.logprobs, out.top_logprobs))])
     if job.req.include_usage:
         yield chunk([], usage=usage(states, job.req.n))

@@ -33,8 +33,8 @@ def check_request(manager: TokenizerManager, req: _SamplingRequest) -> None:
                        param="model", code="model_not_found")
     bad = req.unsupported()
     if bad:
-        raise APIError(f"unsupported parameter(s) {bad}: this server does not implement them "
-                       f"(penalties must be 0)", param=bad[0], code="unsupported_parameter")
+        raise APIError(f"unsupported parameter(s): {', '.join(bad)} (this server does not "
+                       f"implement them)", param=bad[0], code="unsupported_parameter")
     manager.check_n(req.n)
     if req.stop_token_ids:
         manager.check_ids(req.stop_token_ids, "stop_token_ids")
@@ -46,7 +46,25 @@ def check_top_logprobs(k: int | None, param: str) -> int:
     return k or 0
 
 
-def sampling_params(req: _SamplingRequest, max_new_tokens: int) -> SamplingParams:
+def logit_bias(manager: TokenizerManager, bias: dict[str, float] | None
+               ) -> tuple[tuple[int, float], ...]:
+    """OpenAI's {"token id as a string": bias} → (id, bias) pairs, ids checked against the vocab."""
+    out = []
+    for key, value in (bias or {}).items():
+        try:
+            tid = int(key)
+        except ValueError:
+            raise APIError(f"logit_bias keys must be token ids, got {key!r}",
+                           param="logit_bias") from None
+        if not 0 <= tid < manager.vocab_size:
+            raise APIError(f"logit_bias token id {tid} is outside the vocabulary "
+                           f"[0, {manager.vocab_size})", param="logit_bias")
+        out.append((tid, float(value)))
+    return tuple(out)
+
+
+def sampling_params(manager: TokenizerManager, req: _SamplingRequest,
+                    max_new_tokens: int) -> SamplingParams:
     """OpenAI defaults: temperature 1, top_p 1; top_k 0 or -1 both mean disabled."""
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     try:
@@ -56,9 +74,14 @@ def sampling_params(req: _SamplingRequest, max_new_tokens: int) -> SamplingParam
             top_p=1.0 if req.top_p is None else req.top_p,
             top_k=-1 if req.top_k in (None, 0) else req.top_k,
             min_p=req.min_p or 0.0, seed=req.seed, stop=tuple(s for s in stop if s),
-            stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=req.ignore_eos)
+            stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=req.ignore_eos,
+            frequency_penalty=req.frequency_penalty or 0.0,
+            presence_penalty=req.presence_penalty or 0.0,
+            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+            logit_bias=logit_bias(manager, req.logit_bias))
     except ValueError as e:
-        raise APIError(str(e)) from e
+        param = str(e).split(" ", 1)[0]
+        raise APIError(str(e), param=param if param in type(req).model_fields else None) from e
 
 
 @dataclass

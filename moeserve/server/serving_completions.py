@@ -45,7 +45,8 @@ def prepare_completion(manager: TokenizerManager, req: CompletionRequest) -> Com
     for ids in _prompt_ids(manager, req.prompt):
         manager.check_ids(ids, "prompt")
         max_new = manager.resolve_max_tokens(len(ids), req.max_tokens, "prompt")
-        inputs.append(GenInput(ids, sampling_params(req, max_new), req.logprobs is not None, top))
+        sampling = sampling_params(manager, req, max_new)
+        inputs.append(GenInput(ids, sampling, req.logprobs is not None, top))
     echo = [manager.tokenizer.decode(x.input_ids, skip_special_tokens=True) if req.echo else ""
             for x in inputs for _ in range(req.n)]
     return CompletionJob(req, expand_n(inputs, req.n), echo, new_id("cmpl"),

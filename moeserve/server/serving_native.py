@@ -44,6 +44,8 @@ def prepare_native(manager: TokenizerManager, req: GenerateRequest) -> NativeJob
         sampling = SamplingParams.from_dict(params)
     except (ValueError, TypeError) as e:
         raise APIError(f"sampling_params: {e}", param="sampling_params") from e
+    if sampling.logit_bias:
+        manager.check_ids([t for t, _ in sampling.logit_bias], "sampling_params.logit_bias")
     top = check_top_logprobs(req.top_logprobs_num, "top_logprobs_num")
     prompts, batched = _prompts(manager, req)
     inputs = []

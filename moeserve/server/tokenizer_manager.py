@@ -158,11 +158,16 @@ class TokenizerManager:
     def tokenize(self, text: str) -> list[int]:
         return list(self.tokenizer(text)["input_ids"])
 
-    def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]:
-        """Ids of a chat prompt ending with the assistant turn's opening (as the Engine does)."""
+    def apply_chat_template(self, messages: list[dict[str, Any]],
+                            tools: list[dict[str, Any]] | None = None,
+                            template_kwargs: dict[str, Any] | None = None,
+                            add_generation_prompt: bool = True) -> list[int]:
+        """Ids of a chat prompt ending with the assistant turn's opening (as the Engine does);
+        `template_kwargs` (e.g. enable_thinking) are variables the template reads."""
         try:
-            out = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
-                                                     tokenize=True)
+            out = self.tokenizer.apply_chat_template(
+                messages, tools=tools, add_generation_prompt=add_generation_prompt,
+                tokenize=True, **(template_kwargs or {}))
         except Exception as e:  # jinja errors on unexpected roles/orders
             raise APIError(f"could not apply the chat template: {e}", param="messages") from e
         return list(out["input_ids"] if hasattr(out, "keys") else out)

@@ -94,7 +94,7 @@ def test_every_group_has_a_schema_and_its_options_compose():
 
 
 @pytest.mark.parametrize("bad,key", [
-    (["tbo.enabled=true"], "tbo.enabled"),
+    (["tbo=on", "tbo.min_tokens=0"], "tbo.min_tokens"),
     (["spec.algorithm=nextn"], "spec.algorithm"),
     (["spec.num_draft_tokens=3"], "spec.num_draft_tokens"),
     (["eplb=static"], "eplb.init_placement"),
@@ -131,7 +131,7 @@ def ipc_files() -> set[str]:
     (["scheduler.overlap=maybe"], "scheduler.overlap"),
     (["parallel=dp3"], "parallel"),
     (["parallel.tp_size=4", "parallel.dp_size=3"], "config error at 'parallel.dp_size'"),
-    (["tbo.enabled=true"], "config error at 'tbo.enabled': two-batch overlap is not implemented"),
+    (["tbo.min_tokens=-1"], "config error at 'tbo.min_tokens'"),
     (["+deploy=deepseek_v3_1x8"], "config error at 'model.path'"),
 ])
 def test_bad_override_fails_and_starts_nothing(args, needle, tmp_path):

@@ -54,8 +54,16 @@ BAD_CHAT_BODIES = {
     "n zero": {"messages": MSG, "n": 0},
     "negative temperature": {"messages": MSG, "temperature": -1},
     "top_p out of range": {"messages": MSG, "top_p": 1.5},
-    "presence_penalty": {"messages": MSG, "presence_penalty": 0.5},
-    "frequency_penalty": {"messages": MSG, "frequency_penalty": -1.0},
+    "presence_penalty out of range": {"messages": MSG, "presence_penalty": 2.5},
+    "frequency_penalty out of range": {"messages": MSG, "frequency_penalty": -3.0},
+    "repetition_penalty zero": {"messages": MSG, "repetition_penalty": 0},
+    "logit_bias key not a token id": {"messages": MSG, "logit_bias": {"hello": 1}},
+    "logit_bias out of range": {"messages": MSG, "logit_bias": {"5": 500}},
+    "tool without a function": {"messages": MSG, "tools": [{"type": "function"}]},
+    "tool_choice without tools": {"messages": MSG, "tool_choice": "required"},
+    "tools without a parser": {"messages": MSG, "tools": [
+        {"type": "function", "function": {"name": "f"}}]},
+    "bad chat_template_kwargs": {"messages": MSG, "chat_template_kwargs": {"tokenize": 5}},
     "top_logprobs too many": {"messages": MSG, "logprobs": True, "top_logprobs": 1000},
     "body is a list": [1, 2, 3],
 }
@@ -128,7 +136,7 @@ def test_openai_client_raises_bad_request(server):
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model="", messages=MSG, max_tokens=-1)
     with pytest.raises(openai.BadRequestError):
-        client.completions.create(model="", prompt="x", presence_penalty=1.0)
+        client.completions.create(model="", prompt="x", presence_penalty=3.0)
 
 
 def test_unknown_route_and_method(http):
@@ -187,3 +195,37 @@ def test_disconnect_non_streaming_aborts(http, server):
     assert aborted(http) == before + 1
     out = http.post("/v1/chat/completions", json={"messages": MSG, "max_tokens": 3})
     assert out.status_code == 200 and out.json()["choices"][0]["message"]["content"] is not None
+
+
+def test_generate_takes_json_whatever_the_content_type(http):
+    body = b'{"text": "Hi", "sampling_params": {"max_new_tokens": 2, "temperature": 0}}'
+    for ctype in ("text/plain", "application/x-www-form-urlencoded", None):
+        headers = {"Content-Type": ctype} if ctype else {}
+        resp = http.post("/generate", content=body, headers=headers)
+        assert resp.status_code == 200, resp.text
+        assert len(resp.json()["output_ids"]) == 2
+    assert_error(http.post("/generate", content=b"text=Hi", headers={
+        "Content-Type": "application/x-www-form-urlencoded"}))
+    assert_error(http.post("/generate", json={"text": "Hi", "sampling_params": 5}))
+    assert_error(http.post("/generate", json={"text": "Hi", "sampling_params": {
+        "logit_bias": {"999999": 1.0}}}))
+
+
+def test_tokenize_detokenize_and_model_info(http):
+    from transformers import AutoTokenizer
+
+    from moeserve.models.embedded import embedded_model_path
+
+    tok = AutoTokenizer.from_pretrained(embedded_model_path())
+    out = http.post("/tokenize", json={"prompt": "Hello world"}).json()
+    assert out["tokens"] == tok("Hello world")["input_ids"] and out["count"] == len(out["tokens"])
+    assert out["max_model_len"] == 256
+    chat = http.post("/tokenize", json={"messages": MSG}).json()["tokens"]
+    assert chat == tok.apply_chat_template(MSG, add_generation_prompt=True, tokenize=True,
+                                           return_dict=True)["input_ids"]
+    assert http.post("/detokenize", json={"tokens": out["tokens"]}).json() == {
+        "prompt": "Hello world"}
+    assert_error(http.post("/detokenize", json={"tokens": [10**9]}))
+    assert_error(http.post("/tokenize", json={}))
+    info = http.get("/get_model_info").json()
+    assert info["is_generation"] is True and info["model_path"] == embedded_model_path()
