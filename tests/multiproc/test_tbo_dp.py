@@ -84,3 +84,20 @@ def test_tbo_dp4_ep4_matches_single_process(reference):
     with Engine(ref["path"], FP32_CPU + DP4 + ep_overrides("a2a") + TBO_ON) as eng:
         prompts, params = workload()
         assert ids_of(eng.generate(input_ids=prompts, sampling_params=params)) == ref["workload"]
+
+
+@pytest.mark.timeout(300)
+def test_tbo_http_dp2_concurrent_chat_matches_engine(tiny_model):
+    """The HTTP server at dp2×ep2 with TBO on every step, 8 concurrent greedy chats through the
+    official openai client: the same texts and token counts as the single-process Engine."""
+    from live_server import LiveServer, assert_concurrent_chats_match_engine
+    from test_dp import QUESTIONS
+
+    path = tiny_model("deepseek_v3")
+    live = LiveServer([f"model.path={path}", *FP32_CPU, *DP2, *ep_overrides("a2a"),
+                       *TBO_ON]).wait_healthy()
+    try:
+        assert_concurrent_chats_match_engine(live.url, path, QUESTIONS,
+                                             [4 + 3 * (i % 4) for i in range(8)], FP32_CPU)
+    finally:
+        live.stop(keep_log=live.proc.returncode not in (None, 0, 1))
