@@ -54,6 +54,8 @@ class SamplingParams:
     # transformers/vLLM: seen (prompt or generated) tokens' logits divided (>0) or multiplied by it
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
+    # structured output: (kind, source), kind json_object | json_schema | regex | ebnf
+    grammar: tuple[str, str] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -62,6 +64,8 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
         bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
         object.__setattr__(self, "logit_bias", tuple(sorted((int(t), float(b)) for t, b in bias)))
+        if self.grammar is not None:
+            object.__setattr__(self, "grammar", tuple(self.grammar))
         self.validate()
 
     @property
@@ -91,6 +95,7 @@ class SamplingParams:
             (0.0 < self.repetition_penalty <= 2.0, "repetition_penalty must be in (0, 2]"),
             (all(-100.0 <= b <= 100.0 for _, b in self.logit_bias),
              "logit_bias values must be in [-100, 100]"),
+            (self.grammar is None or len(self.grammar) == 2, "grammar must be (kind, source)"),
         ]
         for ok, message in checks:
             if not ok:
@@ -138,6 +143,7 @@ class Req:
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     generator: Any = None  # torch.Generator for seeded sampling
+    grammar: Any = None  # runtime.grammar.GrammarMatch of a structured-output request
     retractions: int = 0
 
     @property

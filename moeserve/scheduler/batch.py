@@ -47,6 +47,7 @@ class ScheduledBatch:
             extend_lens=list(extend_lens), out_cache_loc=slots, new_token_ids=new_ids,
             sampling=[r.sampling for r in reqs], generators=[r.generator for r in reqs],
             top_logprobs_nums=[r.top_logprobs_num if r.return_logprob else -1 for r in reqs],
-            prompt_lens=[len(r.input_ids) for r in reqs], history=history)
+            prompt_lens=[len(r.input_ids) for r in reqs], history=history,
+            grammars=[r.grammar for r in reqs] if any(r.grammar for r in reqs) else [])
         return cls(mode, list(reqs), [r.epoch for r in reqs], list(partial),
                    [r.kv_len for r in reqs], fi)

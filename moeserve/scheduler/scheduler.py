@@ -17,6 +17,7 @@ from moeserve.core import FinishReason, ForwardMode, Req
 from moeserve.distributed import ParallelMesh, single_rank_mesh
 from moeserve.dp_attention.sync import GlobalBatchInfo, dp_sync
 from moeserve.ipc.messages import AbortReq, ControlReq, GenerateReq, TokenOutput, Wake
+from moeserve.runtime.grammar import GrammarCompiler, GrammarMatch
 from moeserve.runtime.model_runner import ModelRunner
 from moeserve.runtime.sampler import make_generator
 from moeserve.scheduler.batch import ScheduledBatch
@@ -42,8 +43,9 @@ class SchedulerIO(Protocol):
 class Scheduler:
     def __init__(self, cfg: MoeserveConfig, runner: ModelRunner, io: SchedulerIO,
                  eos_token_ids: set[int], decode_text: Callable[[list[int]], str],
-                 mesh: ParallelMesh | None = None):
+                 mesh: ParallelMesh | None = None, grammars: GrammarCompiler | None = None):
         self.cfg, self.runner, self.io = cfg, runner, io
+        self.grammars = grammars  # compiles structured-output requests' grammars (cached)
         self.mesh = mesh or single_rank_mesh(runner.device)
         self._global_idle = True  # from the last DP sync: no rank had work
         self.ops = SchedulerOps(self)  # control requests and lockstep (EPLB) operations
@@ -78,9 +80,11 @@ class Scheduler:
         req.device_len = len(req.input_ids)
         req.generator = make_generator(msg.sampling, self.runner.device)
         total = len(req.input_ids) + msg.sampling.max_new_tokens
-        if not req.input_ids or total > self.max_req_len:
+        error = self._attach_grammar(req)
+        if not error and (not req.input_ids or total > self.max_req_len):
             error = (f"prompt ({len(req.input_ids)} tokens) + max_new_tokens "
                      f"({msg.sampling.max_new_tokens}) exceeds the context length {self.max_req_len}")
+        if error:
             self.io.send_outputs([TokenOutput(rid=req.rid, new_ids=[], finish_reason="abort",
                                               prompt_tokens=len(req.input_ids), error=error)], {})
             return
@@ -88,6 +92,21 @@ class Scheduler:
         self.waiting.append(req)
         if msg.sampling.stop:
             self.pending_stop_strings[req.rid] = list(msg.sampling.stop)
+
+    def _attach_grammar(self, req: Req) -> str | None:
+        """A matcher for a structured-output request; → an error message if it cannot have one."""
+        sp = req.sampling
+        if sp.grammar is None:
+            return None
+        if self.grammars is None:
+            return "this scheduler has no grammar compiler (structured outputs are off)"
+        try:
+            compiled = self.grammars.compile(sp.grammar)
+        except ValueError as e:
+            return str(e)
+        stops = set(sp.stop_token_ids) | (set() if sp.ignore_eos else self.stop.eos_token_ids)
+        req.grammar = GrammarMatch(compiled, sorted(stops))
+        return None
 
     def abort(self, rid: str) -> None:
         req = self.reqs.get(rid)
@@ -206,6 +225,9 @@ class Scheduler:
                 req.logprobs.append(out.logprobs[i])
                 req.top_logprobs.append(out.top_logprobs[i])
             finish = self.stop.check(req)
+            done_at = req.grammar.done_at if req.grammar is not None else None
+            if finish is None and done_at is not None and len(req.output_ids) >= done_at:
+                finish = FinishReason("stop", req.output_ids[-1])  # the grammar is complete
             if finish is not None:
                 self._finish(req, finish)
             touched.append(req)

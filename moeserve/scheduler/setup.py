@@ -7,6 +7,7 @@ import os
 
 from moeserve.config import MoeserveConfig
 from moeserve.distributed import ParallelMesh
+from moeserve.runtime.grammar import GrammarCompiler
 from moeserve.runtime.model_runner import ModelRunner
 from moeserve.scheduler.scheduler import Scheduler, SchedulerIO
 
@@ -50,4 +51,6 @@ def build_scheduler(cfg: MoeserveConfig, io: SchedulerIO, mesh: ParallelMesh | N
     def decode_text(ids: list[int]) -> str:
         return tokenizer.decode(ids, skip_special_tokens=True)
 
-    return Scheduler(cfg, runner, io, eos, decode_text, runner.mesh), tokenizer
+    grammars = GrammarCompiler(tokenizer, getattr(runner.hf_config, "vocab_size", None)
+                               or len(tokenizer))
+    return Scheduler(cfg, runner, io, eos, decode_text, runner.mesh, grammars), tokenizer

@@ -14,6 +14,7 @@ import torch
 
 from moeserve.core import ForwardMode, SamplingParams
 from moeserve.forward_batch import ForwardBatch
+from moeserve.runtime.grammar import accept_tokens, apply_grammars, constrained_rows
 from moeserve.runtime.model_runner import ModelRunner
 from moeserve.runtime.penalties import LogitEdits, edit_logits
 from moeserve.runtime.sampler import sample
@@ -40,10 +41,13 @@ class ForwardInput:
     # EXTEND, penalised requests: (row, ids of positions [0, prefix_len)), since a prefix served
     # from the radix cache left those positions of the token table stale
     history: list[tuple[int, list[int]]] = field(default_factory=list)
+    grammars: list = field(default_factory=list)  # GrammarMatch | None per request, or empty
 
     def greedy_only(self) -> bool:
-        """Only greedy next tokens are needed (no sampling, logprobs, edits or returned logits)."""
+        """Only greedy next tokens are needed (no sampling, logprobs, edits, grammars or returned
+        logits)."""
         return (not self.return_all_logits and all(n < 0 for n in self.top_logprobs_nums)
+                and not any(self.grammars)
                 and all(p.is_greedy and not p.edits_logits for p in self.sampling))
 
     @classmethod
@@ -90,20 +94,33 @@ class ForwardWorker:
 
     @torch.inference_mode()
     def run(self, fi: ForwardInput) -> ForwardOutput:
-        fb = self._prepare(fi)
+        fb, rows = self._prepare(fi), []
         if fi.greedy_only():
             next_ids, logits = self.runner.forward_greedy(fb), None  # [B]
         else:
             logits = self.runner.forward(fb, float_logits=fi.return_all_logits)  # sampling upcasts
             last = logits if not fi.return_all_logits else logits[fb.last_token_indices()]
-            next_ids = sample(self._edit(fi, fb, last), fi.sampling, fi.generators)  # [B]
+            edited, rows = self._edit(fi, fb, last), self._grammar_rows(fi)
+            if rows:
+                edited = apply_grammars(edited, fi.grammars, rows)
+            next_ids = sample(edited, fi.sampling, fi.generators)  # [B]
         self.runner.memory.req_to_token.token_ids[fb.req_pool_indices, fb.seq_lens] = next_ids
         out = ForwardOutput(next_ids.tolist())
+        if rows:
+            accept_tokens(fi.grammars, rows, out.next_token_ids)
         if any(n >= 0 for n in fi.top_logprobs_nums):
             out.logprobs, out.top_logprobs = _logprobs(last, next_ids, fi.top_logprobs_nums)
         if fi.return_all_logits:
             out.logits = logits
         return out
+
+    @staticmethod
+    def _grammar_rows(fi: ForwardInput) -> list[int]:
+        """Constrained rows; each one's generated-token count is its known tokens minus prompt."""
+        if not any(fi.grammars):
+            return []
+        gen = [p + e - n for p, e, n in zip(fi.prefix_lens, fi.extend_lens, fi.prompt_lens)]
+        return constrained_rows(fi.grammars, gen)
 
     def _edit(self, fi: ForwardInput, fb: ForwardBatch, logits: torch.Tensor) -> torch.Tensor:
         """Penalties and logit_bias; logprobs keep reading the raw logits (as vLLM's do)."""

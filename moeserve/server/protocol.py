@@ -68,6 +68,9 @@ class _SamplingRequest(_Request):
     frequency_penalty: float | None = 0.0
     repetition_penalty: float | None = 1.0  # SGLang/vLLM extra
     logit_bias: dict[str, float] | None = None
+    response_format: dict[str, Any] | None = None  # text | json_object | json_schema
+    regex: str | None = None  # SGLang extras: constrain the output to a regex or an EBNF grammar
+    ebnf: str | None = None
 
     def unsupported(self) -> list[str]:
         """Names of fields set to values this server cannot honour."""
@@ -130,11 +133,6 @@ class ChatCompletionRequest(_SamplingRequest):
     parallel_tool_calls: bool = True
     chat_template_kwargs: dict[str, Any] | None = None  # e.g. {"enable_thinking": false}
     separate_reasoning: bool = True  # SGLang extra: false keeps <think>…</think> in content
-    response_format: dict[str, Any] | None = None
-
-    def unsupported(self) -> list[str]:
-        fmt = (self.response_format or {}).get("type", "text")
-        return super().unsupported() + (["response_format"] if fmt != "text" else [])
 
 
 class GenerateRequest(_Request):

@@ -63,6 +63,37 @@ def logit_bias(manager: TokenizerManager, bias: dict[str, float] | None
     return tuple(out)
 
 
+def grammar_spec(manager: TokenizerManager, req: _SamplingRequest) -> tuple[str, str] | None:
+    """response_format / regex / ebnf → (kind, source), compiled here once so a bad one is a 400."""
+    fmt = dict(req.response_format or {"type": "text"})
+    kind = fmt.get("type", "text")
+    specs: list[tuple[str, str, str]] = []  # (param, kind, source)
+    if kind == "json_object":
+        specs.append(("response_format", kind, ""))
+    elif kind == "json_schema":
+        body = fmt.get("json_schema")
+        schema = body.get("schema") if isinstance(body, dict) else None
+        if not isinstance(schema, (dict, bool)):
+            raise APIError("response_format json_schema needs json_schema.schema (an object)",
+                           param="response_format")
+        specs.append(("response_format", kind, json.dumps(schema)))
+    elif kind != "text":
+        raise APIError(f"response_format type must be text, json_object or json_schema, got "
+                       f"{kind!r}", param="response_format")
+    specs += [(k, k, v) for k, v in (("regex", req.regex), ("ebnf", req.ebnf)) if v is not None]
+    if len(specs) > 1:
+        raise APIError(f"only one of {', '.join(p for p, _, _ in specs)} may constrain the output",
+                       param=specs[1][0])
+    if not specs:
+        return None
+    param, kind, source = specs[0]
+    try:
+        manager.grammars.compile((kind, source))
+    except ValueError as e:
+        raise APIError(str(e), param=param, code="invalid_grammar") from None
+    return kind, source
+
+
 def sampling_params(manager: TokenizerManager, req: _SamplingRequest,
                     max_new_tokens: int) -> SamplingParams:
     """OpenAI defaults: temperature 1, top_p 1; top_k 0 or -1 both mean disabled."""
@@ -78,7 +109,7 @@ def sampling_params(manager: TokenizerManager, req: _SamplingRequest,
             frequency_penalty=req.frequency_penalty or 0.0,
             presence_penalty=req.presence_penalty or 0.0,
             repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
-            logit_bias=logit_bias(manager, req.logit_bias))
+            logit_bias=logit_bias(manager, req.logit_bias), grammar=grammar_spec(manager, req))
     except ValueError as e:
         param = str(e).split(" ", 1)[0]
         raise APIError(str(e), param=param if param in type(req).model_fields else None) from e

@@ -34,12 +34,29 @@ def _prompts(manager: TokenizerManager, req: GenerateRequest) -> tuple[list[list
     return [list(ids)], False
 
 
+def _grammar(manager: TokenizerManager, params: dict[str, Any]) -> tuple[str, str] | None:
+    """SGLang's sampling_params json_schema / regex / ebnf (strings), compiled now for the 400."""
+    found = [(k, params.pop(k)) for k in ("json_schema", "regex", "ebnf") if k in params]
+    found = [(k, v) for k, v in found if v is not None]
+    if not found:
+        return None
+    if len(found) > 1 or not isinstance(found[0][1], str):
+        raise APIError("sampling_params: give one of json_schema, regex, ebnf, as a string",
+                       param="sampling_params")
+    try:
+        manager.grammars.compile(found[0])
+    except ValueError as e:
+        raise APIError(f"sampling_params: {e}", param=f"sampling_params.{found[0][0]}") from None
+    return found[0]
+
+
 def prepare_native(manager: TokenizerManager, req: GenerateRequest) -> NativeJob:
     params = dict(req.sampling_params)
     n = params.pop("n", 1)
     if not isinstance(n, int):
         raise APIError("sampling_params.n must be an integer", param="sampling_params.n")
     manager.check_n(n)
+    params["grammar"] = _grammar(manager, params)
     try:
         sampling = SamplingParams.from_dict(params)
     except (ValueError, TypeError) as e:

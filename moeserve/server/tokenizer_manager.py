@@ -26,6 +26,7 @@ from moeserve.core import SamplingParams
 from moeserve.ipc.messages import (AbortReq, ControlReply, ControlReq, GenerateReq, LoadReport,
                                    ManagerInput, ReadyMsg, TextOutput, TextOutputBatch)
 from moeserve.ipc.queues import AsyncPullQueue, Endpoints, PushQueue
+from moeserve.runtime.grammar import GrammarCompiler
 from moeserve.server.metrics import Metrics, RequestTimer
 from moeserve.server.protocol import APIError
 
@@ -64,6 +65,7 @@ class TokenizerManager:
             os.path.normpath(model_path))
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.vocab_size = _vocab_size(model_path, len(self.tokenizer))
+        self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size)  # 400s for bad schemas
         self.metrics = metrics or Metrics()
         self._push = PushQueue(zmq.Context.instance(), endpoints.scheduler_in)
         self._pull: AsyncPullQueue = AsyncPullQueue(zmq.asyncio.Context.instance(),

@@ -1,0 +1,133 @@
+"""Structured outputs (issue 18) through the official `openai` client on one live server (embedded
+SmolLM2): json_schema outputs validate with `jsonschema`, json_object parses, regex/ebnf extras
+hold on the completions and native routes, and an invalid schema is a 400 naming the problem."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip("xgrammar")
+jsonschema = pytest.importorskip("jsonschema")
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+SERVER_ARGS: list[str] = []
+MODEL = "smollm2-135m-instruct"
+
+
+def _schemas() -> list[dict]:
+    """Nested objects, enums, bounded arrays, required fields, bounded numbers and patterns."""
+    s = lambda n: {"type": "string", "maxLength": n}  # noqa: E731
+    obj = lambda props, req=None: {"type": "object", "properties": props,  # noqa: E731
+                                   "required": list(props) if req is None else req}
+    return [
+        obj({"name": s(20), "address": obj({"city": s(20), "zip": {
+            "type": "integer", "minimum": 0, "maximum": 99999}})}),
+        obj({"color": {"enum": ["red", "green", "blue"]},
+             "size": {"type": "string", "enum": ["S", "M", "L"]}}),
+        obj({"tags": {"type": "array", "items": s(12), "minItems": 2, "maxItems": 4}}),
+        obj({"id": {"type": "integer", "minimum": 1, "maximum": 1000},
+             "active": {"type": "boolean"}, "note": s(30)}, req=["id", "active"]),
+        obj({"items": {"type": "array", "minItems": 1, "maxItems": 3, "items": obj({
+            "sku": {"type": "string", "pattern": "^[A-Z]{3}[0-9]{2}$"},
+            "qty": {"type": "integer", "minimum": 1, "maximum": 9}})}}),
+    ]
+
+
+def _ask(schema: dict) -> list[dict]:
+    return [{"role": "user", "content": "Reply with only a JSON object that matches this JSON "
+             f"schema, and nothing else:\n{json.dumps(schema)}"}]
+
+
+def _fmt(schema: dict) -> dict:
+    return {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}}
+
+
+def _valid(text: str, schema: dict) -> bool:
+    try:
+        jsonschema.validate(json.loads(text), schema)
+    except (ValueError, jsonschema.ValidationError):
+        return False
+    return True
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    import openai
+
+    return openai.OpenAI(api_key="unused", base_url=server.url + "/v1", timeout=120, max_retries=0)
+
+
+def test_json_schema_outputs_validate(client):
+    constrained = unconstrained = 0
+    for schema in _schemas():
+        kw = dict(model=MODEL, messages=_ask(schema), temperature=0, max_tokens=160)
+        out = client.chat.completions.create(response_format=_fmt(schema), **kw).choices[0]
+        assert out.finish_reason == "stop", out.message.content
+        jsonschema.validate(json.loads(out.message.content), schema)
+        constrained += 1
+        free = client.chat.completions.create(**kw).choices[0].message.content
+        unconstrained += _valid(free, schema)
+    print(f"\nvalid JSON for the schema: {constrained}/5 with json_schema, "
+          f"{unconstrained}/5 unconstrained")
+    assert unconstrained < constrained
+
+
+def test_json_schema_n_and_streaming(client):
+    schema = _schemas()[4]
+    kw = dict(model=MODEL, messages=_ask(schema), response_format=_fmt(schema), max_tokens=160,
+              temperature=0.8, seed=7, n=3)
+    for c in client.chat.completions.create(**kw).choices:
+        jsonschema.validate(json.loads(c.message.content), schema)
+    texts = ["", "", ""]
+    for chunk in client.chat.completions.create(stream=True, **kw):
+        for c in chunk.choices:
+            texts[c.index] += c.delta.content or ""
+    for text in texts:
+        jsonschema.validate(json.loads(text), schema)
+
+
+def test_json_object_parses(client):
+    out = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": 'Reply with only a short JSON object '
+                                       'like {"name": "Tom", "age": 3} for a cat.'}],
+        response_format={"type": "json_object"}, temperature=0, max_tokens=200).choices[0]
+    assert out.finish_reason == "stop"
+    assert isinstance(json.loads(out.message.content), dict)
+
+
+def test_completions_json_schema_and_regex(client):
+    schema = _schemas()[1]
+    out = client.completions.create(model=MODEL, prompt="A T-shirt as JSON: ", max_tokens=60,
+                                    temperature=0, extra_body={"response_format": _fmt(schema)})
+    jsonschema.validate(json.loads(out.choices[0].text), schema)
+    out = client.completions.create(model=MODEL, prompt="Is the sky blue? Answer: ", max_tokens=10,
+                                    temperature=0, extra_body={"regex": "(yes|no), [a-z]{2,8}"})
+    assert out.choices[0].finish_reason == "stop"
+    assert __import__("re").fullmatch("(yes|no), [a-z]{2,8}", out.choices[0].text)
+
+
+def test_native_generate_ebnf(server):
+    import httpx
+
+    grammar = 'root ::= ("cat" | "dog") " " [0-9]'
+    r = httpx.post(server.url + "/generate", json={"text": "My pet: ", "sampling_params": {
+        "ebnf": grammar, "temperature": 0, "max_new_tokens": 10}}, timeout=60)
+    assert r.status_code == 200, r.text
+    assert __import__("re").fullmatch("(cat|dog) [0-9]", r.json()["text"])
+
+
+def test_invalid_schema_is_400(client):
+    import openai
+
+    bad = [({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "bogus"}}},
+            "bogus"), ({"type": "json_schema", "json_schema": {"name": "x"}}, "schema"),
+           ({"type": "xml"}, "xml")]
+    for fmt, word in bad:
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model=MODEL, messages=_ask({}), response_format=fmt,
+                                           max_tokens=5)
+        err = e.value.body
+        assert word in err["message"] and err["param"] == "response_format", err
