@@ -76,30 +76,19 @@ def _is_mtp(name: str, num_main_layers: int | None) -> bool:
     return parts[2].isdigit() and int(parts[2]) >= num_main_layers
 
 
-def expert_bytes(model: torch.nn.Module, touched: torch.Tensor | None) -> int:
+def expert_bytes(experts_by_layer: dict[int, MoEExperts], touched: torch.Tensor | None) -> int:
     """Bytes of the routed experts in `touched` ([L, P] bool: layer l's physical slot p got a
-    token), counted for this rank's local slots."""
+    token), counted for this rank's local slots (`MoEParallel.experts_by_layer`)."""
     if touched is None:
         return 0
     total = 0
-    for m in model.modules():
-        if not isinstance(m, MoEExperts):
-            continue
-        layer = _layer_of(model, m)
-        if layer is None or layer >= touched.shape[0]:
+    for layer, m in experts_by_layer.items():
+        if layer >= touched.shape[0]:
             continue
         per_expert = (_nbytes(m.w13) + _nbytes(m.w2)) // m.num_local
         local = touched[layer, m.first_expert : m.first_expert + m.num_local]
         total += int(local.sum()) * per_expert
     return total
-
-
-def _layer_of(model: torch.nn.Module, experts: MoEExperts) -> int | None:
-    for name, m in model.named_modules():
-        if m is experts:
-            parts = name.split(".")
-            return int(parts[2]) if len(parts) > 2 and parts[2].isdigit() else None
-    return None
 
 
 def kv_bytes_per_token(pool) -> int:
@@ -115,5 +104,5 @@ def step_bytes(runner, batch: int, seq_len: float, touched: torch.Tensor | None)
     num_main = getattr(getattr(model, "model", None), "num_main_layers", None)
     io = batch * cfg.hidden_size * elem + batch * cfg.vocab_size * elem
     return StepBytes(weights=dense_weight_bytes(model, num_main),
-                     experts=expert_bytes(model, touched),
+                     experts=expert_bytes(runner.moe_parallel.experts_by_layer, touched),
                      kv=int(batch * seq_len * kv_bytes_per_token(runner.memory.pool)), io=io)
