@@ -13,6 +13,7 @@ from hydra.core.config_store import ConfigStore
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("safetensors", "dummy")
+QUANTIZATIONS = ("auto", "none", "fp8")
 ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")
 MOE_BACKENDS = ("auto", "torch", "triton")
 DEVICES = ("auto", "cpu", "cuda")
@@ -43,6 +44,11 @@ class ModelConfig:
     load_format: str = "safetensors"  # dummy: random weights from config.json alone
     context_length: int | None = None  # None: max_position_embeddings of the checkpoint
     load_mtp: bool = False  # load the DeepSeek NextN (MTP) layer weights when present
+    # auto: a DeepSeek block-FP8 checkpoint (quantization_config) stays resident in FP8 on CUDA
+    # and is dequantized exactly on CPU | fp8: quantize float weights at load into 128x128 FP8
+    # blocks (also on CPU, with reference matmuls) | none: dequantize FP8 checkpoints at load.
+    # models/quantization.py says which weights stay in higher precision (docs/fp8.md)
+    quantization: str = "auto"
     # CPU: run the decode step's small ops (norms, q/k norm + rope, router top-k, small experts,
     # attention, the greedy LM head) as C kernels built with the system C compiler
     # (kernels/cpu_ops.py); without one, torch ops
@@ -95,6 +101,9 @@ class ServerConfig:
     startup_timeout_s: float = 600.0
     tool_parser: str = "auto"  # auto (from the chat template) | none | deepseek_v3 | hermes | llama3
     reasoning_parser: str | None = None  # deepseek_r1 | qwen3: <think>…</think> → reasoning_content
+    # SIGTERM: in-flight requests may finish for this long (new ones get 503), then the rest end
+    shutdown_timeout_s: float = 30.0
+    max_request_bytes: int = 16 * 1024 * 1024  # larger request bodies get 413
 
 
 @dataclass(frozen=True)
@@ -176,10 +185,16 @@ class TBOConfig:
 
 @dataclass(frozen=True)
 class SpecConfig:
-    """MTP (NextN) speculative decoding. Schema only: enabling it is refused until implemented."""
+    """MTP (NextN) speculative decoding (moeserve/spec_mtp/): a one-layer draft proposes
+    `num_steps` tokens, the target verifies them in one pass; outputs are those of plain decoding."""
 
     algorithm: str = "none"  # none | nextn
-    num_draft_tokens: int = 0
+    num_steps: int = 3  # draft chain length (topk 1)
+    # a trained NextN head (python -m moeserve.spec_mtp.train) instead of the checkpoint's MTP layer
+    draft_path: str | None = None
+    # decode batches larger than this run plain decode steps (the draft keeps up with one token);
+    # 0: always speculate
+    max_batch_size: int = 0
 
 
 @dataclass(frozen=True)
@@ -273,6 +288,7 @@ def validate(cfg: MoeserveConfig) -> MoeserveConfig:
                           "(only the embedded default model has no path)")
     _check_choice("model.dtype", cfg.model.dtype, DTYPES)
     _check_choice("model.load_format", cfg.model.load_format, LOAD_FORMATS)
+    _check_choice("model.quantization", cfg.model.quantization, QUANTIZATIONS)
     _check_choice("attention.backend", cfg.attention.backend, ATTENTION_BACKENDS)
     if cfg.attention.backend == "cpu" and (cfg.device == "cuda" or not cfg.model.cpu_kernels):
         raise ConfigError("attention.backend", "the cpu backend needs device=cpu (or auto "
@@ -291,6 +307,9 @@ def validate(cfg: MoeserveConfig) -> MoeserveConfig:
     _check_positive("scheduler.stream_interval", cfg.scheduler.stream_interval, False)
     _check_positive("scheduler.cpu_threads", cfg.scheduler.cpu_threads)
     _check_positive("server.max_n", cfg.server.max_n, False)
+    _check_positive("server.max_request_bytes", cfg.server.max_request_bytes, False)
+    if cfg.server.shutdown_timeout_s < 0:
+        raise ConfigError("server.shutdown_timeout_s", "must be >= 0")
     _check_choice("server.tool_parser", cfg.server.tool_parser, TOOL_PARSERS)
     _check_choice("server.reasoning_parser", cfg.server.reasoning_parser, REASONING_PARSERS)
     if not 0 < cfg.server.port < 65536:
@@ -312,13 +331,24 @@ def validate(cfg: MoeserveConfig) -> MoeserveConfig:
 
 
 def _validate_not_implemented(cfg: MoeserveConfig) -> None:
-    """Schemas that exist ahead of their feature: enabling them is refused, never ignored."""
-    _check_choice("spec.algorithm", cfg.spec.algorithm, SPEC_ALGORITHMS)
-    if cfg.spec.algorithm != "none":
-        raise ConfigError("spec.algorithm", "speculative decoding (MTP/NextN) is not implemented yet")
-    if cfg.spec.num_draft_tokens != 0:
-        raise ConfigError("spec.num_draft_tokens", "speculative decoding is not implemented yet "
-                          "(must be 0 with spec.algorithm=none)")
+    """Speculative decoding's keys (the model-dependent checks happen when the draft is built)."""
+    s = cfg.spec
+    _check_choice("spec.algorithm", s.algorithm, SPEC_ALGORITHMS)
+    if s.algorithm == "none":
+        if s.draft_path is not None:
+            raise ConfigError("spec.draft_path", "set without spec.algorithm=nextn")
+        return
+    if not 1 <= s.num_steps <= 8:
+        raise ConfigError("spec.num_steps", f"must be in [1, 8], got {s.num_steps}")
+    if s.max_batch_size < 0:
+        raise ConfigError("spec.max_batch_size", "must be >= 0 (0: always speculate)")
+
+
+def loads_mtp_layer(cfg: MoeserveConfig) -> bool:
+    """The checkpoint's NextN layer is built: asked for, or the draft of spec.algorithm=nextn
+    without a separately trained head."""
+    spec = cfg.spec.algorithm == "nextn" and cfg.spec.draft_path is None
+    return cfg.model.load_mtp or spec
 
 
 def _validate_cluster(c: ClusterConfig, p: ParallelConfig) -> None:

@@ -111,6 +111,13 @@ class SamplingParams:
         return cls(**d)
 
 
+def spec_meta(verify_steps: int, draft_tokens: int, accepted_tokens: int) -> dict[str, Any]:
+    """A request's speculative-decoding counts; accept length = tokens per verify pass."""
+    return {"spec_verify_steps": verify_steps, "spec_draft_tokens": draft_tokens,
+            "spec_accepted_tokens": accepted_tokens,
+            "spec_accept_length": round(accepted_tokens / max(verify_steps, 1), 3)}
+
+
 @dataclass(eq=False)
 class Req:
     """All state of one request on a scheduler rank.
@@ -145,6 +152,8 @@ class Req:
     generator: Any = None  # torch.Generator for seeded sampling
     grammar: Any = None  # runtime.grammar.GrammarMatch of a structured-output request
     retractions: int = 0
+    spec_verify_steps: int = 0  # speculative decoding: verify passes this request took part in
+    spec_accepted_tokens: int = 0  # tokens they produced (accepted drafts + the target's token)
 
     @property
     def fill_ids(self) -> list[int]:

@@ -8,7 +8,7 @@ from collections import deque
 from typing import Any
 
 from moeserve.config import MoeserveConfig, compose
-from moeserve.core import SamplingParams
+from moeserve.core import SamplingParams, spec_meta
 from moeserve.ipc.messages import AbortReq, ControlReply, ControlReq, GenerateReq, TokenOutput
 
 
@@ -148,11 +148,13 @@ class Engine:
         text = self._decode(output_ids)
         if isinstance(last.finish_matched, str) and last.finish_matched in text:
             text = text[: text.index(last.finish_matched)]  # OpenAI: the stop string is excluded
-        return {"text": text, "output_ids": output_ids,
-                "meta": {"prompt_tokens": last.prompt_tokens,
-                         "completion_tokens": last.completion_tokens,
-                         "cached_tokens": last.cached_tokens,
-                         "finish_reason": "length" if last.finish_reason == "length" else "stop"}}
+        meta = {"prompt_tokens": last.prompt_tokens, "completion_tokens": last.completion_tokens,
+                "cached_tokens": last.cached_tokens,
+                "finish_reason": "length" if last.finish_reason == "length" else "stop"}
+        if last.spec_verify_steps:
+            meta.update(spec_meta(last.spec_verify_steps, last.spec_draft_tokens,
+                                  last.spec_accepted_tokens))
+        return {"text": text, "output_ids": output_ids, "meta": meta}
 
     def shutdown(self) -> None:
         if self._core is not None:

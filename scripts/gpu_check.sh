@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Runs on a lent GPU machine (see the device tool): GPU tests, then benchmarks, logs under $OUT.
-#   scripts/gpu_check.sh [tests|kernels|tune|one_batch|profile|serving|multigpu|ep|p2p|all]
+#   scripts/gpu_check.sh [tests|kernels|tune|one_batch|profile|serving|multigpu|ep|p2p|fp8|spec|all]
 #   tests: GPU tests (parity, CUDA graphs, Triton kernels in bf16); kernels: the kernel benchmark
 #   tables; tune: fused-MoE launch configs for the shipped shapes (into $OUT/moe_configs);
 #   one_batch: full-size dummy Qwen3-30B-A3B / Llama-3-8B / DeepSeek-V2-Lite decode tables with the
@@ -8,6 +8,12 @@
 #   bench alone; p2p: the p2p kernels' tests, per-kernel sweep, EP bench and DP check; profile:
 #   profiler tables of a batch-64 decode step of a 4-layer Qwen3-30B-A3B shape; PROFILE=1 adds
 #   profiler tables to ep). ONE_BATCH_MODELS / ONE_BATCH_ARGS / ONE_BATCH_HF=0 narrow the one_batch mode.
+#   fp8: the FP8 tests (kernels, layers, tiny DeepSeek-V3 FP8 served with quantization=auto), the
+#   FP8 GEMM vs bf16 table on DeepSeek-V3 shapes (FP8_SWEEP=1 adds a launch-config sweep), and
+#   one_batch FP8 vs bf16 on a DeepSeek-V3 shape cut to 3 dense + 4 MoE layers (dummy weights).
+#   spec: MTP speculation's round (draft chain + verify + draft extend) against one plain decode
+#   step (eager and CUDA graph) at batch 1/16/64: DeepSeek-V3 shape cut to 3 dense + 2 MoE layers
+#   with its MTP layer, and Llama-3-8B with a random NextN head (SPEC_ACCEPT: accept lengths).
 # The image lacks some pure-Python deps: they travel as wheels in .whl/ (not committed).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -53,6 +59,34 @@ if [[ $what == one_batch || $what == all ]]; then
       --input-len 512 --output-len 32 --compare-reference $([ "${ONE_BATCH_HF:-1}" = 1 ] && echo --compare-hf) ${ONE_BATCH_ARGS:-} \
       -o model.load_format=dummy -o device=cuda -o cache.max_total_tokens=150000 2>&1 \
       | grep -v -E "Warning|warn|capturing" | tee -a "$OUT/one_batch.log"
+  done
+fi
+
+if [[ $what == fp8 ]]; then
+  python3 -m pytest tests/gpu/test_fp8_serving.py tests/kernels/test_fp8.py \
+    tests/kernels/test_fp8_layers.py -q -s -p no:cacheprovider 2>&1 | grep -v -E "Warning|warn" \
+    | tee "$OUT/fp8_tests.log" | grep -E "passed|failed|Error|error|^FAILED|\[fp8" | tail -30
+  timeout 150 python3 -m moeserve.bench.fp8_gemm ${FP8_SWEEP:+--sweep} 2>&1 \
+    | grep -v -E "Warning|warn" | tee "$OUT/fp8_gemm.log"
+  python3 -m moeserve.tools.make_random --shape deepseek_v3 --layers 7 --config-only \
+    --out /tmp/dsv3_l7 >/dev/null  # first_k_dense_replace 3: 3 dense + 4 MoE layers
+  timeout 330 python3 -m moeserve.bench.one_batch --model /tmp/dsv3_l7 --batch 1 64 256 \
+    --input-len 256 --output-len 32 --compare-quantization ${ONE_BATCH_ARGS:-} \
+    -o model.load_format=dummy -o device=cuda -o model.quantization=auto \
+    -o cache.max_total_tokens=80000 2>&1 | grep -v -E "Warning|warn|capturing" \
+    | tee "$OUT/fp8_one_batch.log"
+fi
+
+if [[ $what == spec ]]; then
+  python3 -m moeserve.tools.make_random --shape deepseek_v3 --layers 5 --config-only \
+    --out /tmp/dsv3_l5 >/dev/null  # 3 dense + 2 MoE layers, + the MTP layer (MoE)
+  python3 -m moeserve.tools.make_random --shape llama3_8b --config-only --out /tmp/llama8b >/dev/null
+  for m in "/tmp/dsv3_l5 model.quantization=none" "/tmp/llama8b spec.draft_path=dummy"; do
+    set -- $m
+    timeout 280 python3 -m moeserve.bench.spec_step --model $1 --batch 1 16 64 --num-steps 3 \
+      --accept ${SPEC_ACCEPT:-2.0 2.5} --override model.load_format=dummy --override device=cuda \
+      --override $2 --override cache.max_total_tokens=80000 2>&1 \
+      | grep -v -E "Warning|warn|capturing" | tee -a "$OUT/spec_step.log" | tail -8
   done
 fi
 

@@ -19,6 +19,7 @@ from moeserve.config import compose
 from moeserve.bench.roofline import measure_copy_bandwidth, step_bytes
 from moeserve.core import ForwardMode
 from moeserve.forward_batch import ForwardBatch
+from moeserve.models.weight_bytes import weight_bytes
 from moeserve.runtime.model_runner import ModelRunner
 
 
@@ -110,9 +111,11 @@ def reference_path(runner: ModelRunner):
     """Run `runner` as before the GPU fast path (torch attention, torch experts, torch norms and
     rope, no CUDA graphs) on the same weights and KV memory, for a side-by-side row."""
     from moeserve.attention.torch_backend import TorchAttentionBackend
+    from moeserve.layers.fp8_linear import Fp8Linear
     from moeserve.layers.moe import MoEExperts
 
-    experts = [m for m in runner.model.modules() if isinstance(m, MoEExperts)]
+    # experts and FP8 linears: their torch paths (FP8: dequantize, then matmul)
+    experts = [m for m in runner.model.modules() if isinstance(m, (MoEExperts, Fp8Linear))]
     ops = [m for m in runner.model.modules() if getattr(m, "gpu_ops", None) is not None]
     saved = runner.attn_backend, runner.graph_runner, [e.backend for e in experts]
     runner.attn_backend, runner.graph_runner = TorchAttentionBackend(), None
@@ -174,6 +177,59 @@ def _row(name: str, batch: int, prefill: float, decode: float, step_gb: float | 
             f"{step_gb:>7.2f} | {roof_ms:>11.2f} | {100 * roof_ms / step_ms:>9.1f}% |")
 
 
+def _bench_runner(runner: ModelRunner, args, bw: float | None, label: str
+                  ) -> tuple[dict[int, float], dict[int, float]]:
+    """The table rows of one runner at every batch: (GB per decode step, decode tok/s) by batch.
+    `label` names the fast-path rows ("moeserve", or the weight format when comparing)."""
+    gb: dict[int, float] = {}
+    decode: dict[int, float] = {}
+    for b in args.batch:
+        paths = [(label, contextlib.nullcontext)]
+        if args.compare_reference:
+            paths.append(("reference", lambda: reference_path(runner)))
+        for name, ctx in paths:
+            with ctx():
+                for _ in range(args.warmup):
+                    bench_moeserve(runner, b, args.input_len, min(args.output_len, 4))
+                run = bench_moeserve(runner, b, args.input_len, args.output_len,
+                                     profile=args.profile and b == args.batch[-1],
+                                     count_experts=name == label)
+            if run.touched is not None or b not in gb:
+                sb = step_bytes(runner, b, run.mean_seq_len, run.touched)
+                gb[b] = sb.total / 1e9
+                if name == label:
+                    print(f"| bytes b={b}: weights {sb.weights / 1e9:.2f} GB + experts "
+                          f"{sb.experts / 1e9:.2f} GB ({int(run.touched.sum()) if run.touched is not None else 0} "
+                          f"expert-layers) + KV {sb.kv / 1e9:.2f} GB + io {sb.io / 1e9:.3f} GB",
+                          flush=True)
+            if name == label:
+                decode[b] = run.decode_tps
+            print(_row(name, b, run.prefill_tps, run.decode_tps, gb[b], bw), flush=True)
+    return gb, decode
+
+
+def _free(dev: torch.device) -> None:
+    gc.collect()
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _weights_line(runner: ModelRunner) -> str:
+    wb = weight_bytes(runner.model)
+    parts = ", ".join(f"{k} {v / 1e9:.2f}" for k, v in wb.items() if k not in ("total", "fp8"))
+    return (f"| weights on this rank: {wb['total'] / 1e9:.2f} GB (e4m3 {wb['fp8'] / 1e9:.2f}; "
+            f"{parts})")
+
+
+def _speedup_table(decode: dict[str, dict[int, float]]) -> None:
+    """Decode tok/s of the FP8 run against the bf16 run, per batch."""
+    (fp8, a), (bf16, b) = decode.items()
+    print(f"| {'batch':>5} | {fp8 + ' tok/s':>12} | {bf16 + ' tok/s':>12} | {'speedup':>7} |")
+    for batch in a:
+        print(f"| {batch:>5} | {a[batch]:>12.1f} | {b[batch]:>12.1f} | "
+              f"{a[batch] / b[batch]:>6.2f}x |", flush=True)
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default=None, help="HF folder; default: the embedded SmolLM2")
@@ -183,6 +239,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--compare-hf", action="store_true", help="add transformers generate rows")
     p.add_argument("--compare-reference", action="store_true",
                    help="add rows of the pre-fast-path run (torch attention/experts, no graphs)")
+    p.add_argument("--compare-quantization", action="store_true",
+                   help="run as configured (e.g. FP8 from model.quantization=auto|fp8), then "
+                        "again with model.quantization=none (bf16), and print the decode speedup")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("-o", "--override", action="append", default=[])
     p.add_argument("--profile", action="store_true",
@@ -205,33 +264,23 @@ def main(argv: list[str] | None = None) -> None:
           + (f" copy bandwidth={bw / 1e12:.2f} TB/s (read+write)" if bw else ""))
     print(HEADER)
     print("|" + "|".join("-" * len(c) for c in HEADER.split("|")[1:-1]) + "|")
-    gb: dict[int, float] = {}
-    for b in args.batch:
-        paths = [("moeserve", contextlib.nullcontext)]
-        if args.compare_reference:
-            paths.append(("reference", lambda: reference_path(runner)))
-        for name, ctx in paths:
-            with ctx():
-                for _ in range(args.warmup):
-                    bench_moeserve(runner, b, args.input_len, min(args.output_len, 4))
-                run = bench_moeserve(runner, b, args.input_len, args.output_len,
-                                     profile=args.profile and b == args.batch[-1],
-                                     count_experts=name == "moeserve")
-            if run.touched is not None or b not in gb:
-                sb = step_bytes(runner, b, run.mean_seq_len, run.touched)
-                gb[b] = sb.total / 1e9
-                if name == "moeserve":
-                    print(f"| bytes b={b}: weights {sb.weights / 1e9:.2f} GB + experts "
-                          f"{sb.experts / 1e9:.2f} GB ({int(run.touched.sum()) if run.touched is not None else 0} "
-                          f"expert-layers) + KV {sb.kv / 1e9:.2f} GB + io {sb.io / 1e9:.3f} GB",
-                          flush=True)
-            print(_row(name, b, run.prefill_tps, run.decode_tps, gb[b], bw), flush=True)
+    label = "moeserve"
+    if args.compare_quantization:
+        label = "fp8" if weight_bytes(runner.model)["fp8"] else str(dtype).replace("torch.", "")
+    print(_weights_line(runner), flush=True)
+    gb, decode = _bench_runner(runner, args, bw, label)
+    if args.compare_quantization:
+        del runner
+        _free(dev)
+        runner = ModelRunner(compose([*overrides, "model.quantization=none"]), path)
+        print(_weights_line(runner), flush=True)
+        bf16 = str(runner.dtype).replace("torch.", "")
+        _, decode_bf16 = _bench_runner(runner, args, bw, bf16)
+        _speedup_table({label: decode, bf16: decode_bf16})
     if args.compare_hf:
         dummy = cfg.model.load_format == "dummy"
         del runner
-        gc.collect()
-        if dev.type == "cuda":
-            torch.cuda.empty_cache()
+        _free(dev)
         hf = load_hf(path, dtype, dev, dummy)
         for b in args.batch:
             if args.warmup:

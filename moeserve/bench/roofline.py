@@ -85,7 +85,7 @@ def expert_bytes(experts_by_layer: dict[int, MoEExperts], touched: torch.Tensor 
     for layer, m in experts_by_layer.items():
         if layer >= touched.shape[0]:
             continue
-        per_expert = (_nbytes(m.w13) + _nbytes(m.w2)) // m.num_local
+        per_expert = sum(_nbytes(p) for p in m.expert_params()) // m.num_local  # FP8: + scales
         local = touched[layer, m.first_expert : m.first_expert + m.num_local]
         total += int(local.sum()) * per_expert
     return total

@@ -35,7 +35,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from moeserve.kernels.peer_copy import expert_owner  # noqa: F401 (re-exported: the placement rule)
-from moeserve.layers.activation import silu_and_mul
 from moeserve.layers.moe import count_per_expert
 
 if TYPE_CHECKING:
@@ -107,8 +106,7 @@ def run_experts_low_latency(experts: MoEExperts, out: DispatchOutput) -> torch.T
     if experts.num_local != x.shape[0]:
         raise ValueError(f"experts hold {experts.num_local} local experts, "
                          f"dispatch gave {x.shape[0]}")
-    h = silu_and_mul(torch.bmm(x, experts.w13.transpose(1, 2).to(x.dtype)))  # [E_local, M, I]
-    return torch.bmm(h, experts.w2.transpose(1, 2).to(x.dtype))  # [E_local, M, H]
+    return experts.forward_per_expert(x)  # [E_local, M, H]
 
 
 EXPERT_RUNNERS: dict[str, Callable[[Any, DispatchOutput], torch.Tensor]] = {

@@ -65,14 +65,16 @@ def rebalance(experts: dict[int, MoEExperts], loc: ExpertLocation, counts: torch
 def _move_layer(ex: MoEExperts, old: ExpertLocation, new: ExpertLocation, layer: int,
                 mesh: ParallelMesh) -> int:
     """Fill each local slot with its new logical expert, copied locally when this rank already
-    holds it, else received from the rank of its lowest old replica (every rank agrees)."""
+    holds it, else received from the rank of its lowest old replica (every rank agrees). Every
+    per-slot tensor moves together (`MoEExperts.expert_params`: FP8 weights with their scales)."""
     old_p2l = old.physical_to_logical[layer].tolist()
     new_p2l = new.physical_to_logical[layer].tolist()
     per_rank = old.slots_per_rank
     source = {}  # logical expert → the old slot that serves it to other ranks
     for slot, e in enumerate(old_p2l):
         source.setdefault(e, slot)
-    w13, w2 = ex.w13.data.clone(), ex.w2.data.clone()
+    params = [_wire(p.data) for p in ex.expert_params()]  # [E_local, ...] each
+    staged = [p.clone() for p in params]
     ops, recv = [], []
     for dst_slot, e in enumerate(new_p2l):
         dst_rank, src_slot = dst_slot // per_rank, source[e]
@@ -82,29 +84,33 @@ def _move_layer(ex: MoEExperts, old: ExpertLocation, new: ExpertLocation, layer:
         if dst_rank == mesh.ep_rank:
             local = dst_slot - per_rank * mesh.ep_rank
             if mine:  # already here (maybe in another slot): copy
-                w13[local], w2[local] = ex.w13.data[mine[0] - ex.first_expert], \
-                    ex.w2.data[mine[0] - ex.first_expert]
+                for dst, src in zip(staged, params):
+                    dst[local] = src[mine[0] - ex.first_expert]
             else:
-                bufs = (torch.empty_like(w13[local]), torch.empty_like(w2[local]))
+                bufs = [torch.empty_like(t[local]) for t in staged]
                 ops += [dist.P2POp(dist.irecv, b, src_rank, group=mesh.ep_group) for b in bufs]
                 recv.append((local, bufs))
         elif src_rank == mesh.ep_rank and not _holds(old_p2l, dst_rank, per_rank, e):
             local_src = src_slot - ex.first_expert
-            ops += [dist.P2POp(dist.isend, ex.w13.data[local_src].contiguous(), dst_rank,
-                               group=mesh.ep_group),
-                    dist.P2POp(dist.isend, ex.w2.data[local_src].contiguous(), dst_rank,
-                               group=mesh.ep_group)]
+            ops += [dist.P2POp(dist.isend, t[local_src].contiguous(), dst_rank,
+                               group=mesh.ep_group) for t in params]
     if ops:
         for req in dist.batch_isend_irecv(ops):
             req.wait()
-    for local, (b13, b2) in recv:
-        w13[local], w2[local] = b13, b2
-    ex.w13.data.copy_(w13)
-    ex.w2.data.copy_(w2)
+    for local, bufs in recv:
+        for dst, b in zip(staged, bufs):
+            dst[local] = b
+    for dst, src in zip(params, staged):
+        dst.copy_(src)
     first = ex.first_expert
     changed = sum(a != b for a, b in zip(ex.slot_logical, new_p2l[first : first + ex.num_local]))
     ex.slot_logical = new_p2l[first : first + ex.num_local]
     return changed
+
+
+def _wire(t: torch.Tensor) -> torch.Tensor:
+    """A view that every backend can send: float8 as its bytes (gloo has no float8 type)."""
+    return t.view(torch.uint8) if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) else t
 
 
 def _holds(p2l: list[int], rank: int, per_rank: int, e: int) -> bool:

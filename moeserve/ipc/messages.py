@@ -62,6 +62,9 @@ class TokenOutput(Msg):
     logprobs: list[float] | None = None  # of new_ids
     top_logprobs: list[list[tuple[int, float]]] | None = None
     error: str | None = None
+    spec_verify_steps: int = 0  # speculative decoding: verify passes so far
+    spec_draft_tokens: int = 0  # drafts proposed so far
+    spec_accepted_tokens: int = 0  # tokens those passes produced (accepted drafts + bonus)
 
 
 class TokenOutputBatch(Msg):
@@ -82,6 +85,9 @@ class TextOutput(Msg):
     logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
     error: str | None = None
+    spec_verify_steps: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
 
 
 class TextOutputBatch(Msg):

@@ -167,14 +167,16 @@ def _align_kernel(ids_ptr, sorted_ptr, expert_ptr, num_post_ptr, num_pairs, firs
 def _moe_gemm_kernel(a_ptr, b_ptr, c_ptr, weight_ptr, sorted_ptr, expert_ptr, num_post_ptr,
                      as_ptr, bs_ptr, N, K, num_pairs, num_pid_m, stride_am, stride_ak, stride_be,
                      stride_bn, stride_bk, stride_cm, stride_cn, stride_asm, stride_bse,
-                     stride_bsn, ROW_DIV: tl.constexpr, GATED: tl.constexpr,
+                     stride_bsn, up_scale_rows, ROW_DIV: tl.constexpr, GATED: tl.constexpr,
                      WEIGHTED: tl.constexpr, EVEN_K: tl.constexpr, FP8: tl.constexpr,
+                     SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr,
                      BLOCK_SIZE_M: tl.constexpr, BLOCK_SIZE_N: tl.constexpr,
                      BLOCK_SIZE_K: tl.constexpr, GROUP_SIZE_M: tl.constexpr):
     """c[pair, n] = a[pair // ROW_DIV] @ b[expert, n]^T for the pairs of one expert block.
     GATED: b holds [gate | up] rows (N each), c = silu(gate) * up. WEIGHTED: c *= weight[pair].
-    FP8: a and b are e4m3; a row's scale per 128 channels is as[row, k // 128] and b's per
-    128 x 128 block bs[expert, n // 128, k // 128] (BLOCK_SIZE_K divides 128)."""
+    FP8: a and b are e4m3; a row's scale per SCALE_BK channels is as[row, k // SCALE_BK] and b's
+    per SCALE_BN x SCALE_BK block bs[expert, n // SCALE_BN, k // SCALE_BK] (BLOCK_SIZE_K divides
+    SCALE_BK); gate and up are blocked separately, up's scale rows start at `up_scale_rows`."""
     pid = tl.program_id(0)
     num_pid_n = tl.cdiv(N, BLOCK_SIZE_N)
     in_group = GROUP_SIZE_M * num_pid_n  # GROUP_SIZE_M m-blocks share each B tile while in L2
@@ -208,10 +210,10 @@ def _moe_gemm_kernel(a_ptr, b_ptr, c_ptr, weight_ptr, sorted_ptr, expert_ptr, nu
             a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             b = tl.load(b_ptrs, mask=k_ok[:, None], other=0.0)
         if FP8:
-            g = k0 // 128
+            g = k0 // SCALE_BK
             a_s = tl.load(as_ptr + (pair // ROW_DIV).to(tl.int64) * stride_asm + g, mask=row_ok,
                           other=0.0)  # [BM]
-            b_s = tl.load(bs_ptr + expert * stride_bse + (offs_bn // 128) * stride_bsn + g)
+            b_s = tl.load(bs_ptr + expert * stride_bse + (offs_bn // SCALE_BN) * stride_bsn + g)
             acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]
         else:
             acc = tl.dot(a, b, acc=acc)
@@ -221,8 +223,8 @@ def _moe_gemm_kernel(a_ptr, b_ptr, c_ptr, weight_ptr, sorted_ptr, expert_ptr, nu
             else:
                 b_up = tl.load(b_ptrs + up_shift, mask=k_ok[:, None], other=0.0)
             if FP8:
-                b_s_up = tl.load(bs_ptr + expert * stride_bse + ((offs_bn + N) // 128) * stride_bsn
-                                 + g)
+                b_s_up = tl.load(bs_ptr + expert * stride_bse
+                                 + (up_scale_rows + offs_bn // SCALE_BN) * stride_bsn + g)
                 acc_up += tl.dot(a, b_up) * a_s[:, None] * b_s_up[None, :]
             else:
                 acc_up = tl.dot(a, b_up, acc=acc_up)
@@ -253,15 +255,16 @@ def _sum_local_pairs_kernel(y_ptr, ids_ptr, out_ptr, first_expert, num_local, H,
 
 
 def _grouped_gemm(a, b, c, weights, sorted_ids, expert_ids, num_post, row_div, gated, cfg,
-                  a_scale=None, b_scale=None):
+                  a_scale=None, b_scale=None, block=(128, 128)):
     """c [T*K, N] by pair id ← a rows (pair // row_div) @ b[expert]^T; b [E, N or 2N, Kdim].
-    With a_scale [rows, Kdim/128] and b_scale [E, rows of b / 128, Kdim/128]: FP8 operands."""
+    With a_scale [rows, Kdim/bk] and b_scale [E, scale rows, Kdim/bk]: FP8 operands in (bn, bk)
+    blocks; gated b's scale rows are gate's ceil(N/bn) then up's."""
     n = c.shape[1]
     kdim = a.shape[1]
     bm, bn, bk = cfg["BLOCK_SIZE_M"], cfg["BLOCK_SIZE_N"], cfg["BLOCK_SIZE_K"]
     fp8 = b_scale is not None
     if fp8:
-        bk = min(bk, 128)  # a K tile must stay inside one 128-wide scale group
+        bk = min(bk, block[1])  # a K tile must stay inside one scale group
         assert b_scale.stride(2) == 1 and a_scale.stride(1) == 1
     num_pid_m = sorted_ids.shape[0] // bm
     grid = (num_pid_m * triton.cdiv(n, bn),)
@@ -271,8 +274,9 @@ def _grouped_gemm(a, b, c, weights, sorted_ids, expert_ids, num_post, row_div, g
         *scales, n, kdim, c.shape[0], num_pid_m, a.stride(0), a.stride(1), b.stride(0),
         b.stride(1), b.stride(2), c.stride(0), c.stride(1),
         a_scale.stride(0) if fp8 else 0, b_scale.stride(0) if fp8 else 0,
-        b_scale.stride(1) if fp8 else 0, ROW_DIV=row_div, GATED=gated,
-        WEIGHTED=weights is not None, EVEN_K=kdim % bk == 0, FP8=fp8, BLOCK_SIZE_M=bm,
+        b_scale.stride(1) if fp8 else 0, triton.cdiv(n, block[0]), ROW_DIV=row_div, GATED=gated,
+        WEIGHTED=weights is not None, EVEN_K=kdim % bk == 0, FP8=fp8, SCALE_BN=block[0],
+        SCALE_BK=block[1], BLOCK_SIZE_M=bm,
         BLOCK_SIZE_N=bn, BLOCK_SIZE_K=bk, GROUP_SIZE_M=cfg["GROUP_SIZE_M"],
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
@@ -280,14 +284,16 @@ def _grouped_gemm(a, b, c, weights, sorted_ids, expert_ids, num_post, row_div, g
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
               topk_weights: torch.Tensor, first_expert: int = 0, num_local: int | None = None,
               config: dict | None = None, w13_scale: torch.Tensor | None = None,
-              w2_scale: torch.Tensor | None = None) -> torch.Tensor:
+              w2_scale: torch.Tensor | None = None, block: tuple[int, int] = (128, 128)
+              ) -> torch.Tensor:
     """sum_k w[t,k] * (silu(x[t] @ gate_e^T) * (x[t] @ up_e^T)) @ w2_e^T over the pairs whose
     e = ids[t,k] - first_expert is in [0, num_local): [T, H] in x.dtype (fp32 accumulation).
 
     x [T, H]; w13 [E_local, 2I, H] as [gate | up]; w2 [E_local, H, I]; topk_ids [T, K] global ids;
     topk_weights [T, K]. `config`: launch config (default: `get_moe_config` for this shape).
-    FP8 experts: w13/w2 float8_e4m3fn with block scales w13_scale [E, 2I/128, H/128] and
-    w2_scale [E, H/128, I/128] (ceil); activations are quantized per token and 128 channels."""
+    FP8 experts: w13/w2 float8_e4m3fn with (bn, bk) = `block` scales w13_scale
+    [E, 2 * ceil(I/bn), ceil(H/bk)] (gate and up blocked separately, as checkpoints store them) and
+    w2_scale [E, ceil(H/bn), ceil(I/bk)]; activations are quantized per token and bk channels."""
     t, h = x.shape
     e_local, two_i, _ = w13.shape
     inter_size, k = two_i // 2, topk_ids.shape[1]
@@ -309,13 +315,13 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: to
     else:
         from moeserve.kernels.fp8 import quant_fp8_per_token_group
 
-        x_q, x_s = quant_fp8_per_token_group(x)
+        x_q, x_s = quant_fp8_per_token_group(x, block[1])
         _grouped_gemm(x_q, w13, inter, None, sorted_ids, expert_ids, num_post, k, True, cfg,
-                      x_s, w13_scale)
+                      x_s, w13_scale, block)
         # NOTE: rows of non-local pairs hold garbage; their scales too, and nothing reads them
-        i_q, i_s = quant_fp8_per_token_group(inter)
+        i_q, i_s = quant_fp8_per_token_group(inter, block[1])
         _grouped_gemm(i_q, w2, y, weights, sorted_ids, expert_ids, num_post, 1, False, cfg,
-                      i_s, w2_scale)
+                      i_s, w2_scale, block)
     out = x.new_empty((t, h))
     block_h = min(1024, triton.next_power_of_2(h))
     _sum_local_pairs_kernel[(t, triton.cdiv(h, block_h))](y, ids, out, first_expert, num_local,

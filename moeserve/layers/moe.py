@@ -59,11 +59,34 @@ class MoEExperts(nn.Module):
         self.num_local = num_experts if num_local is None else num_local
         self.intermediate_size = intermediate_size
         self.slot_logical = slot_logical or list(range(first_expert, first_expert + self.num_local))
+        self.create_weights(hidden_size, intermediate_size)
+
+    def create_weights(self, hidden_size: int, intermediate_size: int) -> None:
+        """The stacked weights in the default dtype (layers/fp8_moe.py: FP8 + block scales)."""
         self.w13 = nn.Parameter(torch.empty(self.num_local, 2 * intermediate_size, hidden_size))
         self.w2 = nn.Parameter(torch.empty(self.num_local, hidden_size, intermediate_size))
-        self.w13.weight_loader = self.w2.weight_loader = self.weight_loader
-        self.w13.expected_shards = {(e, s) for e in self.slot_logical for s in (GATE, UP)}
-        self.w2.expected_shards = {(e, DOWN) for e in self.slot_logical}
+        self.expect_shards(self.w13, self.w2)
+
+    def expect_shards(self, w13: nn.Parameter, w2: nn.Parameter) -> None:
+        """Route checkpoint tensors of [gate | up] into w13-shaped stacks, down into w2's."""
+        w13.weight_loader = w2.weight_loader = self.weight_loader
+        w13.expected_shards = {(e, s) for e in self.slot_logical for s in (GATE, UP)}
+        w2.expected_shards = {(e, DOWN) for e in self.slot_logical}
+
+    def expert_params(self) -> list[nn.Parameter]:
+        """Every tensor stacked per local slot ([E_local, ...]): what an EPLB move copies."""
+        return [self.w13, self.w2]
+
+    def stacked_weights(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(w13 [E_local, 2I, H], w2 [E_local, H, I]) in `dtype`, for batched expert GEMMs."""
+        return self.w13.to(dtype), self.w2.to(dtype)
+
+    def forward_per_expert(self, x: torch.Tensor) -> torch.Tensor:
+        """x [E_local, M, H], row block e for local expert e → its UNweighted MLP [E_local, M, H]
+        (the low-latency dispatch layout; padding rows are computed too)."""
+        w13, w2 = self.stacked_weights(x.dtype)
+        h = silu_and_mul(torch.bmm(x, w13.transpose(1, 2)))  # [E_local, M, I]
+        return torch.bmm(h, w2.transpose(1, 2))  # [E_local, M, H]
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, expert_id: int,
                       shard: str) -> None:
@@ -205,6 +228,9 @@ class MoEParallel:
     experts_by_layer: dict[int, MoEExperts] = field(default_factory=dict)  # for live rebalance
     moe_backend: str = "torch"  # torch | triton (the runner resolves moe.backend=auto)
     moe_config_dir: str | None = None  # tuned fused-MoE launch configs (moe.config_dir)
+    # (rows, cols) of FP8 weight blocks: experts built resident in FP8 (layers/fp8_moe.py); None:
+    # in the model dtype (models/quantization.py decides)
+    fp8_block: tuple[int, int] | None = None
 
     def num_physical(self, num_logical: int) -> int:
         return num_logical if self.location is None else self.location.num_physical
@@ -220,9 +246,14 @@ class MoEParallel:
         slots = None
         if self.location is not None:
             slots = self.location.physical_to_logical[layer_id, first : first + n].tolist()
-        experts = MoEExperts(num_phy, hidden, intermediate, first_expert=first, num_local=n,
-                             slot_logical=slots, backend=self.moe_backend,
-                             config_dir=self.moe_config_dir)
+        kwargs = dict(first_expert=first, num_local=n, slot_logical=slots,
+                      backend=self.moe_backend, config_dir=self.moe_config_dir)
+        if self.fp8_block is not None:
+            from moeserve.layers.fp8_moe import Fp8MoEExperts
+
+            experts = Fp8MoEExperts(num_phy, hidden, intermediate, block=self.fp8_block, **kwargs)
+        else:
+            experts = MoEExperts(num_phy, hidden, intermediate, **kwargs)
         self.experts_by_layer[layer_id] = experts
         return experts
 

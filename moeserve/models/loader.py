@@ -7,6 +7,11 @@ Models declare how checkpoint names map onto their parameters:
   tensors `...experts.{i}.{proj}.weight` stacked into `...experts.w13` / `...experts.w2`;
 - `skip_weight(name) -> bool`: tensors that are deliberately not loaded.
 Every other tensor must match a parameter by name and shape; anything left over is an error.
+
+FP8 (DeepSeek block format): a checkpoint's e4m3 weight and its `weight_scale_inv` are dequantized
+while read, unless `keep_fp8` says the parameter it loads into is FP8 (layers/fp8_linear.py,
+layers/fp8_moe.py): then both load as stored. A float tensor bound for an FP8 parameter is
+quantized into that parameter's blocks first (`model.quantization=fp8`).
 """
 
 from __future__ import annotations
@@ -14,16 +19,18 @@ from __future__ import annotations
 import json
 import os
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from safetensors import safe_open
 from torch import nn
 from tqdm import tqdm
 
-from moeserve.kernels.fp8_format import dequantize_fp8_blocks  # noqa: F401 (re-exported)
+from moeserve.kernels.fp8_format import FP8, dequantize_fp8_blocks, quantize_fp8_blocks
 
-_EXPERT_RE = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<id>\d+)\.(?P<proj>\w+)\.weight$")
+_EXPERT_RE = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<id>\d+)\.(?P<proj>\w+)"
+                        r"\.(?P<kind>weight|weight_scale_inv)$")
+SCALE_SUFFIX = "_scale_inv"  # x.weight → x.weight_scale_inv
 
 
 class WeightLoadError(RuntimeError):
@@ -47,11 +54,13 @@ def checkpoint_files(path: str) -> list[str]:
     return files
 
 
-def iterate_weights(path: str, dtype: torch.dtype | None = None, progress: bool = True
+def iterate_weights(path: str, dtype: torch.dtype | None = None, progress: bool = True,
+                    keep_fp8: Callable[[str], bool] | None = None
                     ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (name, tensor), in `dtype` if given (else as stored, so that copying into a float32
     parameter such as a router bias keeps full precision); FP8 weights with `weight_scale_inv`
-    come out dequantized."""
+    come out dequantized, except e4m3 ones where `keep_fp8(name)`: those come as stored, each
+    followed by its scale (`name + "_scale_inv"`)."""
     files = checkpoint_files(path)
     pending_fp8: dict[str, torch.Tensor] = {}
     scales: dict[str, torch.Tensor] = {}
@@ -65,31 +74,53 @@ def iterate_weights(path: str, dtype: torch.dtype | None = None, progress: bool 
                     pending_fp8[name] = tensor
                 else:
                     yield name, tensor if dtype is None else tensor.to(dtype)
-                yield from _ready_fp8(pending_fp8, scales, dtype)
+                yield from _ready_fp8(pending_fp8, scales, dtype, keep_fp8)
     if pending_fp8:
         raise WeightLoadError(f"FP8 tensor without weight_scale_inv: {next(iter(pending_fp8))}")
 
 
-def _ready_fp8(pending: dict, scales: dict, dtype: torch.dtype):
+def _ready_fp8(pending: dict, scales: dict, dtype: torch.dtype | None,
+               keep_fp8: Callable[[str], bool] | None):
     for name in [n for n in pending if n in scales]:
-        w = dequantize_fp8_blocks(pending.pop(name), scales.pop(name))
+        w, scale = pending.pop(name), scales.pop(name)
+        if keep_fp8 is not None and w.dtype == FP8 and keep_fp8(name):
+            yield name, w
+            yield name + SCALE_SUFFIX, scale
+            continue
+        block = _block_of(w, scale)
+        w = dequantize_fp8_blocks(w, scale, block)
         yield name, w if dtype is None else w.to(dtype)
 
 
-def load_weights(model: nn.Module, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
-    """Load checkpoint tensors into `model` following its declarations (see module docstring)."""
+def _block_of(w: torch.Tensor, scale: torch.Tensor) -> tuple[int, int]:
+    """The (rows, cols) block a scale grid implies: 128 unless the grid needs another power of
+    two (a checkpoint with another `weight_block_size`)."""
+    def fit(size: int, blocks: int) -> int:
+        b = 128 if -(-size // 128) == blocks else 16
+        while -(-size // b) > blocks:
+            b *= 2
+        return b
+
+    return fit(w.shape[0], scale.shape[0]), fit(w.shape[1], scale.shape[1])
+
+
+def load_weights(model: nn.Module, weights: Iterator[tuple[str, torch.Tensor]],
+                 strict: bool = True) -> None:
+    """Load checkpoint tensors into `model` following its declarations (see module docstring);
+    `strict`: every parameter must have been filled."""
     params = dict(model.named_parameters())
     seen: dict[str, set] = {}  # parameter → shard keys loaded into it
     skip = getattr(model, "skip_weight", lambda name: False)
     for name, tensor in weights:
         if skip(name):
             continue
-        try:
-            target, shard_key = _load_one(model, params, name, tensor)
-        except ValueError as e:  # a weight_loader's shape check
-            raise WeightLoadError(f"cannot load checkpoint tensor {name!r}: {e}") from e
-        seen.setdefault(target, set()).add(shard_key)
-    for target, param in params.items():
+        for part_name, part in _quantize_for(params, model, name, tensor):
+            try:
+                target, shard_key = _load_one(model, params, part_name, part)
+            except ValueError as e:  # a weight_loader's shape check
+                raise WeightLoadError(f"cannot load checkpoint tensor {name!r}: {e}") from e
+            seen.setdefault(target, set()).add(shard_key)
+    for target, param in params.items() if strict else ():
         expected = getattr(param, "expected_shards", {None})
         lacking = expected - seen.get(target, set())
         if lacking:
@@ -97,23 +128,59 @@ def load_weights(model: nn.Module, weights: Iterator[tuple[str, torch.Tensor]]) 
             raise WeightLoadError(f"checkpoint has no tensor for parameter {target!r}{what}")
 
 
-def _load_one(model: nn.Module, params: dict, name: str, tensor: torch.Tensor) -> tuple[str, object]:
-    """Load one tensor; returns (parameter name, shard key) for completeness checking."""
+def target_of(model: nn.Module, name: str) -> str:
+    """The parameter name a checkpoint tensor loads into (expert stacks, packed modules)."""
+    return _resolve(model, name)[0]
+
+
+def fp8_target(model: nn.Module, params: dict) -> Callable[[str], bool]:
+    """keep_fp8 for iterate_weights: the checkpoint weight loads into an FP8 parameter."""
+    def keep(name: str) -> bool:
+        param = params.get(target_of(model, name))
+        return param is not None and param.dtype == FP8
+
+    return keep
+
+
+def _quantize_for(params: dict, model: nn.Module, name: str, tensor: torch.Tensor):
+    """[(name, tensor)], or a float weight bound for an FP8 parameter as its e4m3 blocks and
+    their scales [(name, w_q), (name + "_scale_inv", scale)], quantized on the parameter's
+    device."""
+    param = params.get(target_of(model, name))
+    if param is None or param.dtype != FP8 or tensor.dtype == FP8 or not name.endswith(".weight"):
+        return [(name, tensor)]
+    w_q, scale = quantize_fp8_blocks(tensor.to(param.device), param.fp8_block)
+    return [(name, w_q), (name + SCALE_SUFFIX, scale)]
+
+
+def _resolve(model: nn.Module, name: str) -> tuple[str, tuple]:
+    """(parameter name, how): ("expert", id, shard) | ("packed", shard) | ("plain",)."""
     m = _EXPERT_RE.match(name)
     expert_names = getattr(model, "expert_weight_names", {})
     if m and m["proj"] in expert_names:
         shard = expert_names[m["proj"]]
-        target = f"{m['prefix']}.{'w2' if shard == 'down' else 'w13'}"
-        param = _param(params, target, name)
-        param.weight_loader(param, tensor, int(m["id"]), shard)
-        return target, (int(m["id"]), shard)
+        suffix = SCALE_SUFFIX if m["kind"] == "weight_scale_inv" else ""
+        return f"{m['prefix']}.{'w2' if shard == 'down' else 'w13'}{suffix}", ("expert",
+                                                                                int(m["id"]), shard)
     for ckpt_part, (param_part, shard) in getattr(model, "packed_modules_mapping", {}).items():
         if f".{ckpt_part}." in name:
-            target = name.replace(f".{ckpt_part}.", f".{param_part}.")
-            param = _param(params, target, name)
-            param.weight_loader(param, tensor, shard)
-            return target, shard
-    param = _param(params, name, name)
+            return name.replace(f".{ckpt_part}.", f".{param_part}."), ("packed", shard)
+    return name, ("plain",)
+
+
+def _load_one(model: nn.Module, params: dict, name: str, tensor: torch.Tensor) -> tuple[str, object]:
+    """Load one tensor; returns (parameter name, shard key) for completeness checking."""
+    target, how = _resolve(model, name)
+    param = _param(params, target, name)
+    if param.dtype == FP8 and tensor.dtype != FP8:
+        raise WeightLoadError(f"checkpoint tensor {name!r} is {tensor.dtype}, parameter "
+                              f"{target!r} is FP8 (e4m3)")
+    if how[0] == "expert":
+        param.weight_loader(param, tensor, how[1], how[2])
+        return target, (how[1], how[2])
+    if how[0] == "packed":
+        param.weight_loader(param, tensor, how[1])
+        return target, how[1]
     if param.shape != tensor.shape:
         raise WeightLoadError(f"shape mismatch for {name!r}: checkpoint {tuple(tensor.shape)}, "
                               f"model {tuple(param.shape)}")

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from moeserve.attention.registry import create_attention_backend
-from moeserve.config import MoeserveConfig
+from moeserve.config import ConfigError, MoeserveConfig, loads_mtp_layer
 from moeserve.core import ForwardMode
 from moeserve.forward_batch import ForwardBatch
 from moeserve.kvcache.allocator import TokenToKVPoolAllocator
@@ -21,7 +21,8 @@ from moeserve.kernels.cpu_ops import CpuKernels, attach_cpu_kernels, load_cpu_ke
 from moeserve.env import env
 from moeserve.layers.linear import pack_linears
 from moeserve.layers.moe import ExpertRecorder, MoEParallel
-from moeserve.models.loader import WeightLoadError, iterate_weights, load_weights
+from moeserve.models.loader import WeightLoadError
+from moeserve.models.quantization import resolve_quant_plan
 from moeserve.models.registry import model_class
 from moeserve.runtime.kernel_choice import (attention_backend_name, moe_backend_name,
                                             use_cuda_graphs)
@@ -90,6 +91,7 @@ class ModelRunner:
         self.dtype = resolve_dtype(cfg.model.dtype, self.hf_config, self.device)
         self.recorder = None  # an ExpertDistributionRecorder for MoE models
         self.moe_parallel = self._moe_parallel(recorder)
+        self.draft = None  # spec_mtp.draft.Draft with spec.algorithm=nextn
         self.model = self._build_model(model_path)
         self.context_len = cfg.model.context_length or self.hf_config.max_position_embeddings
         self.memory = self._init_memory()
@@ -113,12 +115,22 @@ class ModelRunner:
         if not archs:
             raise WeightLoadError(f"{path}/config.json has no 'architectures' entry")
         cls = model_class(archs[0])
+        quant = resolve_quant_plan(self.cfg.model, self.hf_config, path, self.device)
+        quant.configure(self.moe_parallel)  # FP8 experts are built in FP8
         with _default_dtype(self.dtype), self.device:
-            model = cls(self.hf_config, **self._model_kwargs(cls))
+            model = quant.convert(cls(self.hf_config, **self._model_kwargs(cls)))
         if self.cfg.model.load_format == "dummy":
             _init_dummy(model, self.cfg.seed)
+            quant.init_dummy(model, self.cfg.seed)
         else:
-            load_weights(model, iterate_weights(path))
+            quant.load(model, path)
+        if self.cfg.spec.algorithm != "none":
+            from moeserve.spec_mtp.draft import build_draft
+
+            with _default_dtype(self.dtype), self.device:
+                self.draft = build_draft(self.cfg, model, self.hf_config)
+            logger.info("speculative decoding: NextN draft (%s), %d steps", self.draft.kind,
+                        self.cfg.spec.num_steps)
         if self.device.type == "cpu":
             pack_linears(model)  # after loading: the packed copies are taken from loaded weights
         return model.eval()
@@ -165,6 +177,11 @@ class ModelRunner:
         the step runs eager (the log says why)."""
         on, why = use_cuda_graphs(self.cfg, self.device, self.attn_backend.graph_safe,
                                   self.moe_parallel.dispatcher)
+        if on and self.draft is not None:
+            if self.cfg.cuda_graph.enabled:
+                raise ConfigError("cuda_graph.enabled", "CUDA graphs are not captured for "
+                                  "speculative decoding yet (its passes run eager)")
+            on, why = False, "speculative decoding runs its draft and verify passes eager"
         if not on:
             if self.device.type == "cuda":
                 logger.info("CUDA graphs off: %s", why)
@@ -179,7 +196,7 @@ class ModelRunner:
     def _model_kwargs(self, cls: type) -> dict:
         kwargs = {"parallel": self.moe_parallel}
         if getattr(cls, "has_mtp", False):
-            kwargs["load_mtp"] = self.cfg.model.load_mtp
+            kwargs["load_mtp"] = loads_mtp_layer(self.cfg)
         return kwargs
 
     def _moe_parallel(self, recorder: ExpertRecorder | None) -> MoEParallel:
@@ -210,7 +227,7 @@ class ModelRunner:
         from moeserve.eplb.recorder import ExpertDistributionRecorder
 
         e = self.cfg.eplb
-        layers = self.hf_config.num_hidden_layers + int(self.cfg.model.load_mtp)
+        layers = self.hf_config.num_hidden_layers + int(loads_mtp_layer(self.cfg))
         rec = ExpertDistributionRecorder(
             layers, par.num_physical(num_logical), "stat" if e.record_mode == "off" else
             e.record_mode, e.record_window, par.location, device=self.device)
@@ -227,7 +244,7 @@ class ModelRunner:
         from moeserve.eplb.location import ExpertLocation
         from moeserve.eplb.recorder import load_init_placement
 
-        layers = self.hf_config.num_hidden_layers + int(self.cfg.model.load_mtp)
+        layers = self.hf_config.num_hidden_layers + int(loads_mtp_layer(self.cfg))
         nodes, rank = self.cfg.parallel.nnodes, self.mesh.ep_rank
         if e.init_placement is not None:
             loc = load_init_placement(e.init_placement, self.mesh.ep_size, num_nodes=nodes,
@@ -242,7 +259,10 @@ class ModelRunner:
         layout = self.model.kv_layout() if hasattr(self.model, "kv_layout") else self._mha_layout()
         size = self.cfg.cache.max_total_tokens or self._auto_kv_tokens(layout)
         self.context_len = min(self.context_len, size)
-        table = ReqToTokenPool(self.cfg.cache.max_running_requests + 1, self.context_len, self.device)
+        # a verify step reads and writes num_steps + 1 positions past a request's last token
+        spare = self.cfg.spec.num_steps + 1 if self.draft is not None else 0
+        table = ReqToTokenPool(self.cfg.cache.max_running_requests + 1, self.context_len + spare,
+                               self.device)
         allocator = TokenToKVPoolAllocator(size)
         if layout["kind"] == "mla":
             pool = MLAKVPool(size, layout["layers"], layout["kv_lora_rank"], layout["rope_dim"],
@@ -256,7 +276,9 @@ class ModelRunner:
     def _mha_layout(self) -> dict:
         c = self.hf_config
         head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-        return {"kind": "mha", "layers": c.num_hidden_layers, "kv_heads": c.num_key_value_heads,
+        extra = self.draft.extra_kv_layers if self.draft is not None else 0  # a NextN head's
+        return {"kind": "mha", "layers": c.num_hidden_layers + extra,
+                "kv_heads": c.num_key_value_heads,
                 "head_dim": head_dim, "v_head_dim": head_dim}
 
     def _auto_kv_tokens(self, layout: dict) -> int:
@@ -373,6 +395,8 @@ def _init_dummy(model: torch.nn.Module, seed: int) -> None:
     """Random weights for benchmarking real shapes without a checkpoint (norms stay at 1)."""
     gens: dict[torch.device, torch.Generator] = {}
     for name, p in model.named_parameters():
+        if p.dtype == torch.float8_e4m3fn:  # QuantPlan.init_dummy fills these
+            continue
         if "norm" in name:
             p.data.fill_(1.0)
             continue

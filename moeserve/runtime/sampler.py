@@ -84,9 +84,14 @@ def _greedy_bf16_bits(logits: torch.Tensor) -> torch.Tensor:
 
 
 def _sample_row(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator | None) -> int:
+    return int(torch.multinomial(target_probs(logits, p), 1, generator=gen))
+
+
+def target_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """The distribution a sampled request draws from: softmax(logits / T), then top-k, top-p and
+    min-p (speculative verification accepts against exactly this one)."""
     probs = torch.softmax(logits.float() / p.temperature, dim=-1)  # [V]
-    probs = filter_probs(probs, p.top_k, p.top_p, p.min_p)
-    return int(torch.multinomial(probs, 1, generator=gen))
+    return filter_probs(probs, p.top_k, p.top_p, p.min_p)
 
 
 def filter_probs(probs: torch.Tensor, top_k: int, top_p: float, min_p: float) -> torch.Tensor:
@@ -106,3 +111,14 @@ def filter_probs(probs: torch.Tensor, top_k: int, top_p: float, min_p: float) ->
     keep[0] = True
     filtered = torch.zeros_like(probs).scatter_(0, order, sorted_probs * keep)
     return filtered / filtered.sum()
+
+
+def logprobs_of(logits: torch.Tensor, next_ids: torch.Tensor, nums: list[int]):
+    """(logprob of each chosen token, its top-n list) from raw logits [B, V]."""
+    logp = torch.log_softmax(logits.float(), dim=-1)  # [B, V]
+    chosen = logp.gather(1, next_ids[:, None])[:, 0].tolist()
+    k = max(max(nums), 0)
+    top_v, top_i = logp.topk(k, dim=-1) if k else (None, None)
+    tops = [[(int(i), float(v)) for i, v in zip(top_i[b, :n].tolist(), top_v[b, :n].tolist())]
+            if k and n > 0 else [] for b, n in enumerate(nums)]
+    return chosen, tops

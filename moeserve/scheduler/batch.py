@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from moeserve.core import ForwardMode, Req
-from moeserve.scheduler.worker import ForwardInput
+from moeserve.runtime.step import ForwardInput
 
 
 @dataclass
@@ -30,11 +30,14 @@ class ScheduledBatch:
               partial: list[bool]) -> ScheduledBatch:
         """Assign the new tokens' slots, advance kv_len/device_len and describe the step."""
         prefix_lens = [r.kv_len for r in reqs]
-        new_ids, history = None, []
+        new_ids, history, after = None, [], []
         if mode == ForwardMode.EXTEND:
             new_ids = [t for r, n in zip(reqs, extend_lens) for t in r.fill_ids[r.kv_len : r.kv_len + n]]
             history = [(r.req_pool_idx, r.fill_ids[: r.kv_len]) for r in reqs
                        if r.kv_len and r.sampling.has_penalties]
+            # the token after each chunk (a speculating draft's input there), -1 after a prompt
+            after = [r.fill_ids[r.kv_len + n] if r.kv_len + n < len(r.fill_ids) else -1
+                     for r, n in zip(reqs, extend_lens)]
         offset, slot_list = 0, slots.tolist()  # one conversion, not one per request
         for r, n, part in zip(reqs, extend_lens, partial):
             r.kv_slots.extend(slot_list[offset : offset + n])
@@ -48,6 +51,7 @@ class ScheduledBatch:
             sampling=[r.sampling for r in reqs], generators=[r.generator for r in reqs],
             top_logprobs_nums=[r.top_logprobs_num if r.return_logprob else -1 for r in reqs],
             prompt_lens=[len(r.input_ids) for r in reqs], history=history,
-            grammars=[r.grammar for r in reqs] if any(r.grammar for r in reqs) else [])
+            grammars=[r.grammar for r in reqs] if any(r.grammar for r in reqs) else [],
+            next_prompt_ids=after)
         return cls(mode, list(reqs), [r.epoch for r in reqs], list(partial),
                    [r.kv_len for r in reqs], fi)

@@ -12,11 +12,12 @@ def decodable(running: list[Req], context_len: int) -> list[Req]:
             and r.device_len < context_len]
 
 
-def pick_retractions(reqs: list[Req], available: int) -> list[Req]:
-    """Victims so that the rest get one slot each: least progress first, then longest prompt."""
+def pick_retractions(reqs: list[Req], available: int, per_request: int = 1) -> list[Req]:
+    """Victims so that the rest get `per_request` slots each (a verify step takes num_steps + 1):
+    least progress first, then longest prompt."""
     order = sorted(reqs, key=lambda r: (len(r.output_ids), -len(r.input_ids)))
     victims: list[Req] = []
-    while order and available < len(reqs) - len(victims):
+    while order and available < per_request * (len(reqs) - len(victims)):
         victim = order.pop(0)
         victims.append(victim)
         available += victim.kv_len - victim.prefix_len  # its own slots come back

@@ -25,7 +25,8 @@ class SchedulerOps:
         self.rebalance_requests: list[ControlReq] = []  # answered once the rebalance ran
         self.synced_steps = 0  # identical on every rank: drives eplb.rebalance_interval
         self._handlers: dict[str, Callable[[], Reply]] = {
-            "flush_cache": self._flush_cache, "server_info": lambda: (True, sched.load()),
+            "flush_cache": self._flush_cache,
+            "server_info": lambda: (True, {**sched.load(), "memory_clean": sched.is_memory_clean()}),
             "expert_record_start": self._record_start, "expert_record_stop": self._record_stop,
             "expert_record_dump": self._record_dump}
 

@@ -17,6 +17,7 @@ from moeserve.ipc.queues import Endpoints, PullQueue, PushQueue
 logger = logging.getLogger(__name__)
 
 LOAD_REPORT_INTERVAL_S = 0.5
+SPEC_LOG_INTERVAL_S = 10.0  # speculative decoding's accept length, logged per interval
 LIGHT_MODEL_LAYER_PARAMS = 10_000_000  # below: one forward thread (SchedulerConfig.cpu_threads)
 
 
@@ -35,6 +36,7 @@ class ZmqSchedulerIO:
         self.rank = rank
         self.load_fn: Callable[[], dict] | None = None
         self._next_report = 0.0
+        self._spec_log = (0.0, 0, 0, 0)  # (time, verify steps, draft tokens, accepted tokens)
 
     def recv(self, timeout_ms: int):
         self._maybe_report()
@@ -61,6 +63,18 @@ class ZmqSchedulerIO:
         self.to_manager.put(report)
         if self.to_controller is not None:
             self.to_controller.put(report)
+        if "spec_verify_steps" in load and now >= self._spec_log[0] + SPEC_LOG_INTERVAL_S:
+            self._log_spec(now, load)
+
+    def _log_spec(self, now: float, load: dict) -> None:
+        counts = (load["spec_verify_steps"], load["spec_draft_tokens"],
+                  load["spec_accepted_tokens"])
+        steps, drafts, accepted = (c - p for c, p in zip(counts, self._spec_log[1:]))
+        if steps:
+            logger.info("rank %d speculative decoding: %d verify passes, accept length %.2f, "
+                        "%.0f%% of drafts accepted", self.rank, steps, accepted / steps,
+                        100.0 * (accepted - steps) / max(drafts, 1))
+        self._spec_log = (now, *counts)
 
 
 def rank_device(device: str, rank: int):
@@ -99,6 +113,7 @@ def run_scheduler_process(cfg: MoeserveConfig, model_path: str, endpoints: Endpo
     import torch
 
     from moeserve.distributed import init_mesh
+    from moeserve.models.weight_bytes import weight_bytes
     from moeserve.scheduler.setup import build_scheduler
 
     device = rank_device(cfg.device, rank)
@@ -113,7 +128,8 @@ def run_scheduler_process(cfg: MoeserveConfig, model_path: str, endpoints: Endpo
     io.load_fn = scheduler.load
     info = {"max_total_tokens": scheduler.runner.memory.allocator.size, "dp_rank": mesh.dp_rank,
             "max_req_len": scheduler.max_req_len,
-            "max_running_requests": cfg.cache.max_running_requests}
+            "max_running_requests": cfg.cache.max_running_requests,
+            "weight_bytes": weight_bytes(scheduler.runner.model)}  # by part, this rank
     io.to_manager.put(ReadyMsg(role="scheduler", rank=rank, info=info))
     logger.info("scheduler %d ready: %s", rank, info)
     scheduler.run_forever()

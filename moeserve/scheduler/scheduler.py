@@ -25,6 +25,7 @@ from moeserve.scheduler.cache import CacheManager
 from moeserve.scheduler.decode import NewTokenRatio, decodable, pick_retractions
 from moeserve.scheduler.ops import SchedulerOps
 from moeserve.scheduler.prefill import AddResult, PrefillAdder
+from moeserve.scheduler.spec_steps import SpecPolicy
 from moeserve.scheduler.stop import StopChecker
 from moeserve.scheduler.worker import ForwardWorker
 from moeserve.tbo.strategy import vote as tbo_vote
@@ -53,6 +54,8 @@ class Scheduler:
         self.cache = CacheManager(runner.memory, cfg.cache.page_size, sc.disable_radix_cache)
         self.overlap = sc.use_overlap(runner.device.type)
         self.worker = ForwardWorker(runner, threaded=self.overlap)
+        # speculative decoding (the runner built a draft): verify steps and accepted blocks
+        self.spec = SpecPolicy(cfg.spec) if runner.draft is not None else None
         self.stop = StopChecker(eos_token_ids, decode_text)
         self.ratio = NewTokenRatio(sc.init_new_token_ratio, sc.min_new_token_ratio,
                                    sc.new_token_ratio_decay)
@@ -121,7 +124,8 @@ class Scheduler:
     def load(self) -> dict:
         return {"running": len(self.running) + (self.chunked is not None),
                 "waiting": len(self.waiting), "used_tokens": self.cache.used_tokens(),
-                "max_total_tokens": self.runner.memory.allocator.size, **self.stats}
+                "max_total_tokens": self.runner.memory.allocator.size, **self.stats,
+                **(self.spec.totals() if self.spec is not None else {})}
 
     # ---- scheduling -------------------------------------------------------------------------
     def get_next_batch(self) -> ScheduledBatch | None:
@@ -185,17 +189,18 @@ class Scheduler:
         reqs = decodable(self.running, self.max_req_len)
         if not reqs:
             return None
-        if self.cache.available() < len(reqs):
-            victims = pick_retractions(reqs, self.cache.available())
+        width = self.spec.width(reqs) if self.spec is not None else 1
+        if self.cache.available() < width * len(reqs):
+            victims = pick_retractions(reqs, self.cache.available(), width)
             for v in victims:
                 self._retract(v)
             reqs = [r for r in reqs if r not in victims]
             if not reqs:
                 return None
-        slots = self.cache.alloc_slots(len(reqs))
+        slots = self.cache.alloc_slots(width * len(reqs))
         self.ratio.step()
-        return ScheduledBatch.build(ForwardMode.DECODE, reqs, [1] * len(reqs), slots,
-                                    [False] * len(reqs))
+        mode = ForwardMode.DECODE if width == 1 else ForwardMode.TARGET_VERIFY
+        return ScheduledBatch.build(mode, reqs, [width] * len(reqs), slots, [False] * len(reqs))
 
     def _retract(self, req: Req) -> None:
         """Give a running request's KV back and queue it again (its output so far is kept)."""
@@ -220,20 +225,37 @@ class Scheduler:
             if batch.partial[i]:
                 self.cache.cache_unfinished(req, batch.kv_ends[i])
                 continue
-            req.output_ids.append(out.next_token_ids[i])
-            if out.logprobs is not None and req.return_logprob:
-                req.logprobs.append(out.logprobs[i])
-                req.top_logprobs.append(out.top_logprobs[i])
-            finish = self.stop.check(req)
-            done_at = req.grammar.done_at if req.grammar is not None else None
-            if finish is None and done_at is not None and len(req.output_ids) >= done_at:
-                finish = FinishReason("stop", req.output_ids[-1])  # the grammar is complete
+            if out.spec_tokens is None:
+                finish = self._append(req, out.next_token_ids[i], out.logprobs, out.top_logprobs,
+                                      i)
+            else:  # a verified block: tokens up to the first stop condition
+                block, finish = out.spec_tokens[i], None
+                for k, token in enumerate(block):
+                    finish = self._append(req, token, out.spec_logprobs and out.spec_logprobs[i],
+                                          out.spec_top_logprobs and out.spec_top_logprobs[i], k)
+                    if finish is not None:
+                        break
+                self.spec.count(req, len(block))
+                self.spec.settle(req, batch.kv_ends[i], k + 1, self.runner.memory.allocator)
             if finish is not None:
                 self._finish(req, finish)
             touched.append(req)
         outputs = [self._output(r) for r in touched]
         if outputs:
             self.io.send_outputs(outputs, self._take_stop_strings(touched))
+
+    def _append(self, req: Req, token: int, logprobs, top_logprobs, k: int) -> FinishReason | None:
+        """One sampled token into the request (with its logprobs, entry k of the lists given);
+        → why it finishes now, if it does."""
+        req.output_ids.append(token)
+        if logprobs and req.return_logprob:
+            req.logprobs.append(logprobs[k])
+            req.top_logprobs.append(top_logprobs[k])
+        finish = self.stop.check(req)
+        done_at = req.grammar.done_at if req.grammar is not None else None
+        if finish is None and done_at is not None and len(req.output_ids) >= done_at:
+            finish = FinishReason("stop", req.output_ids[-1])  # the grammar is complete
+        return finish
 
     def _finish(self, req: Req, finish: FinishReason) -> None:
         req.finish = finish
@@ -257,7 +279,10 @@ class Scheduler:
         return TokenOutput(rid=req.rid, new_ids=new, finish_reason=f.type if f else None,
                            finish_matched=f.matched if f else None,
                            prompt_tokens=len(req.input_ids), completion_tokens=len(req.output_ids),
-                           cached_tokens=req.cached_tokens, logprobs=lp, top_logprobs=top)
+                           cached_tokens=req.cached_tokens, logprobs=lp, top_logprobs=top,
+                           spec_verify_steps=req.spec_verify_steps,
+                           spec_draft_tokens=req.spec_verify_steps * self.cfg.spec.num_steps,
+                           spec_accepted_tokens=req.spec_accepted_tokens)
 
     def _take_stop_strings(self, reqs: list[Req]) -> dict[str, list[str]]:
         return {r.rid: self.pending_stop_strings.pop(r.rid) for r in reqs
@@ -286,6 +311,7 @@ class Scheduler:
         if batch is not None:
             batch.forward_input.global_mode = info.global_mode
             batch.forward_input.global_num_tokens = info.num_tokens
+            batch.forward_input.global_modes = info.modes
             batch.forward_input.tbo = info.tbo_split
         return batch, info
 
@@ -304,6 +330,10 @@ class Scheduler:
     def event_loop_overlap(self, should_stop: Callable[[], bool] = lambda: False) -> None:
         last: tuple[ScheduledBatch, object] | None = None
         while True:
+            if last is not None and self.spec is not None:
+                # speculating: the next step's positions follow from this one's accepted lengths
+                self.process_result(last[0], last[1].result())
+                last = None
             self._recv(may_block=last is None)
             batch, info = self.next_synced_batch(should_stop())
             if last is not None and self.ops.lockstep_due(info):  # nothing may be in flight

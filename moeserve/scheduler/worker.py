@@ -8,66 +8,25 @@ step N sampled from the device token table.
 from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
-
 import torch
 
-from moeserve.core import ForwardMode, SamplingParams
+from moeserve.core import ForwardMode
 from moeserve.forward_batch import ForwardBatch
 from moeserve.runtime.grammar import accept_tokens, apply_grammars, constrained_rows
 from moeserve.runtime.model_runner import ModelRunner
 from moeserve.runtime.penalties import LogitEdits, edit_logits
-from moeserve.runtime.sampler import sample
-
-
-@dataclass
-class ForwardInput:
-    """Host-side description of one step; `prefix_lens[i]` is where request i's new tokens start."""
-
-    mode: ForwardMode
-    rows: list[int]  # req_pool_idx per request
-    prefix_lens: list[int]
-    extend_lens: list[int]
-    out_cache_loc: torch.Tensor  # [T] slots for the new tokens
-    new_token_ids: list[int] | None  # EXTEND: ids of the new tokens; DECODE: read from the table
-    sampling: list[SamplingParams]
-    generators: list[torch.Generator | None]
-    top_logprobs_nums: list[int]  # -1: no logprobs for this request
-    return_all_logits: bool = False
-    global_mode: ForwardMode | None = None  # set after the DP sync
-    global_num_tokens: list[int] | None = None  # every rank's token count, from the DP sync
-    tbo: bool = False  # two micro-batches (the DP sync's agreed answer)
-    prompt_lens: list[int] = field(default_factory=list)  # penalties: where generated ids start
-    # EXTEND, penalised requests: (row, ids of positions [0, prefix_len)), since a prefix served
-    # from the radix cache left those positions of the token table stale
-    history: list[tuple[int, list[int]]] = field(default_factory=list)
-    grammars: list = field(default_factory=list)  # GrammarMatch | None per request, or empty
-
-    def greedy_only(self) -> bool:
-        """Only greedy next tokens are needed (no sampling, logprobs, edits, grammars or returned
-        logits)."""
-        return (not self.return_all_logits and all(n < 0 for n in self.top_logprobs_nums)
-                and not any(self.grammars)
-                and all(p.is_greedy and not p.edits_logits for p in self.sampling))
-
-    @classmethod
-    def idle(cls) -> ForwardInput:
-        """Zero tokens: joins every collective of a forward that other ranks run."""
-        return cls(ForwardMode.IDLE, [], [], [], torch.empty(0, dtype=torch.int64), [], [], [],
-                   [])
-
-
-@dataclass
-class ForwardOutput:
-    next_token_ids: list[int]  # [B]
-    logprobs: list[float] | None = None  # of the sampled tokens (raw distribution)
-    top_logprobs: list[list[tuple[int, float]]] | None = None
-    logits: torch.Tensor | None = None  # only with return_all_logits
+from moeserve.runtime.sampler import greedy, logprobs_of, sample
+from moeserve.runtime.step import ForwardInput, ForwardOutput
 
 
 class ForwardWorker:
     def __init__(self, runner: ModelRunner, threaded: bool):
         self.runner = runner
+        self.spec = None  # spec_mtp.decoder.SpecDecoder: runs every step when speculating
+        if runner.draft is not None:
+            from moeserve.spec_mtp.decoder import SpecDecoder
+
+            self.spec = SpecDecoder(runner, self, runner.cfg.spec.num_steps)
         dev = runner.device
         self._cuda_index = None if dev.type != "cuda" else (
             dev.index if dev.index is not None else torch.cuda.current_device())
@@ -94,24 +53,43 @@ class ForwardWorker:
 
     @torch.inference_mode()
     def run(self, fi: ForwardInput) -> ForwardOutput:
-        fb, rows = self._prepare(fi), []
+        if self.spec is not None:
+            return self.spec.run(fi)
+        fb = self._prepare(fi)
         if fi.greedy_only():
-            next_ids, logits = self.runner.forward_greedy(fb), None  # [B]
+            return self.finish_step(fi, fb, self.runner.forward_greedy(fb), None)  # [B]
+        logits = self.runner.forward(fb, float_logits=fi.return_all_logits)  # sampling upcasts
+        return self.sample_step(fi, fb, logits)
+
+    def sample_step(self, fi: ForwardInput, fb: ForwardBatch,
+                    logits: torch.Tensor) -> ForwardOutput:
+        """Next tokens from the step's logits (each request's last token, or every token with
+        return_all_logits): edits, grammars, sampling, then `finish_step`."""
+        last = logits if not fi.return_all_logits else logits[fb.last_token_indices()]
+        rows = []
+        if fi.greedy_only():
+            next_ids = greedy(last)
         else:
-            logits = self.runner.forward(fb, float_logits=fi.return_all_logits)  # sampling upcasts
-            last = logits if not fi.return_all_logits else logits[fb.last_token_indices()]
             edited, rows = self._edit(fi, fb, last), self._grammar_rows(fi)
             if rows:
                 edited = apply_grammars(edited, fi.grammars, rows)
             next_ids = sample(edited, fi.sampling, fi.generators)  # [B]
-        self.runner.memory.req_to_token.token_ids[fb.req_pool_indices, fb.seq_lens] = next_ids
-        out = ForwardOutput(next_ids.tolist())
-        if rows:
-            accept_tokens(fi.grammars, rows, out.next_token_ids)
-        if any(n >= 0 for n in fi.top_logprobs_nums):
-            out.logprobs, out.top_logprobs = _logprobs(last, next_ids, fi.top_logprobs_nums)
+        out = self.finish_step(fi, fb, next_ids, last, rows)
         if fi.return_all_logits:
             out.logits = logits
+        return out
+
+    def finish_step(self, fi: ForwardInput, fb: ForwardBatch, next_ids: torch.Tensor,
+                    last: torch.Tensor | None, grammar_rows: list[int] | None = None
+                    ) -> ForwardOutput:
+        """Write the sampled tokens into the token table (the next step reads them there) and
+        describe them for the scheduler."""
+        self.runner.memory.req_to_token.token_ids[fb.req_pool_indices, fb.seq_lens] = next_ids
+        out = ForwardOutput(next_ids.tolist())
+        if grammar_rows:
+            accept_tokens(fi.grammars, grammar_rows, out.next_token_ids)
+        if last is not None and any(n >= 0 for n in fi.top_logprobs_nums):
+            out.logprobs, out.top_logprobs = logprobs_of(last, next_ids, fi.top_logprobs_nums)
         return out
 
     @staticmethod
@@ -181,13 +159,3 @@ class ForwardWorker:
         return self.runner.make_batch(fi.mode, input_ids, positions, loc, rows, fi.prefix_lens,
                                       fi.extend_lens, fi.return_all_logits, fi.global_mode,
                                       fi.global_num_tokens, seq_lens_dev=seq_lens, tbo=fi.tbo)
-
-
-def _logprobs(logits: torch.Tensor, next_ids: torch.Tensor, nums: list[int]):
-    logp = torch.log_softmax(logits.float(), dim=-1)  # [B, V]
-    chosen = logp.gather(1, next_ids[:, None])[:, 0].tolist()
-    k = max(max(nums), 0)
-    top_v, top_i = logp.topk(k, dim=-1) if k else (None, None)
-    tops = [[(int(i), float(v)) for i, v in zip(top_i[b, :n].tolist(), top_v[b, :n].tolist())]
-            if k and n > 0 else [] for b, n in enumerate(nums)]
-    return chosen, tops

@@ -52,6 +52,18 @@ class Metrics:
                                        "Mean/max expected tokens per EP rank under the current "
                                        "expert placement, after the last rebalance", rank,
                                        registry=reg)
+        self.spec_verify_steps = Counter(PREFIX + "spec_verify_steps",
+                                         "Speculative verify passes of finished requests",
+                                         registry=reg)
+        self.spec_draft_tokens = Counter(PREFIX + "spec_draft_tokens",
+                                         "Draft tokens proposed to finished requests", registry=reg)
+        self.spec_accepted_tokens = Counter(PREFIX + "spec_accepted_tokens",
+                                            "Tokens produced by verify passes (accepted + bonus)",
+                                            registry=reg)
+        self.spec_accept_length = Histogram(PREFIX + "spec_accept_length",
+                                            "Tokens per verify pass, per finished request",
+                                            buckets=(1, 1.25, 1.5, 1.75, 2, 2.5, 3, 3.5, 4, 5, 6,
+                                                     9), registry=reg)
         self.ttft = Histogram(PREFIX + "time_to_first_token_seconds", "Time to first token",
                               buckets=_LATENCY_BUCKETS, registry=reg)
         self.itl = Histogram(PREFIX + "inter_token_latency_seconds", "Time between output tokens",
@@ -95,7 +107,15 @@ class RequestTimer:
         self.last = now
         self.metrics.generation_tokens.inc(num_new)
 
-    def on_finish(self, finish_reason: str, prompt_tokens: int, cached_tokens: int) -> None:
+    def on_finish(self, finish_reason: str, prompt_tokens: int, cached_tokens: int,
+                  spec: tuple[int, int, int] = (0, 0, 0)) -> None:
+        """`spec`: the request's (verify steps, draft tokens, accepted tokens)."""
+        m = self.metrics
+        if spec[0]:
+            m.spec_verify_steps.inc(spec[0])
+            m.spec_draft_tokens.inc(spec[1])
+            m.spec_accepted_tokens.inc(spec[2])
+            m.spec_accept_length.observe(spec[2] / spec[0])
         self.metrics.e2e.observe(time.perf_counter() - self.start)
         self.metrics.requests.labels(finish_reason).inc()
         self.metrics.prompt_tokens.inc(prompt_tokens)

@@ -170,17 +170,33 @@ class PromptTokensDetails(BaseModel):
     cached_tokens: int = 0
 
 
+class SpecUsage(BaseModel):
+    """Extension: speculative decoding's counts (accept length = tokens per verify pass)."""
+
+    verify_steps: int
+    draft_tokens: int
+    accepted_tokens: int
+    accept_length: float
+
+
 class Usage(BaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
     prompt_tokens_details: PromptTokensDetails | None = None
+    spec_decoding: SpecUsage | None = None
 
     @classmethod
-    def of(cls, prompt: int, completion: int, cached: int) -> Usage:
+    def of(cls, prompt: int, completion: int, cached: int,
+           spec: list[int] | None = None) -> Usage:
+        """`spec`: (verify steps, draft tokens, accepted tokens) when speculation ran."""
+        ext = None if spec is None else SpecUsage(
+            verify_steps=spec[0], draft_tokens=spec[1], accepted_tokens=spec[2],
+            accept_length=round(spec[2] / max(spec[0], 1), 3))
         return cls(prompt_tokens=prompt, completion_tokens=completion,
                    total_tokens=prompt + completion,
-                   prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
+                   prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
+                   spec_decoding=ext)
 
 
 class CompletionLogprobs(BaseModel):

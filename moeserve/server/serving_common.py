@@ -17,7 +17,7 @@ from moeserve.core import SamplingParams
 from moeserve.ipc.messages import TextOutput
 from moeserve.server.protocol import (MAX_TOP_LOGPROBS, APIError, TokenLogprob, TopLogprob, Usage,
                                       _SamplingRequest)
-from moeserve.server.tokenizer_manager import TokenizerManager
+from moeserve.server.tokenizer_manager import SHUTDOWN_ERROR, TokenizerManager
 
 T = TypeVar("T")
 
@@ -128,10 +128,13 @@ class ChoiceState:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    spec: tuple[int, int, int] = (0, 0, 0)  # verify steps, draft tokens, accepted tokens
 
     def update(self, out: TextOutput) -> None:
         if out.error:
-            raise APIError(out.error, status_code=400)
+            unavailable = out.error.startswith(SHUTDOWN_ERROR)
+            raise APIError(out.error, status_code=503 if unavailable else 400,
+                           type="server_error" if unavailable else "invalid_request_error")
         self.text += out.text_delta
         self.ids += out.new_ids
         self.logprobs += out.logprobs or []
@@ -140,6 +143,8 @@ class ChoiceState:
         self.prompt_tokens = out.prompt_tokens or self.prompt_tokens
         self.completion_tokens = max(out.completion_tokens, len(self.ids))
         self.cached_tokens = out.cached_tokens or self.cached_tokens
+        if out.spec_verify_steps:
+            self.spec = (out.spec_verify_steps, out.spec_draft_tokens, out.spec_accepted_tokens)
 
 
 async def collect(stream: AsyncIterator[tuple[int, TextOutput]], num: int) -> list[ChoiceState]:
@@ -153,9 +158,11 @@ async def collect(stream: AsyncIterator[tuple[int, TextOutput]], num: int) -> li
 def usage(states: list[ChoiceState], n: int) -> Usage:
     """Prompt tokens once per prompt (not per sample), completion tokens of every choice."""
     prompts = [states[i : i + n] for i in range(0, len(states), n)]
+    spec = [sum(s.spec[k] for s in states) for k in range(3)]
     return Usage.of(sum(g[0].prompt_tokens for g in prompts),
                     sum(s.completion_tokens for s in states),
-                    sum(max(s.cached_tokens for s in g) for g in prompts))
+                    sum(max(s.cached_tokens for s in g) for g in prompts),
+                    spec if spec[0] else None)
 
 
 def token_text(manager: TokenizerManager, token_id: int) -> str:

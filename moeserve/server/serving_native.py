@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing
 from typing import Any
 
-from moeserve.core import SamplingParams
+from moeserve.core import SamplingParams, spec_meta
 from moeserve.server.protocol import APIError, GenerateRequest, new_id
 from moeserve.server.serving_common import ChoiceState, check_top_logprobs, collect
 from moeserve.server.tokenizer_manager import GenInput, TokenizerManager, expand_n
@@ -78,6 +78,8 @@ def _result(job: NativeJob, i: int, s: ChoiceState) -> dict[str, Any]:
     finish = None if s.finish_reason is None else {"type": s.finish_reason, "matched": s.matched}
     meta = {"id": f"{job.id}-{i}", "finish_reason": finish, "prompt_tokens": s.prompt_tokens,
             "completion_tokens": s.completion_tokens, "cached_tokens": s.cached_tokens}
+    if s.spec[0]:
+        meta.update(spec_meta(*s.spec))
     if job.inputs[i].return_logprob:
         meta["output_token_logprobs"] = s.logprobs
         meta["output_top_logprobs"] = s.top_logprobs

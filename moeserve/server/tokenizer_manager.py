@@ -32,6 +32,8 @@ from moeserve.server.protocol import APIError
 
 logger = logging.getLogger(__name__)
 
+SHUTDOWN_ERROR = "The server is shutting down"  # errors that start so are 503s (guard.py)
+
 
 @dataclasses.dataclass(frozen=True)
 class GenInput:
@@ -219,7 +221,9 @@ class TokenizerManager:
                 timers[i].on_tokens(len(out.new_ids))
                 if out.finish_reason is not None:
                     pending.discard(i)
-                    timers[i].on_finish(out.finish_reason, out.prompt_tokens, out.cached_tokens)
+                    timers[i].on_finish(out.finish_reason, out.prompt_tokens, out.cached_tokens,
+                                        (out.spec_verify_steps, out.spec_draft_tokens,
+                                         out.spec_accepted_tokens))
                 yield i, out
         finally:
             self.abort([rids[i] for i in pending])
@@ -232,6 +236,16 @@ class TokenizerManager:
                 self.metrics.aborted.inc()
         if rids:
             logger.info("aborted %d request(s)", len(rids))
+
+    def fail_all(self, message: str) -> int:
+        """End every generation in flight with an error (`message`, a 503 when it starts with
+        SHUTDOWN_ERROR) and abort its scheduler work; returns how many sub-requests."""
+        routes, self._routes = self._routes, {}
+        for rid, (queue, index) in routes.items():
+            queue.put_nowait((index, TextOutput(rid=rid, text_delta="", new_ids=[],
+                                                finish_reason="abort", error=message)))
+            self._push.put(AbortReq(rid=rid))
+        return len(routes)
 
     @property
     def num_inflight(self) -> int:

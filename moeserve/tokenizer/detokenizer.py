@@ -137,7 +137,10 @@ def to_text_output(detok: IncrementalDetokenizer, out: TokenOutput) -> TextOutpu
                       finish_reason=out.finish_reason, finish_matched=out.finish_matched,
                       prompt_tokens=out.prompt_tokens, completion_tokens=out.completion_tokens,
                       cached_tokens=out.cached_tokens, logprobs=out.logprobs,
-                      top_logprobs=out.top_logprobs, error=out.error)
+                      top_logprobs=out.top_logprobs, error=out.error,
+                      spec_verify_steps=out.spec_verify_steps,
+                      spec_draft_tokens=out.spec_draft_tokens,
+                      spec_accepted_tokens=out.spec_accepted_tokens)
 
 
 # ---- the detokenizer process -------------------------------------------------------------------

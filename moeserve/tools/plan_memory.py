@@ -57,19 +57,20 @@ class RankPlan:
         return self.weights < self.budget
 
 
-def _attention_matrices(c) -> list[tuple[int, int]]:
-    """(rows, cols) of one layer's attention projections: MLA for DeepSeek, else GQA."""
+def _attention_matrices(c) -> list[tuple[int, int, bool]]:
+    """(rows, cols, FP8-able) of one layer's attention projections: MLA for DeepSeek, else GQA.
+    MLA's kv_b_proj stays bf16 under FP8 (weight absorption; models/quantization.py)."""
     h = c.hidden_size
     if getattr(c, "kv_lora_rank", None):
         heads, qk = c.num_attention_heads, c.qk_nope_head_dim + c.qk_rope_head_dim
-        q = ([(c.q_lora_rank, h), (heads * qk, c.q_lora_rank)] if c.q_lora_rank
-             else [(heads * qk, h)])
-        kv = [(c.kv_lora_rank + c.qk_rope_head_dim, h),
-              (heads * (c.qk_nope_head_dim + c.v_head_dim), c.kv_lora_rank)]
-        return q + kv + [(h, heads * c.v_head_dim)]
+        q = ([(c.q_lora_rank, h, True), (heads * qk, c.q_lora_rank, True)] if c.q_lora_rank
+             else [(heads * qk, h, True)])
+        kv = [(c.kv_lora_rank + c.qk_rope_head_dim, h, True),
+              (heads * (c.qk_nope_head_dim + c.v_head_dim), c.kv_lora_rank, False)]
+        return q + kv + [(h, heads * c.v_head_dim, True)]
     d = getattr(c, "head_dim", None) or h // c.num_attention_heads
     q, kv = c.num_attention_heads * d, c.num_key_value_heads * d
-    return [(q + 2 * kv, h), (h, q)]
+    return [(q, h, True), (kv, h, True), (kv, h, True), (h, q, True)]  # q, k, v blocked apart
 
 
 def _moe_layers(c, layers: int) -> int:
@@ -94,7 +95,8 @@ def plan_rank(cfg: MoeserveConfig, c, fmt: str, gpu_bytes: int) -> RankPlan:
     layers = c.num_hidden_layers + int(cfg.model.load_mtp)
     moe = _moe_layers(c, layers)
     h = c.hidden_size
-    attention = layers * sum(matrix_bytes(r, k, fmt) for r, k in _attention_matrices(c))
+    attention = layers * sum(matrix_bytes(r, k, fmt if fp8_able else "bf16")
+                             for r, k, fp8_able in _attention_matrices(c))
     dense = (layers - moe) * 3 * matrix_bytes(c.intermediate_size, h, fmt)
     experts = shared = 0
     if moe:

@@ -55,6 +55,14 @@ def test_deploy_preset_composes_and_validates(name):
     assert cfg.tbo.enabled is False and cfg.spec.algorithm == "none"
 
 
+@pytest.mark.parametrize("name", ["deepseek_v3_1x8", "deepseek_v3_2x8"])
+def test_deepseek_v3_presets_keep_fp8_checkpoints_in_fp8(name):
+    cfg = compose([f"+deploy={name}", *DEPLOY[name][-1]])
+    assert cfg.model.quantization == "auto"
+    cfg = compose([f"+deploy={name}", *DEPLOY[name][-1], "model.quantization=none"])
+    assert cfg.model.quantization == "none"
+
+
 def test_real_models_need_a_path():
     for name in ("deepseek_v3_1x8", "qwen3_30b_a3b_1x4", "llama_1x1"):
         with pytest.raises(ConfigError, match="model.path"):
@@ -95,8 +103,8 @@ def test_every_group_has_a_schema_and_its_options_compose():
 
 @pytest.mark.parametrize("bad,key", [
     (["tbo=on", "tbo.min_tokens=0"], "tbo.min_tokens"),
-    (["spec.algorithm=nextn"], "spec.algorithm"),
-    (["spec.num_draft_tokens=3"], "spec.num_draft_tokens"),
+    (["spec.algorithm=nextn", "spec.num_steps=0"], "spec.num_steps"),
+    (["spec.draft_path=/nonexistent"], "spec.draft_path"),
     (["eplb=static"], "eplb.init_placement"),
     (["+cluster=local_2node"], "parallel.nnodes"),
     (["+cluster=slurm", "parallel=dp2_ep2_2node", "cluster.gpus_per_node=8"], "cluster.gpus_per_node"),

@@ -165,4 +165,7 @@ def test_server_info_and_flush_cache(server):
     info = httpx.get(server.url + "/server_info", timeout=30).json()
     assert info["served_model_name"] == MODEL and info["max_req_len"] > 0
     assert info["ready"]["scheduler:0"]["max_total_tokens"] > 0
+    weights = info["ready"]["scheduler:0"]["weight_bytes"]  # this rank's, by part
+    assert weights["total"] == sum(weights[k] for k in ("attention", "mlp", "experts",
+                                                        "embeddings", "other")) > 0
     assert httpx.post(server.url + "/flush_cache", timeout=30).json()["ok"] is True

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moeserve.kernels.fp8 import fp8_block_matmul, fp8_linear, quant_fp8_per_token_group
+from moeserve.kernels.fp8 import (GemmConfig, fp8_block_matmul, fp8_linear,
+                                  quant_fp8_per_token_group)
 from moeserve.kernels.fp8_format import FP8_MAX, dequantize_fp8_blocks, quantize_fp8_blocks
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -54,6 +55,31 @@ def test_block_matmul_equals_float64_on_dequantized_operands(t, n, k):
     assert float((out.double() - ref).norm() / ref.norm()) < tol
 
 
+@pytest.mark.parametrize("block,cfg", [
+    ((128, 128), GemmConfig(block_m=16, block_n=64, split_k=3)),  # 3 K splits of 1, 1, 1 groups
+    ((128, 128), GemmConfig(block_m=32, block_n=128, split_k=2)),
+    ((64, 64), GemmConfig(block_m=16, block_n=128, split_k=4)),  # a tile spans 2 scale rows
+    ((32, 128), GemmConfig(block_m=16, block_n=64, split_k=1)),
+])
+def test_block_matmul_split_k_and_other_blocks(block, cfg):
+    """K split over programs (fp32 partials summed) and non-128 blocks; written into a column
+    slice of a wider output (as Fp8MergedLinear does per shard)."""
+    t, n, k = 5, 200, 300
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(t, k, generator=g).to(DEVICE)
+    w_q, w_s = quantize_fp8_blocks((torch.randn(n, k, generator=g) * 0.05).to(DEVICE), block)
+    assert w_s.shape == (-(-n // block[0]), -(-k // block[1]))
+    x_q, x_s = quant_fp8_per_token_group(x, block[1])
+    dtype = torch.float32 if DEVICE == "cpu" else torch.bfloat16
+    wide = torch.full((t, n + 30), 7.0, dtype=dtype, device=DEVICE)
+    fp8_block_matmul(x_q, x_s, w_q, w_s, block=block, config=cfg, out=wide[:, 10 : 10 + n])
+    xd = x_q.double() * x_s.double().repeat_interleave(block[1], 1)[:, :k]
+    ref = xd @ dequantize_fp8_blocks(w_q, w_s, block).double().T
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    assert float((wide[:, 10 : 10 + n].double() - ref).norm() / ref.norm()) < tol
+    assert (wide[:, :10] == 7).all() and (wide[:, 10 + n :] == 7).all()
+
+
 def test_weight_blocks_round_trip_through_the_checkpoint_dequantizer():
     """Our quantizer writes what the loader reads: dequantized within e4m3 rounding."""
     w = torch.randn(200, 300, generator=torch.Generator().manual_seed(1)).to(DEVICE)
@@ -75,25 +101,29 @@ def test_fp8_linear_close_to_the_bf16_linear():
     assert float((out.double() - ref).norm() / ref.norm()) < 0.05  # two e4m3 roundings
 
 
-def _fp8_experts(e: int, rows: int, cols: int, gen):
-    """e experts of [rows, cols] quantized in 128 x 128 blocks: (w_q [e, rows, cols] fp8,
-    scales [e, ceil(rows/128), ceil(cols/128)], dequantized float64)."""
+def _fp8_experts(e: int, rows: int, cols: int, gen, shards: int = 1):
+    """e experts of [rows, cols] quantized in 128 x 128 blocks, each of `shards` row shards
+    (w13: gate, up) blocked on its own as checkpoints store them: (w_q [e, rows, cols] fp8,
+    scales [e, shards * ceil(rows / shards / 128), ceil(cols/128)], dequantized float64)."""
     ws = [torch.randn(rows, cols, generator=gen) / cols**0.5 for _ in range(e)]
-    qs = [quantize_fp8_blocks(w.to(DEVICE)) for w in ws]
-    w_q = torch.stack([q for q, _ in qs])
-    scales = torch.stack([s for _, s in qs])
-    deq = torch.stack([dequantize_fp8_blocks(q, s).double().cpu() for q, s in qs])
+    qs = [[quantize_fp8_blocks(part.to(DEVICE)) for part in w.chunk(shards)] for w in ws]
+    w_q = torch.stack([torch.cat([q for q, _ in parts]) for parts in qs])
+    scales = torch.stack([torch.cat([s for _, s in parts]) for parts in qs])
+    deq = torch.stack([torch.cat([dequantize_fp8_blocks(q, s).double().cpu() for q, s in parts])
+                       for parts in qs])
     return w_q, scales, deq
 
 
-@pytest.mark.parametrize("t,k,first,num_local", [(1, 2, 0, 6), (9, 4, 0, 6), (40, 2, 3, 4)])
-def test_fp8_fused_moe_equals_float64_on_dequantized_weights(t, k, first, num_local):
-    """Partial blocks (H 200, I 72), EP-local masking (ids outside [first, first + num_local))."""
+@pytest.mark.parametrize("t,k,first,num_local,i", [(1, 2, 0, 6, 72), (9, 4, 0, 6, 72),
+                                                  (40, 2, 3, 4, 72), (9, 2, 2, 4, 200)])
+def test_fp8_fused_moe_equals_float64_on_dequantized_weights(t, k, first, num_local, i):
+    """Partial blocks (H 200, I 72 or 200: gate's last block partial, up blocked apart),
+    EP-local masking (ids outside [first, first + num_local))."""
     from moeserve.kernels.fused_moe import fused_moe
 
-    h, i, e_global = 200, 72, 10
+    h, e_global = 200, 10
     g = torch.Generator().manual_seed(t * 7 + k)
-    w13_q, w13_s, w13 = _fp8_experts(num_local, 2 * i, h, g)
+    w13_q, w13_s, w13 = _fp8_experts(num_local, 2 * i, h, g, shards=2)
     w2_q, w2_s, w2 = _fp8_experts(num_local, h, i, g)
     x = torch.randn(t, h, generator=g).to(DEVICE)
     ids = torch.rand(t, e_global, generator=g).argsort(1)[:, :k].to(DEVICE)

@@ -31,6 +31,8 @@ def test_unknown_keys_and_wrong_types_fail_in_hydra(override):
 
 @pytest.mark.parametrize("override,key", [
     ("model.dtype=int4", "model.dtype"),
+    ("model.quantization=int4", "model.quantization"),
+    ("model.quantization=FP8", "model.quantization"),
     ("cache.page_size=0", "cache.page_size"),
     ("scheduler.policy=random", "scheduler.policy"),
     ("server.port=70000", "server.port"),

@@ -90,3 +90,20 @@ def test_sharded_checkpoint_loads_same_weights(tiny_model, tmp_path):
     sharded = make_runner(make_tiny("qwen3", str(tmp_path / "sharded"), seed=0, shard=True))
     for (n, a), (_, b) in zip(one.model.named_parameters(), sharded.model.named_parameters()):
         assert torch.equal(a, b), n
+
+
+def test_fp8_blocks_of_other_sizes_and_kept_fp8(tmp_path):
+    """A 64x64-block checkpoint dequantizes exactly (block read off the scale grid); with
+    keep_fp8 the e4m3 tensor comes as stored, followed by its scale."""
+    from moeserve.kernels.fp8_format import quantize_fp8_blocks
+
+    w = torch.randn(300, 200, generator=torch.Generator().manual_seed(2))
+    q, s = quantize_fp8_blocks(w, (64, 64))
+    assert s.shape == (5, 4)
+    save_file({"x.weight": q, "x.weight_scale_inv": s}, str(tmp_path / "model.safetensors"))
+    out = dict(iterate_weights(str(tmp_path)))
+    assert torch.equal(out["x.weight"], dequantize_fp8_blocks(q, s, (64, 64)))
+    kept = list(iterate_weights(str(tmp_path), keep_fp8=lambda name: name == "x.weight"))
+    assert [n for n, _ in kept] == ["x.weight", "x.weight_scale_inv"]
+    assert torch.equal(kept[0][1].view(torch.uint8), q.view(torch.uint8))
+    assert torch.equal(kept[1][1], s)

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import torch
 
 from moeserve.config import compose
 from moeserve.layers.moe import MoEExperts
@@ -37,6 +38,26 @@ def test_bf16_plan_equals_the_built_model(tiny_model):
     mla = c.kv_lora_rank + c.qk_rope_head_dim
     assert plan.kv_per_token == c.num_hidden_layers * mla * 2
     assert plan.kv_tokens == (plan.budget - plan.weights) // plan.kv_per_token
+
+
+def test_fp8_plan_equals_the_fp8_resident_model(tiny_model):
+    """model.quantization=fp8 builds what the FP8 column counts: e4m3 projections and experts
+    with their block scales, kv_b_proj in bf16."""
+    path = tiny_model("deepseek_v3")
+    cfg = compose(["device=cpu", "model.dtype=bfloat16", "model.cpu_kernels=false",
+                   "model.quantization=fp8"])
+    runner = ModelRunner(cfg, path)
+    model = runner.model
+    plan = plan_rank(cfg, runner.hf_config, "fp8", 80 << 30)
+    params = dict(model.named_parameters())
+    assert params["model.layers.1.self_attn.q_b_proj.weight"].dtype == torch.float8_e4m3fn
+    assert plan.attention == _bytes(p for n, p in params.items()
+                                    if ".self_attn." in n and "layernorm" not in n)
+    assert plan.experts == _bytes(p for m in model.modules() if isinstance(m, MoEExperts)
+                                  for p in m.parameters())
+    assert plan.shared == _bytes(p for n, p in params.items() if ".shared_experts." in n)
+    assert plan.dense == _bytes(p for n, p in params.items() if ".mlp." in n
+                                and "experts" not in n and ".gate." not in n)
 
 
 def test_fp8_matrix_bytes_count_partial_blocks():

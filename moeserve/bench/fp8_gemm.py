@@ -1,0 +1,114 @@
+"""`python -m moeserve.bench.fp8_gemm`: block-scaled FP8 GEMM TFLOP/s against bf16 `torch.matmul`
+on DeepSeek-V3's linear shapes, on one CUDA GPU.
+
+Rows: M tokens x (K -> N). Columns: bf16 x @ w^T; the FP8 linear as the model runs it (per-token
+activation quantization + the Triton block GEMM, kernels/fp8.py); the GEMM alone on pre-quantized
+activations; `torch._scaled_mm` with the same 1x128 / 128x128 scales where this torch supports
+them ("-" otherwise); and, for the best FP8 column, the weight read rate as a share of the copy
+bandwidth (what bounds small M). The bf16 peak is measured on an 8192^3 matmul. Times are
+do_bench medians (L2 flushed between runs: a layer's weights are cold). `--sweep` also tries a few
+launch configs per shape and prints the best.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from moeserve.kernels.fp8 import (GemmConfig, fp8_block_matmul, fp8_linear, gemm_config,
+                                  quant_fp8_per_token_group)
+from moeserve.kernels.fp8_format import dequantize_fp8_blocks, quantize_fp8_blocks
+
+# (K, N) of DeepSeek-V3: dense MLP up (gate or up), q_a, q_b, kv_a, o_proj, dense MLP down
+SHAPES = [(7168, 18432), (7168, 1536), (1536, 24576), (7168, 576), (16384, 7168), (18432, 7168)]
+TOKENS = (1, 64, 256, 4096)
+SWEEP = [GemmConfig(16, 64), GemmConfig(16, 128, num_stages=4), GemmConfig(32, 128),
+         GemmConfig(64, 128, num_warps=8), GemmConfig(128, 128, num_warps=8, num_stages=4),
+         GemmConfig(128, 256, num_warps=8)]
+
+
+def _us(fn) -> float:
+    import triton.testing
+
+    fn()
+    torch.cuda.synchronize()
+    return triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median") * 1e3
+
+
+def bf16_peak_tflops(n: int = 8192) -> float:
+    a = torch.randn(n, n, dtype=torch.bfloat16, device="cuda")
+    b = torch.randn(n, n, dtype=torch.bfloat16, device="cuda")
+    return 2 * n**3 / (_us(lambda: a @ b) * 1e-6) / 1e12
+
+
+def copy_bandwidth(nbytes: int = 1 << 30) -> float:
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    return 2 * nbytes / (_us(lambda: dst.copy_(src)) * 1e-6)
+
+
+def scaled_mm_fn(x_q, x_s, w_q, w_s, ref: torch.Tensor):
+    """torch._scaled_mm on block scales, or None where this torch/GPU refuses them or gives a
+    different result (several scale layouts are tried)."""
+    b = w_q.t()  # [K, N] column-major
+    x_s_cm = x_s.t().contiguous().t()  # column-major activation scales
+    layouts = [(x_s_cm, w_s.t()), (x_s_cm, w_s.t().contiguous()), (x_s, w_s.t().contiguous())]
+    for sa, sb in layouts:
+        try:
+            out = torch._scaled_mm(x_q, b, scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16)
+        except (RuntimeError, TypeError, ValueError):
+            continue
+        if float((out.float() - ref).norm() / ref.norm()) < 2e-2:
+            return lambda sa=sa, sb=sb: torch._scaled_mm(x_q, b, scale_a=sa, scale_b=sb,
+                                                         out_dtype=torch.bfloat16)
+    return None
+
+
+def bench_shape(m: int, k: int, n: int, bw: float, sweep: bool) -> str:
+    g = torch.Generator(device="cuda").manual_seed(m + k + n)
+    x = torch.randn(m, k, device="cuda", generator=g).to(torch.bfloat16)
+    w = (torch.randn(n, k, device="cuda", generator=g) * 0.02).to(torch.bfloat16)
+    w_q, w_s = quantize_fp8_blocks(w)
+    x_q, x_s = quant_fp8_per_token_group(x)
+    flops = 2 * m * n * k
+    t_bf16 = _us(lambda: x @ w.t())
+    t_lin = _us(lambda: fp8_linear(x, w_q, w_s))
+    t_gemm = _us(lambda: fp8_block_matmul(x_q, x_s, w_q, w_s))
+    ref = (x_q.float() * x_s.repeat_interleave(128, 1)[:, :k]) @ dequantize_fp8_blocks(w_q, w_s).t()
+    mm = scaled_mm_fn(x_q, x_s, w_q, w_s, ref)
+    t_mm = _us(mm) if mm is not None else None
+    best = min(t for t in (t_gemm, t_mm) if t is not None)
+    weight_gbs = (n * k + w_s.numel() * 4) / (best * 1e-6)
+    cells = [f"{m:>5}", f"{k:>5} -> {n:<5}", f"{flops / t_bf16 / 1e6:>9.1f}",
+             f"{flops / t_lin / 1e6:>9.1f}", f"{flops / t_gemm / 1e6:>9.1f}",
+             f"{flops / t_mm / 1e6:>9.1f}" if t_mm else f"{'-':>9}",
+             f"{t_bf16 / t_lin:>6.2f}x", f"{100 * weight_gbs / bw:>6.1f}%"]
+    line = "| " + " | ".join(cells) + " |"
+    if sweep:
+        default = gemm_config(m, n, k, 128, x.device)
+        tried = {c: _us(lambda c=c: fp8_block_matmul(x_q, x_s, w_q, w_s, config=c))
+                 for c in {*SWEEP, *(GemmConfig(c.block_m, c.block_n, s, c.num_warps,
+                                                c.num_stages) for c in SWEEP[:3] for s in (4, 8))}}
+        c, t = min(tried.items(), key=lambda kv: kv[1])
+        line += f" best {flops / t / 1e6:.1f} TFLOP/s at {c} (default {default})"
+    return line
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--tokens", type=int, nargs="+", default=list(TOKENS))
+    p.add_argument("--sweep", action="store_true", help="also try a few launch configs")
+    args = p.parse_args(argv)
+    peak, bw = bf16_peak_tflops(), copy_bandwidth()
+    print(f"{torch.cuda.get_device_name()}: bf16 matmul peak {peak:.0f} TFLOP/s (8192^3), copy "
+          f"bandwidth {bw / 1e12:.2f} TB/s (read+write); TFLOP/s below")
+    print(f"| {'M':>5} | {'K -> N':<14} | {'bf16':>9} | {'fp8 lin':>9} | {'fp8 gemm':>9} | "
+          f"{'scaled_mm':>9} | {'speedup':>7} | {'% BW':>7} |")
+    for m in args.tokens:
+        for k, n in SHAPES:
+            print(bench_shape(m, k, n, bw, args.sweep), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,55 @@
+"""The draft model of NextN speculation: DeepSeek's MTP layer, or a trained NextNHead.
+
+Both read the embedding of the token after position i and a hidden state for position i (the
+target's at accepted positions, the draft's own while chaining), run one decoder block over their
+own KV layer (the pool holds it next to the target's layers, at the same slots), and share the
+target's embedding and LM head.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from moeserve.config import ConfigError, MoeserveConfig
+from moeserve.forward_batch import ForwardBatch
+
+
+class Draft:
+    def __init__(self, module: nn.Module, target: nn.Module, extra_kv_layers: int, kind: str):
+        self.module, self.target = module, target
+        self.extra_kv_layers = extra_kv_layers  # KV layers the pool must add for the draft
+        self.kind = kind  # "mtp" (the checkpoint's layer) | "head" (spec.draft_path)
+
+    def forward(self, fb: ForwardBatch, input_ids: torch.Tensor,
+                hidden: torch.Tensor) -> torch.Tensor:
+        """Draft hidden states [T, H] for fb's geometry (positions, slots, sequence lengths)."""
+        embeds = self.target.model.embed_tokens(input_ids)
+        return self.module(embeds, hidden.to(embeds.dtype), fb.positions, fb)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.target.compute_logits(hidden)
+
+
+def build_draft(cfg: MoeserveConfig, model: nn.Module, hf_config: Any) -> Draft | None:
+    """The draft for spec.algorithm=nextn (None when off). Call under the model's default dtype
+    and device; a trained head becomes the submodule `nextn_head` so that CPU packing and GPU
+    kernels reach it like any other layer."""
+    spec = cfg.spec
+    if spec.algorithm != "nextn":
+        return None
+    if spec.draft_path is None:
+        if not getattr(model, "load_mtp", False):
+            raise ConfigError("spec.draft_path", "this model has no NextN (MTP) layer in its "
+                              "checkpoint: train a head with `python -m moeserve.spec_mtp.train` "
+                              "and pass spec.draft_path=DIR")
+        return Draft(model.mtp, model, 0, "mtp")
+    from moeserve.spec_mtp.head import load_head, random_head
+
+    layer_id = hf_config.num_hidden_layers
+    head = (random_head(hf_config, layer_id, cfg.seed) if spec.draft_path == "dummy"
+            else load_head(spec.draft_path, hf_config, layer_id))
+    model.add_module("nextn_head", head)
+    return Draft(head, model, 1, "head")

@@ -1,0 +1,104 @@
+"""NextNHead: a trained NextN draft head for a model whose checkpoint has none (Llama, Qwen, SmolLM2).
+
+The same structure as DeepSeek-V3's MTP layer, built from the target's own decoder block:
+    o_i = norm(layer(eh_proj([enorm(embed(t_{i+1})) | hnorm(h_i)])))      logits_i = lm_head(o_i)
+where h_i is the target's final (post-norm) hidden state at position i, and logits_i predict
+t_{i+2}. The embedding and LM head are the target's; only the head's weights are in its file.
+
+File format (written by `python -m moeserve.spec_mtp.train`): DIR/model.safetensors with
+`enorm.weight`, `hnorm.weight`, `eh_proj.weight` [hidden, 2 hidden], `norm.weight` and `layer.*`
+(transformers' names of the decoder layer: q/k/v/o_proj, gate/up/down_proj, the two norms), plus
+DIR/config.json with "architecture": "NextNHead" and the target's shapes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import torch
+from torch import nn
+
+from moeserve.forward_batch import ForwardBatch
+from moeserve.layers.linear import Linear
+from moeserve.layers.norm import RMSNorm
+from moeserve.models.llama import MLP, Attention, CausalLM, DecoderLayer
+from moeserve.models.loader import WeightLoadError, load_weights
+
+HEAD_FILE, CONFIG_FILE = "model.safetensors", "config.json"
+_SHAPE_KEYS = ("hidden_size", "vocab_size", "num_attention_heads", "num_key_value_heads",
+               "intermediate_size")
+# target architectures whose decoder block the head reuses: (qkv bias, per-head q/k norm)
+_FAMILIES = {"LlamaForCausalLM": (False, False), "MistralForCausalLM": (False, False),
+             "Qwen2ForCausalLM": (True, False), "Qwen3ForCausalLM": (False, True)}
+
+
+class NextNHead(nn.Module):
+    """One decoder block of the target's family between the NextN input projection and a final
+    norm; its attention layer id is `layer_id` (one KV layer after the target's)."""
+
+    packed_modules_mapping = CausalLM.packed_modules_mapping  # the loader packs q/k/v, gate/up
+
+    def __init__(self, cfg: Any, layer_id: int):
+        super().__init__()
+        arch = (getattr(cfg, "architectures", None) or ["?"])[0]
+        if arch not in _FAMILIES:
+            raise ValueError(f"spec.draft_path: no NextN head for target architecture {arch!r} "
+                             f"(supported: {sorted(_FAMILIES)})")
+        qkv_bias, qk_norm = _FAMILIES[arch]
+        h, eps = cfg.hidden_size, cfg.rms_norm_eps
+        self.enorm, self.hnorm, self.norm = RMSNorm(h, eps), RMSNorm(h, eps), RMSNorm(h, eps)
+        self.eh_proj = Linear(2 * h, h, bias=False)
+        attn = Attention(cfg, layer_id, qkv_bias=qkv_bias, qk_norm=qk_norm)
+        self.layer = DecoderLayer(cfg, attn, MLP(h, cfg.intermediate_size))
+
+    def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
+                fb: ForwardBatch) -> torch.Tensor:
+        """embeds (of the next tokens), hidden (target or previous draft): [T, H] → [T, H]."""
+        x = self.eh_proj(torch.cat([self.enorm(embeds), self.hnorm(hidden)], dim=-1))
+        x, residual = self.layer(x, None, positions, fb)
+        return self.norm(x, residual)[0]
+
+
+def check_head_config(path: str, cfg: Any) -> dict:
+    """The head's config.json, checked against the target's shapes (a head trained for another
+    model is refused with the mismatching key)."""
+    file = os.path.join(path, CONFIG_FILE)
+    if not os.path.exists(file):
+        raise WeightLoadError(f"spec.draft_path={path!r} has no {CONFIG_FILE}")
+    with open(file) as f:
+        head_cfg = json.load(f)
+    if head_cfg.get("architecture") != "NextNHead":
+        raise WeightLoadError(f"spec.draft_path={path!r}: config.json is not a NextNHead")
+    for key in _SHAPE_KEYS:
+        if key in head_cfg and head_cfg[key] != getattr(cfg, key, None):
+            raise WeightLoadError(f"spec.draft_path={path!r}: {key}={head_cfg[key]} but the "
+                                  f"target has {getattr(cfg, key, None)}")
+    return head_cfg
+
+
+def load_head(path: str, cfg: Any, layer_id: int) -> NextNHead:
+    """Build the head in the current default dtype/device and load DIR/model.safetensors."""
+    from safetensors.torch import load_file
+
+    check_head_config(path, cfg)
+    file = os.path.join(path, HEAD_FILE)
+    if not os.path.exists(file):
+        raise WeightLoadError(f"spec.draft_path={path!r} has no {HEAD_FILE}")
+    head = NextNHead(cfg, layer_id)
+    dtype = torch.get_default_dtype()
+    load_weights(head, ((name, t.to(dtype)) for name, t in load_file(file).items()))
+    return head
+
+
+def random_head(cfg: Any, layer_id: int, seed: int) -> NextNHead:
+    """Random weights (model.load_format=dummy benchmarks): norms at 1, N(0, 0.02) elsewhere."""
+    head = NextNHead(cfg, layer_id)
+    gen = torch.Generator(device=head.eh_proj.weight.device).manual_seed(seed + 1)
+    for name, p in head.named_parameters():
+        if "norm" in name:
+            p.data.fill_(1.0)
+        else:
+            p.data.normal_(0.0, 0.02, generator=gen)
+    return head

@@ -1,0 +1,166 @@
+"""FP8-resident layers (layers/fp8_linear.py, layers/fp8_moe.py) on their Triton path (Triton's
+interpreter on CPU) against float64 references on the dequantized weights and the quantized
+activations; their torch reference path against float64 on the dequantized weights. Dims are not
+multiples of 128; the experts are an EP-local slice of the global ids."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from moeserve.kernels.fp8 import quant_fp8_per_token_group
+from moeserve.kernels.fp8_format import FP8, dequantize_fp8_blocks, quantize_fp8_blocks
+from moeserve.layers.fp8_linear import Fp8Linear, Fp8MergedLinear
+from moeserve.layers.fp8_moe import Fp8MoEExperts
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPE = torch.float32 if DEVICE == "cpu" else torch.bfloat16
+TOL = 1e-5 if DTYPE == torch.float32 else 2e-2  # fp32: accumulation order only
+
+
+def _quantized_rows(x: torch.Tensor) -> torch.Tensor:
+    """x [T, K] as the Triton path sees it: per-token groups of 128 in e4m3 → float64."""
+    x_q, x_s = quant_fp8_per_token_group(x)
+    return x_q.double() * x_s.double().repeat_interleave(128, 1)[:, : x.shape[1]]
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double().cpu() - b.double().cpu()).norm() / b.double().cpu().norm())
+
+
+def _fill(layer: Fp8Linear, w: torch.Tensor) -> None:
+    q, s = quantize_fp8_blocks(w)
+    layer.weight.data.copy_(q)
+    layer.weight_scale_inv.data.copy_(s)
+
+
+@pytest.mark.parametrize("t", [1, 7, 70])
+def test_fp8_linear_triton_equals_float64_reference(t):
+    g = torch.Generator().manual_seed(t)
+    layer = Fp8Linear(300, 200, bias=True, backend="triton", bias_dtype=DTYPE, device=DEVICE)
+    _fill(layer, (torch.randn(200, 300, generator=g) * 0.05).to(DEVICE))
+    layer.bias.data.copy_(torch.randn(200, generator=g))
+    assert layer.weight.dtype == FP8 and layer.weight_scale_inv.shape == (2, 3)
+    x = torch.randn(t, 300, generator=g).to(DEVICE, DTYPE)
+    out = layer(x[None])[0]  # leading dims are kept
+    w = layer.dequantized().double()
+    ref = _quantized_rows(x).cpu() @ w.cpu().T + layer.bias.double().cpu()
+    assert out.shape == (t, 200) and out.dtype == DTYPE and _rel(out, ref) < TOL
+    layer.backend = "torch"  # reference: dequantized weight, activations as they are
+    assert _rel(layer(x), x.double().cpu() @ w.cpu().T + layer.bias.double().cpu()) < TOL
+
+
+@pytest.mark.parametrize("sizes,aligned", [([72, 100], False), ([128, 72], True),
+                                           ([200, 56, 56], False)])
+def test_fp8_merged_linear_shards_blocked_apart(sizes, aligned):
+    """Each shard is quantized on its own (as checkpoints store gate/up or q/k/v); unaligned
+    shard starts run one GEMM per shard."""
+    names = [f"s{j}" for j in range(len(sizes))]
+    g = torch.Generator().manual_seed(len(sizes))
+    layer = Fp8MergedLinear(200, sizes, names, backend="triton", device=DEVICE)
+    assert layer.aligned == aligned
+    parts = [(torch.randn(n, 200, generator=g) * 0.05).to(DEVICE) for n in sizes]
+    for name, w in zip(reversed(names), reversed(parts)):  # any load order
+        q, s = quantize_fp8_blocks(w)
+        layer.weight_loader(layer.weight, q, name)
+        layer.weight_loader(layer.weight_scale_inv, s, name)
+    deq = torch.cat([dequantize_fp8_blocks(*quantize_fp8_blocks(w)) for w in parts]).double()
+    assert torch.equal(layer.dequantized().double(), deq)
+    x = torch.randn(9, 200, generator=g).to(DEVICE, DTYPE)
+    assert _rel(layer(x), _quantized_rows(x).cpu() @ deq.cpu().T) < TOL
+    layer.backend = "torch"
+    assert _rel(layer(x), x.double().cpu() @ deq.cpu().T) < TOL
+    with pytest.raises(ValueError, match="shard 's0'"):
+        layer.weight_loader(layer.weight_scale_inv, torch.ones(5, 2), "s0")
+
+
+def _experts(first: int, num_local: int, num_experts: int, h: int, i: int, seed: int):
+    """Fp8MoEExperts loaded per checkpoint tensor (each quantized on its own) and the float64
+    dequantized (w13 [E, 2I, H], w2 [E, H, I]) of its local slots."""
+    m = Fp8MoEExperts(num_experts, h, i, first_expert=first, num_local=num_local,
+                      backend="triton")
+    m.to(DEVICE)
+    g = torch.Generator().manual_seed(seed)
+    deq13, deq2 = [], []
+    for e in range(first, first + num_local):
+        gate, up = (torch.randn(i, h, generator=g) / h**0.5 for _ in range(2))
+        down = torch.randn(h, i, generator=g) / i**0.5
+        tiles = []
+        for shard, w, param in (("gate", gate, m.w13), ("up", up, m.w13), ("down", down, m.w2)):
+            q, s = quantize_fp8_blocks(w.to(DEVICE))
+            m.weight_loader(param, q, e, shard)
+            m.weight_loader(m.w13_scale_inv if param is m.w13 else m.w2_scale_inv, s, e, shard)
+            tiles.append(dequantize_fp8_blocks(q, s).double().cpu())
+        deq13.append(torch.cat(tiles[:2]))
+        deq2.append(tiles[2])
+    return m, torch.stack(deq13), torch.stack(deq2)
+
+
+def _moe_reference(x, ids, weights, w13, w2, first, quantize: bool) -> torch.Tensor:
+    """float64 sum over local pairs; `quantize`: the activations (x, then the intermediate) as
+    the FP8 kernels quantize them."""
+    t, i = x.shape[0], w13.shape[1] // 2
+    xd = _quantized_rows(x).cpu() if quantize else x.double().cpu()
+    out = torch.zeros(t, x.shape[1], dtype=torch.float64)
+    for tok in range(t):
+        for j in range(ids.shape[1]):
+            e = int(ids[tok, j]) - first
+            if not 0 <= e < w13.shape[0]:
+                continue
+            gu = w13[e] @ xd[tok]
+            inter = F.silu(gu[:i]) * gu[i:]
+            if quantize:
+                inter = _quantized_rows(inter[None].to(DEVICE, DTYPE))[0].cpu()
+            out[tok] += float(weights[tok, j]) * (w2[e] @ inter)
+    return out
+
+
+@pytest.mark.parametrize("t,first,num_local", [(1, 0, 10), (12, 3, 4), (33, 6, 4)])
+def test_fp8_experts_triton_and_reference_equal_float64(t, first, num_local):
+    """H 200 and I 72 (partial blocks), 10 global experts of which [first, first + num_local)
+    are local: the other ids contribute nothing."""
+    h, i, e_global, k = 200, 72, 10, 3
+    m, w13, w2 = _experts(first, num_local, e_global, h, i, seed=t)
+    assert m.w13.dtype == FP8 and m.w13_scale_inv.shape == (num_local, 2, 2)
+    g = torch.Generator().manual_seed(100 + t)
+    x = torch.randn(t, h, generator=g).to(DEVICE, DTYPE)
+    ids = torch.rand(t, e_global, generator=g).argsort(1)[:, :k].to(DEVICE)
+    weights = torch.rand(t, k, generator=g).to(DEVICE)
+    out = m(x, ids, weights)
+    ref = _moe_reference(x, ids.cpu(), weights.cpu(), w13, w2, first, quantize=True)
+    assert out.shape == (t, h) and out.dtype == DTYPE
+    assert _rel(out, ref) < (1e-4 if DTYPE == torch.float32 else 5e-2)  # intermediate rounding
+    m.backend = "torch"
+    ref = _moe_reference(x, ids.cpu(), weights.cpu(), w13, w2, first, quantize=False)
+    assert _rel(m(x, ids, weights), ref) < TOL
+    for masked in (False, True):  # host-syncing (CPU) and graph-safe (CUDA) references
+        assert _rel(m.forward_reference(x, ids, weights, masked), ref) < TOL
+    s13, s2 = m.stacked_weights(torch.float64)  # the low-latency dispatch format's weights
+    assert torch.equal(s13.cpu(), w13) and torch.equal(s2.cpu(), w2)
+
+
+def test_fp8_experts_fill_redundant_replicas_and_check_shapes():
+    m = Fp8MoEExperts(6, 64, 40, first_expert=0, num_local=3, slot_logical=[4, 1, 4])
+    q, s = quantize_fp8_blocks(torch.randn(40, 64))
+    m.weight_loader(m.w13, q, 4, "up")
+    m.weight_loader(m.w13_scale_inv, s, 4, "up")
+    assert torch.equal(m.w13[0, 40:].view(torch.uint8), m.w13[2, 40:].view(torch.uint8))
+    assert torch.equal(m.w13_scale_inv[0, 1:], s) and torch.equal(m.w13_scale_inv[2, 1:], s)
+    with pytest.raises(ValueError, match="expert 1 down scales"):
+        m.weight_loader(m.w2_scale_inv, torch.ones(2, 2), 1, "down")
+
+
+def test_fp8_experts_low_latency_layout_through_the_fused_kernel():
+    """[E_local, M, H] (DeepEP low-latency format): each row through its block's expert,
+    unweighted; the Triton path against float64 with quantized activations."""
+    m, w13, w2 = _experts(4, 3, 8, 200, 72, seed=5)
+    x = torch.randn(3, 5, 200, generator=torch.Generator().manual_seed(6)).to(DEVICE, DTYPE)
+    out = m.forward_per_expert(x)
+    assert out.shape == (3, 5, 200) and out.dtype == DTYPE
+    ids = torch.arange(4, 7).repeat_interleave(5)[:, None]
+    ref = _moe_reference(x.reshape(15, 200), ids, torch.ones(15, 1), w13, w2, 4, quantize=True)
+    assert _rel(out.reshape(15, 200), ref) < (1e-4 if DTYPE == torch.float32 else 5e-2)
+    m.backend = "torch"
+    ref = _moe_reference(x.reshape(15, 200), ids, torch.ones(15, 1), w13, w2, 4, quantize=False)
+    assert _rel(m.forward_per_expert(x).reshape(15, 200), ref) < TOL

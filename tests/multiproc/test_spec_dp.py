@@ -1,0 +1,34 @@
+"""Speculative decoding across ranks: a dp2×ep2 Engine with spec.algorithm=nextn (the tiny
+DeepSeek-V3's MTP layer is a MoE layer, so every draft forward joins the expert all-to-all) gives
+the single-process plain greedy outputs — with a long prefill on one rank beside verify steps on
+the other (the prefilling rank runs idle draft forwards), an idle rank, and both loops. A rank
+that ran a different number of forwards would hang the collectives.
+"""
+
+from __future__ import annotations
+
+import pytest
+from parity import FP32_CPU
+from test_dp import (DP2, ep_overrides, ids_of, one_thread_per_rank,  # noqa: F401
+                     reference, skew_long_short, workload)
+
+from moeserve import Engine
+
+SPEC = ["spec.algorithm=nextn", "spec.num_steps=2", "scheduler.chunked_prefill_size=16"]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("backend,loop", [("a2a", "normal"), ("p2p", "overlap")])
+def test_spec_dp2_matches_single_process(reference, backend, loop):
+    ref = reference("deepseek_v3")
+    overrides = FP32_CPU + DP2 + ep_overrides(backend) + SPEC + [
+        f"scheduler.overlap={str(loop == 'overlap').lower()}"]
+    with Engine(ref["path"], overrides) as eng:
+        prompts, params = workload()
+        assert ids_of(eng.generate(input_ids=prompts, sampling_params=params)) == ref["workload"]
+        prompts, params, ranks = skew_long_short()  # prefill on rank 0, verify steps on rank 1
+        outs = eng.generate(input_ids=prompts, sampling_params=params, dp_ranks=ranks)
+        assert ids_of(outs) == ref["long_short"]
+        assert all(o["meta"]["spec_verify_steps"] > 0 for o in outs[1:])
+        one = eng.generate(input_ids=prompts[1:2], sampling_params=params[1:2], dp_ranks=[1])
+        assert ids_of(one) == ref["long_short"][1:2]  # rank 0 idle the whole time

@@ -1,0 +1,197 @@
+"""MTP speculative decoding is lossless: with spec.algorithm=nextn the Engine's outputs equal the
+same Engine's without speculation (the oracle), greedy token for token and sampled in distribution.
+
+Two drafts: the tiny DeepSeek-V3's own MTP layer (random weights: its drafts are mostly rejected),
+and an oracle draft that proposes the reference continuation with some tokens corrupted, so that
+blocks of every accepted length occur — with stop tokens, stop strings and max_new_tokens landing
+inside them.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from parity import FP32_CPU
+from scipy.stats import chi2_contingency
+
+from moeserve import Engine
+
+GREEDY = {"temperature": 0, "ignore_eos": True}
+SPEC = ["spec.algorithm=nextn"]
+
+
+def workload(n: int, vocab: int, seed: int = 0) -> tuple[list[list[int]], list[dict]]:
+    """Prompts sharing prefixes (radix hits) with varied prompt and output lengths."""
+    rng = random.Random(seed)
+    system = [rng.randrange(3, vocab) for _ in range(20)]
+    prompts, params = [], []
+    for i in range(n):
+        own = [rng.randrange(3, vocab) for _ in range(rng.randrange(1, 30))]
+        prompts.append((system if i % 2 else system[:5]) + own)
+        params.append({**GREEDY, "max_new_tokens": rng.randrange(1, 20)})
+    return prompts, params
+
+
+@pytest.fixture(scope="module")
+def dsv3(tiny_model):
+    path = tiny_model("deepseek_v3")
+    with Engine(path, FP32_CPU) as eng:
+        vocab = eng.runner.hf_config.vocab_size
+        prompts, params = workload(12, vocab)
+        expected = [o["output_ids"] for o in eng.generate(input_ids=prompts,
+                                                          sampling_params=params)]
+    return path, prompts, params, expected
+
+
+@pytest.mark.parametrize("overrides", [
+    ["scheduler.overlap=false", "spec.num_steps=1"],
+    ["scheduler.overlap=true", "spec.num_steps=3"],
+    ["scheduler.overlap=true", "spec.num_steps=2", "scheduler.chunked_prefill_size=8"],
+], ids=["normal-n1", "overlap-n3", "overlap-chunked-n2"])
+def test_mtp_layer_greedy_equals_plain(dsv3, overrides):
+    path, prompts, params, expected = dsv3
+    with Engine(path, FP32_CPU + SPEC + overrides) as eng:
+        assert eng.runner.draft.kind == "mtp"
+        for _ in range(2):  # the second run is served mostly from the prefix cache
+            outs = eng.generate(input_ids=prompts, sampling_params=params)
+            assert [o["output_ids"] for o in outs] == expected
+        verified = [o["meta"] for o in outs if o["meta"]["completion_tokens"] > 1]
+        assert verified and all(m["spec_verify_steps"] >= 1 for m in verified)
+        assert eng.scheduler.is_memory_clean()
+
+
+def install_oracle_draft(eng: Engine, reference: dict[tuple, list[int]], corrupt: float,
+                         seed: int) -> None:
+    """Replace the draft chain by the reference continuation (from the plain run), each token
+    replaced by a wrong one with probability `corrupt`."""
+    decoder, sched = eng.scheduler.worker.spec, eng.scheduler
+    vocab, n, rng = eng.runner.hf_config.vocab_size, decoder.n, random.Random(seed)
+
+    def chain(fi, geo):
+        by_row = {r.req_pool_idx: r for r in sched.running}
+        drafts = []
+        for row, start in zip(fi.rows, fi.prefix_lens):
+            req = by_row[row]
+            full = req.input_ids + reference[tuple(req.input_ids)]
+            d = [full[start + 1 + i] if start + 1 + i < len(full) else 0 for i in range(n)]
+            drafts.append([(t + 1) % vocab if rng.random() < corrupt else t for t in d])
+        return torch.tensor(drafts, dtype=torch.int64, device=geo[0].device)
+
+    decoder._draft_chain = chain
+
+
+@pytest.fixture(scope="module")
+def oracle_case(dsv3):
+    """Long outputs with stop ids, stop strings-free max_new_tokens of every residue mod 4, and
+    the plain outputs for them."""
+    path, prompts, _, _ = dsv3
+    with Engine(path, FP32_CPU) as eng:
+        long = eng.generate(input_ids=prompts, sampling_params={**GREEDY, "max_new_tokens": 24})
+        reference = {tuple(p): o["output_ids"] for p, o in zip(prompts, long)}
+        rng = random.Random(1)
+        params = []
+        for i, p in enumerate(prompts):
+            sp = {"temperature": 0, "max_new_tokens": 5 + i % 4 + rng.randrange(0, 12)}
+            if i % 3 == 0:  # a token of the reference output becomes a stop id
+                sp["stop_token_ids"] = [reference[tuple(p)][rng.randrange(2, 12)]]
+            params.append(sp)
+        expected = [o["output_ids"] for o in eng.generate(input_ids=prompts,
+                                                          sampling_params=params)]
+    return path, prompts, params, reference, expected
+
+
+@pytest.mark.parametrize("corrupt,overlap", [(0.0, False), (0.25, True), (0.6, False)])
+def test_accepted_blocks_equal_plain(oracle_case, corrupt, overlap):
+    path, prompts, params, reference, expected = oracle_case
+    overrides = FP32_CPU + SPEC + ["spec.num_steps=3", f"scheduler.overlap={str(overlap).lower()}"]
+    with Engine(path, overrides) as eng:
+        install_oracle_draft(eng, reference, corrupt, seed=7)
+        baseline = eng.runner.memory.allocator.available_size()
+        outs = eng.generate(input_ids=prompts, sampling_params=params)
+        assert [o["output_ids"] for o in outs] == expected
+        lengths = [o["meta"]["spec_accept_length"] for o in outs
+                   if o["meta"].get("spec_verify_steps", 0) >= 2]
+        mean = sum(lengths) / len(lengths)
+        if corrupt == 0.0:
+            assert mean > 3.0  # nearly every block is fully accepted (4 tokens per pass)
+        else:
+            assert 1.0 < mean < 4.0
+        assert eng.scheduler.is_memory_clean()
+        eng.scheduler.cache.flush()
+        assert eng.runner.memory.allocator.available_size() == eng.runner.memory.allocator.size
+        assert baseline <= eng.runner.memory.allocator.size
+
+
+def install_mode_draft(eng: Engine, modes: list[int]) -> None:
+    """Drafts = the most frequent plain-run token at each output position: the target gives them
+    a large probability, so both acceptance and rejection are frequent."""
+    decoder, sched = eng.scheduler.worker.spec, eng.scheduler
+
+    def chain(fi, geo):
+        by_row = {r.req_pool_idx: r for r in sched.running}
+        drafts = [[modes[min(start + 1 + i - len(by_row[row].input_ids), len(modes) - 1)]
+                   for i in range(decoder.n)] for row, start in zip(fi.rows, fi.prefix_lens)]
+        return torch.tensor(drafts, dtype=torch.int64, device=geo[0].device)
+
+    decoder._draft_chain = chain
+
+
+def test_sampling_distribution_matches_plain(tiny_model):
+    """Rejection sampling is exact: over many seeded requests the first three sampled tokens are
+    distributed as without speculation (chi-squared test of homogeneity per position, p > 1e-3),
+    for temperature 0.7 with top_p 0.9, on a 24-token vocabulary. Drafts are the plain run's
+    most frequent tokens, so a wrong acceptance rule shifts their share visibly."""
+    path = tiny_model("deepseek_v3", vocab_size=24, initializer_range=0.3)  # peaked logits
+    prompt = [[5, 9, 3, 17, 11]]
+    sp = {"temperature": 0.7, "top_p": 0.9, "max_new_tokens": 3, "ignore_eos": True}
+    samples, modes = {}, []
+    for name, extra in (("plain", []), ("spec", SPEC + ["spec.num_steps=2"])):
+        with Engine(path, FP32_CPU + extra + ["cache.max_running_requests=256"]) as eng:
+            if name == "spec":
+                install_mode_draft(eng, modes)
+            params = [{**sp, "seed": 1000 * (name == "spec") + i} for i in range(1500)]
+            outs = eng.generate(input_ids=prompt * len(params), sampling_params=params)
+            samples[name] = [o["output_ids"] for o in outs]
+            if name == "plain":
+                modes = [max(set(col), key=col.count) for col in zip(*samples[name])]
+            else:
+                meta = [o["meta"] for o in outs]
+                accepted = sum(m["spec_accepted_tokens"] - m["spec_verify_steps"] for m in meta)
+                proposed = sum(m["spec_draft_tokens"] for m in meta)
+                assert 0.1 * proposed < accepted < 0.95 * proposed  # both outcomes are frequent
+    for pos in range(3):
+        tokens = sorted({s[pos] for v in samples.values() for s in v})
+        table = [[sum(s[pos] == t for s in samples[k]) for t in tokens] for k in samples]
+        keep = [j for j in range(len(tokens)) if table[0][j] + table[1][j] >= 10]
+        rest = [sum(row[j] for j in range(len(tokens)) if j not in keep) for row in table]
+        table = [[row[j] for j in keep] + ([r] if sum(rest) else []) for row, r in zip(table, rest)]
+        p_value = chi2_contingency(table).pvalue
+        assert p_value > 1e-3, (pos, table)
+
+
+def test_plain_steps_above_max_batch_size_and_for_edited_logits(dsv3):
+    """Batches above spec.max_batch_size, and requests with penalties, step aside (plain decode
+    steps with a one-token draft extend) and still give the plain outputs."""
+    path, prompts, params, expected = dsv3
+    with Engine(path, FP32_CPU + SPEC + ["spec.max_batch_size=4"]) as eng:
+        outs = eng.generate(input_ids=prompts, sampling_params=params)
+        assert [o["output_ids"] for o in outs] == expected
+        assert eng.scheduler.is_memory_clean()
+    penalised = [{**p, "repetition_penalty": 1.3} for p in params]
+    with Engine(path, FP32_CPU) as eng:
+        want = [o["output_ids"] for o in eng.generate(input_ids=prompts, sampling_params=penalised)]
+    with Engine(path, FP32_CPU + SPEC) as eng:
+        outs = eng.generate(input_ids=prompts, sampling_params=penalised)
+        assert [o["output_ids"] for o in outs] == want
+        assert all("spec_verify_steps" not in o["meta"] for o in outs)
+
+
+def test_config_errors_name_the_key(tiny_model):
+    from moeserve.config import ConfigError
+
+    with pytest.raises(ConfigError, match="spec.draft_path"):
+        Engine(tiny_model("llama"), FP32_CPU + SPEC)  # no MTP layer and no trained head
+    with pytest.raises(ConfigError, match="spec.num_steps"):
+        Engine(tiny_model("deepseek_v3"), FP32_CPU + SPEC + ["spec.num_steps=0"])
