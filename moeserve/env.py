@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import logging
 import os
 from dataclasses import dataclass
 
@@ -16,6 +18,12 @@ class Env:
     # MOESERVE_TBO_TIMELINE=PREFIX: each rank writes PREFIX.rank{r}.jsonl, the start/end of every
     # op of each micro-batch over its first two-batch-overlap steps (tbo/operations.Timeline)
     tbo_timeline: str | None
+    # MOESERVE_DISABLE_<PATH>=1 forces one CPU fast path's run-time probe off (its torch fallback
+    # runs, as on a CPU without it; tests use these to run every fallback on any machine):
+    disable_cpu_kernels: bool  # MOESERVE_DISABLE_CPU_KERNELS: the C decode kernels (cpu_ops)
+    disable_march_native: bool  # MOESERVE_DISABLE_MARCH_NATIVE: build them without -march=native
+    disable_bf16_head: bool  # MOESERVE_DISABLE_BF16_HEAD: the AVX512-BF16 greedy LM head
+    disable_onednn_bf16: bool  # MOESERVE_DISABLE_ONEDNN_BF16: oneDNN's bf16 linear prepack
 
     @classmethod
     def read(cls) -> Env:
@@ -23,9 +31,23 @@ class Env:
         return cls(cache_dir=os.environ.get("MOESERVE_CACHE_DIR") or default_cache,
                    cc=os.environ.get("CC") or None,
                    triton_interpret=os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"),
-                   tbo_timeline=os.environ.get("MOESERVE_TBO_TIMELINE") or None)
+                   tbo_timeline=os.environ.get("MOESERVE_TBO_TIMELINE") or None,
+                   disable_cpu_kernels=_flag("MOESERVE_DISABLE_CPU_KERNELS"),
+                   disable_march_native=_flag("MOESERVE_DISABLE_MARCH_NATIVE"),
+                   disable_bf16_head=_flag("MOESERVE_DISABLE_BF16_HEAD"),
+                   disable_onednn_bf16=_flag("MOESERVE_DISABLE_ONEDNN_BF16"))
+
+
+def _flag(name: str) -> bool:
+    return os.environ.get(name, "0").strip().lower() not in ("", "0", "false", "no")
 
 
 def env() -> Env:
     """Read on each call so tests can monkeypatch the environment."""
     return Env.read()
+
+
+@functools.cache
+def log_forced_off(var: str, path: str) -> None:
+    """The one log line of a fast path forced off by its MOESERVE_DISABLE_* variable."""
+    logging.getLogger("moeserve.env").info("%s is set: %s off, torch fallback instead", var, path)

@@ -1,9 +1,16 @@
-"""Typed ZMQ PUSH/PULL endpoints: encode on send, decode into the channel's union on receive."""
+"""Typed ZMQ PUSH/PULL endpoints: encode on send, decode into the channel's union on receive.
+
+A frame that does not decode as the channel's type (a stray local process writing to the socket,
+say) is dropped with a log line, never unpickled and never raised into the process loop; ipc://
+socket files are made private to the user (0600) when bound.
+"""
 
 from __future__ import annotations
 
+import logging
 import os
 import tempfile
+import time
 import uuid
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
@@ -59,6 +66,45 @@ class Endpoints:
         return self.rank_in[dp_rank] if self.rank_in else self.scheduler_in
 
 _ENCODER = msgspec.msgpack.Encoder()
+logger = logging.getLogger(__name__)
+_BAD_LOG_INTERVAL_S = 5.0
+
+
+class _Decoder:
+    """The channel's msgpack decoder; garbage → None plus a log line (at most one per
+    _BAD_LOG_INTERVAL_S per socket, with the count dropped since the last one)."""
+
+    def __init__(self, msg_type: Any, address: str):
+        self._decoder = msgspec.msgpack.Decoder(msg_type)
+        self._address = address
+        self.dropped = 0
+        self._unlogged = 0
+        self._next_log = 0.0
+
+    def __call__(self, buf: Any) -> Any:
+        try:
+            return self._decoder.decode(buf)
+        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+            self.dropped += 1
+            self._unlogged += 1
+            now = time.monotonic()
+            if now >= self._next_log:
+                logger.warning("dropped %d undecodable message(s) on %s (last: %d bytes: %s)",
+                               self._unlogged, self._address, len(buf), e)
+                self._unlogged, self._next_log = 0, now + _BAD_LOG_INTERVAL_S
+            return None
+
+
+def _bind_or_connect(socket: zmq.Socket, address: str, bind: bool) -> None:
+    if not bind:
+        socket.connect(address)
+        return
+    socket.bind(address)
+    if address.startswith("ipc://"):
+        try:
+            os.chmod(address[len("ipc://"):], 0o600)  # other users cannot connect
+        except OSError:
+            pass
 
 
 def new_ipc_address(tag: str) -> str:
@@ -71,7 +117,7 @@ class PushQueue:
         self.socket = ctx.socket(zmq.PUSH)
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.setsockopt(zmq.SNDHWM, 0)  # never block a sender (the asyncio loop)
-        (self.socket.bind if bind else self.socket.connect)(address)
+        _bind_or_connect(self.socket, address, bind)
 
     def put(self, msg: Any) -> None:
         self.socket.send(_ENCODER.encode(msg), copy=False)
@@ -81,25 +127,32 @@ class PushQueue:
 
 
 class PullQueue(Generic[T]):
-    """Receives messages of the union type `T`; never unpickles."""
+    """Receives messages of the union type `T`; never unpickles; drops garbage (see _Decoder)."""
 
     def __init__(self, ctx: zmq.Context, address: str, msg_type: Any, bind: bool = True):
         self.socket = ctx.socket(zmq.PULL)
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.setsockopt(zmq.RCVHWM, 0)
-        (self.socket.bind if bind else self.socket.connect)(address)
-        self.decoder = msgspec.msgpack.Decoder(msg_type)
+        _bind_or_connect(self.socket, address, bind)
+        self.decode = _Decoder(msg_type, address)
 
     def get(self, timeout_ms: int | None = None) -> T | None:
-        """Block up to timeout_ms (None = forever); None on timeout."""
-        if timeout_ms is not None and not self.socket.poll(timeout_ms):
-            return None
-        return self.decoder.decode(self.socket.recv(copy=False).buffer)
+        """Block up to timeout_ms (None = forever) for a valid message; None on timeout."""
+        deadline = None if timeout_ms is None else time.monotonic() + timeout_ms / 1000
+        while True:
+            left = None if deadline is None else max(0, int((deadline - time.monotonic()) * 1000))
+            if left is not None and not self.socket.poll(left):
+                return None
+            msg = self.decode(self.socket.recv(copy=False).buffer)
+            if msg is not None:
+                return msg
 
     def get_nowait_all(self) -> list[T]:
         out = []
         while self.socket.poll(0):
-            out.append(self.decoder.decode(self.socket.recv(copy=False).buffer))
+            msg = self.decode(self.socket.recv(copy=False).buffer)
+            if msg is not None:
+                out.append(msg)
         return out
 
     def close(self) -> None:
@@ -111,12 +164,15 @@ class AsyncPullQueue(Generic[T]):
         self.socket = ctx.socket(zmq.PULL)
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.setsockopt(zmq.RCVHWM, 0)
-        (self.socket.bind if bind else self.socket.connect)(address)
-        self.decoder = msgspec.msgpack.Decoder(msg_type)
+        _bind_or_connect(self.socket, address, bind)
+        self.decode = _Decoder(msg_type, address)
 
     async def get(self) -> T:
-        frame = await self.socket.recv(copy=False)
-        return self.decoder.decode(frame.buffer)
+        while True:
+            frame = await self.socket.recv(copy=False)
+            msg = self.decode(frame.buffer)
+            if msg is not None:
+                return msg
 
     def close(self) -> None:
         self.socket.close()

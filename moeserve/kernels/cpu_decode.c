@@ -161,18 +161,21 @@ static inline __attribute__((always_inline)) v8f load8(const void *p, int dt) {
 
 /* The eight horizontal sums of a[0..7], as one vector (a transpose-and-add tree: 12 shuffles and 7
  * adds for eight dot products, against ~8 scalar adds each when reduced one by one). */
+#ifdef __clang__ /* the same two-vector shuffle: clang takes the lane indices as constants */
+#define SHUF8(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+#else
+#define SHUF8(a, b, ...) __builtin_shuffle(a, b, (v8i){__VA_ARGS__})
+#endif
 static inline __attribute__((always_inline)) v8f sum8x8(const v8f a[8]) {
-    const v8i lo1 = {0, 8, 1, 9, 4, 12, 5, 13}, hi1 = {2, 10, 3, 11, 6, 14, 7, 15};
-    const v8i lo2 = {0, 1, 8, 9, 4, 5, 12, 13}, hi2 = {2, 3, 10, 11, 6, 7, 14, 15};
-    const v8i lo3 = {0, 1, 2, 3, 8, 9, 10, 11}, hi3 = {4, 5, 6, 7, 12, 13, 14, 15};
     v8f s[4], t[2];
     for (int i = 0; i < 4; i++)
-        s[i] = __builtin_shuffle(a[2 * i], a[2 * i + 1], lo1) +
-               __builtin_shuffle(a[2 * i], a[2 * i + 1], hi1);
+        s[i] = SHUF8(a[2 * i], a[2 * i + 1], 0, 8, 1, 9, 4, 12, 5, 13) +
+               SHUF8(a[2 * i], a[2 * i + 1], 2, 10, 3, 11, 6, 14, 7, 15);
     for (int i = 0; i < 2; i++)
-        t[i] = __builtin_shuffle(s[2 * i], s[2 * i + 1], lo2) +
-               __builtin_shuffle(s[2 * i], s[2 * i + 1], hi2);
-    return __builtin_shuffle(t[0], t[1], lo3) + __builtin_shuffle(t[0], t[1], hi3);
+        t[i] = SHUF8(s[2 * i], s[2 * i + 1], 0, 1, 8, 9, 4, 5, 12, 13) +
+               SHUF8(s[2 * i], s[2 * i + 1], 2, 3, 10, 11, 6, 7, 14, 15);
+    return SHUF8(t[0], t[1], 0, 1, 2, 3, 8, 9, 10, 11) +
+           SHUF8(t[0], t[1], 4, 5, 6, 7, 12, 13, 14, 15);
 }
 
 /* Eight dot products rows[j][0:n] · x[0:n] (rows in dt, x float32; n a multiple of 8). */

@@ -1,10 +1,17 @@
-"""The CPU decode kernels of `cpu_decode.c`: built once with the system C compiler (GCC: the
-source uses its vector extensions), loaded through ctypes, wrapped with shape and dtype checks.
+"""The CPU decode kernels of `cpu_decode.c`: built once with the system C compiler (GCC or clang:
+the source uses their vector extensions), loaded through ctypes, wrapped with shape and dtype
+checks.
 
 Why C and ctypes: each kernel replaces a chain of small torch ops whose dispatch dominated the CPU
 decode step of small models; plain C compiles in about a second with no torch headers and no ABI
-ties to the installed torch. Where no compiler is found or the build fails, `load_cpu_kernels`
-returns None and the torch ops run instead.
+ties to the installed torch.
+
+Portability: a build is used only after a run-time probe tried it (`cpu_probe`, in a child
+process, so an illegal instruction kills the probe and not the server): first the -march=native
+build, then a portable one; the AVX512-BF16 greedy head only where the probe ran it. Where no
+compiler is found, every build fails or its probe, `load_cpu_kernels` returns None (one log line)
+and the torch ops run instead. MOESERVE_DISABLE_CPU_KERNELS / _MARCH_NATIVE / _BF16_HEAD force each
+step off (env.py), so the fallbacks are tested on any CPU.
 """
 
 from __future__ import annotations
@@ -12,23 +19,28 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
+import json
 import logging
 import os
 import shlex
 import shutil
+import signal
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
 import torch
 
+from moeserve.env import env, log_forced_off
 from moeserve.kernels.attach import attach_ops
 
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_decode.c")
-CFLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fopenmp-simd",
-          "-shared", "-fPIC"]
+CFLAGS = ["-O3", "-ffp-contract=off", "-fno-math-errno", "-fopenmp-simd", "-shared", "-fPIC"]
+NATIVE = ["-march=native"]  # tried first; the portable build (CFLAGS alone) after it
+PROBE_TIMEOUT_S = 300.0
 _DT = {torch.float32: 0, torch.bfloat16: 1}
 
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
@@ -54,12 +66,13 @@ class CpuKernels:
     """Typed entry points of the compiled library. Every tensor argument is a CPU tensor of the
     call's dtype (float32 or bfloat16) whose rows are contiguous; callers check `supports`."""
 
-    def __init__(self, lib: ctypes.CDLL):
+    def __init__(self, lib: ctypes.CDLL, bf16_head: bool = False):
+        """`bf16_head`: the greedy head passed its probe (it is built only with AVX512-BF16)."""
         for name, argtypes in _SIGNATURES.items():
             fn = getattr(lib, name)
             fn.argtypes, fn.restype = argtypes, _RESTYPES.get(name)
         self._lib = lib
-        self.has_bf16_dot = bool(lib.ms_has_bf16_dot())  # AVX512-BF16: the greedy LM head
+        self.has_bf16_dot = bf16_head and bool(lib.ms_has_bf16_dot())  # the greedy LM head
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
                  residual: torch.Tensor | None = None):
@@ -177,32 +190,108 @@ def _ptr(x: torch.Tensor | None) -> int | None:
     return None if x is None else x.data_ptr()
 
 
-@functools.cache
 def load_cpu_kernels(cache_dir: str, cc: str | None = None) -> CpuKernels | None:
-    """The kernels, compiled with `cc` (a command line; default `cc`, else `gcc`) into `cache_dir`
-    on first use, keyed by source, compiler, flags and this CPU's features (-march=native code may
-    not run on another CPU); None without a compiler or when the build fails (logged)."""
-    cc = cc or shutil.which("cc") or shutil.which("gcc")
+    """The kernels, compiled with `cc` (a command line; default `cc`, else `gcc`, else `clang`)
+    into `cache_dir` on first use: the -march=native build if it passes its probe, else the
+    portable build if that does; None without a compiler or when both fail (logged)."""
+    e = env()
+    return _load(cache_dir, cc, e.disable_cpu_kernels, e.disable_march_native,
+                 e.disable_bf16_head)
+
+
+@functools.cache
+def _load(cache_dir: str, cc: str | None, off: bool, no_native: bool,
+          no_head: bool) -> CpuKernels | None:
+    if off:
+        log_forced_off("MOESERVE_DISABLE_CPU_KERNELS", "CPU decode kernels")
+        return None
+    cc = cc or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
     if cc is None:
         logger.info("no C compiler found: CPU decode kernels off, torch ops instead")
         return None
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join([cc, *CFLAGS]).encode()
+    if no_native:
+        log_forced_off("MOESERVE_DISABLE_MARCH_NATIVE", "the -march=native build")
+    for arch in ([] if no_native else [NATIVE]) + [[]]:
+        kernels = build_and_probe(cache_dir, shlex.split(cc), arch, no_head)
+        if kernels is not None:
+            return kernels
+    logger.warning("CPU decode kernels off (no build passed its probe): torch ops instead")
+    return None
+
+
+def build_and_probe(cache_dir: str, cc: list[str], arch: list[str],
+                    no_head: bool = False) -> CpuKernels | None:
+    """One build (CFLAGS + `arch`), keyed by source, compiler, flags and this CPU's features
+    (-march=native code may not run on another CPU), loaded only if its probe passed; the
+    probe's verdict is cached next to the library."""
+    flags = [*CFLAGS, *arch]
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join([*cc, *flags]).encode()
                          + _cpu_features().encode()).hexdigest()[:16]
     target = Path(cache_dir) / "kernels" / f"cpu_decode-{key}.so"
-    if not target.exists() and not _build(shlex.split(cc), target):
+    if not target.exists() and not _build(cc, flags, target):
         return None
+    verdict = _probe(target)
+    if not verdict["kernels"]:
+        logger.warning("CPU decode kernels built with %s failed their probe: %s",
+                       " ".join(arch) or "portable flags", verdict["detail"])
+        return None
+    head = verdict["bf16_head"]
+    if head and no_head:
+        log_forced_off("MOESERVE_DISABLE_BF16_HEAD", "the AVX512-BF16 greedy LM head")
+        head = False
+    elif verdict["detail"]:
+        logger.info("AVX512-BF16 greedy LM head off (%s): logits + argmax instead",
+                    verdict["detail"])
     try:
-        return CpuKernels(ctypes.CDLL(str(target)))
+        return CpuKernels(ctypes.CDLL(str(target)), bf16_head=head)
     except OSError as e:
         logger.warning("loading the CPU decode kernels (%s) failed: %s", target, e)
         return None
 
 
-def _build(cc: list[str], target: Path) -> bool:
+def _probe(target: Path) -> dict:
+    """{kernels, bf16_head, detail} of `cpu_probe` run on `target` in a child process."""
+    cached = target.with_suffix(".probe.json")
+    try:
+        return json.loads(cached.read_text())
+    except (OSError, ValueError):
+        pass
+    cmd = [sys.executable, "-m", "moeserve.kernels.cpu_probe", str(target)]
+    try:
+        run = subprocess.run(cmd, capture_output=True, text=True, timeout=PROBE_TIMEOUT_S,
+                             env={**os.environ, "OMP_NUM_THREADS": "1"})
+        out, code, err = run.stdout, run.returncode, run.stderr.strip()
+    except subprocess.TimeoutExpired:
+        out, code, err = "", None, f"no answer within {PROBE_TIMEOUT_S:.0f} s"
+    ok, has_head = "kernels ok" in out, "bf16_head ok" in out
+    detail = ""
+    if not has_head and "bf16_head absent" not in out:
+        why = ("timed out" if code is None else f"killed by {signal_name(-code)}" if code < 0
+               else f"exit code {code}")
+        last = err.splitlines()[-1] if err else ""
+        detail = f"{why}: {last}" if last else why
+    verdict = {"kernels": ok, "bf16_head": has_head, "detail": detail}
+    if code is None:
+        return verdict  # a busy machine may time out: try again next time
+    fd, tmp = tempfile.mkstemp(suffix=".json", dir=target.parent)
+    with os.fdopen(fd, "w") as f:
+        json.dump(verdict, f)
+    os.replace(tmp, cached)
+    return verdict
+
+
+def signal_name(num: int) -> str:
+    try:
+        return signal.Signals(num).name
+    except ValueError:
+        return f"signal {num}"
+
+
+def _build(cc: list[str], flags: list[str], target: Path) -> bool:
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
-    cmd = [*cc, *CFLAGS, "-o", tmp, str(SOURCE), "-lm"]
+    cmd = [*cc, *flags, "-o", tmp, str(SOURCE), "-lm"]
     try:
         result = subprocess.run(cmd, capture_output=True, text=True)
         error = result.stderr.strip()[-2000:] if result.returncode else None

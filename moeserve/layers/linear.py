@@ -9,6 +9,8 @@ import logging
 import torch
 from torch import nn
 
+from moeserve.env import env, log_forced_off
+
 logger = logging.getLogger(__name__)
 
 
@@ -44,10 +46,18 @@ _HAS_ONEDNN_LINEAR = (torch.backends.mkldnn.is_available()
                       and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
 
 
-@functools.cache
 def onednn_bf16_linear_works() -> bool:
     """Run-time probe: oneDNN's bf16 prepack needs AVX512-BW/VL/DQ or AVX-NE-CONVERT, which the
-    flags alone do not tell (it raises on AVX2-only CPUs); without it F.linear runs."""
+    flags alone do not tell (it raises on AVX2-only CPUs); without it F.linear runs.
+    MOESERVE_DISABLE_ONEDNN_BF16=1 forces it off (tests of the fallback)."""
+    if env().disable_onednn_bf16:
+        log_forced_off("MOESERVE_DISABLE_ONEDNN_BF16", "oneDNN bf16 linear prepack")
+        return False
+    return _onednn_bf16_probe()
+
+
+@functools.cache
+def _onednn_bf16_probe() -> bool:
     if not _HAS_ONEDNN_LINEAR:
         return False
     try:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-import secrets
+import hmac
 import tempfile
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -80,12 +80,16 @@ def _install_error_handlers(app: FastAPI) -> None:
 
 
 def _api_key_checker(api_key: str | None) -> Callable[[Request], Awaitable[None]]:
+    expected = (api_key or "").encode("utf-8")
+
     async def check(request: Request) -> None:
         if api_key is None:
             return
         header = request.headers.get("authorization", "")
         scheme, _, token = header.partition(" ")
-        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip(), api_key):
+        # NOTE: constant time, on bytes (compare_digest refuses non-ASCII str: a 500)
+        given = token.strip().encode("utf-8", "surrogateescape")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given, expected):
             raise APIError("Incorrect API key provided." if header else
                            "Missing API key: send 'Authorization: Bearer <key>'.",
                            status_code=401, code="invalid_api_key")

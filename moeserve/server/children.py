@@ -5,13 +5,16 @@ Why each piece:
   not be duplicated into the children.
 - A child dies with its parent (PR_SET_PDEATHSIG on Linux, plus a thread that watches getppid() as a
   portable fallback), so a SIGKILLed launcher leaves no scheduler holding memory or a GPU.
-- Children ignore SIGINT: Ctrl-C reaches the whole process group, and only the launcher decides
-  how to shut down (otherwise the watchdog would see children die and report a crash). SIGTERM
-  exits cleanly; `stop()` SIGKILLs what is still alive after a grace period.
+- Children ignore SIGINT and SIGTERM while their launcher lives: Ctrl-C reaches the whole process
+  group, and systemd, `timeout` and container runtimes send SIGTERM to every process of a group or
+  cgroup, yet only the launcher decides how to shut down (it drains HTTP first; otherwise the
+  watchdog would see children die and report a crash). The launcher stops them with STOP_SIGNAL
+  (a clean exit); `stop()` SIGKILLs what is still alive after a grace period.
 """
 
 from __future__ import annotations
 
+import _thread
 import ctypes
 import logging
 import multiprocessing as mp
@@ -63,18 +66,48 @@ def _die_with_parent(parent: int) -> None:
     threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
-def _exit_on_sigterm(signum: int, _frame: Any) -> None:
-    """SIGTERM → SystemExit, so atexit hooks and finalizers run (shared-memory and semaphore
-    bookkeeping of multiprocessing's resource tracker, thread pools)."""
+STOP_SIGNAL = signal.SIGUSR1  # launcher → child: exit now
+
+
+STOP_GRACE_S = 2.0
+
+
+def _exit_on_stop(signum: int, _frame: Any) -> None:
+    """STOP_SIGNAL (in the main thread) → SystemExit, so atexit hooks and finalizers run
+    (shared-memory and semaphore bookkeeping of multiprocessing's resource tracker, pools)."""
     sys.exit(0)
+
+
+def _stop_watcher() -> None:
+    """Take STOP_SIGNAL in a thread of its own (it is blocked everywhere else), so it is seen
+    even while the main thread waits inside a C++ call, e.g. a rank in a collective whose peer
+    already left: ask the main thread to exit (its handler runs at the next bytecode), and exit
+    at once, skipping finalizers (no C++ teardown errors), if it has not after STOP_GRACE_S."""
+    signal.sigwait({STOP_SIGNAL})
+    _thread.interrupt_main(STOP_SIGNAL)
+    time.sleep(STOP_GRACE_S)
+    logging.shutdown()
+    os._exit(0)
+
+
+def _sigterm_handler(parent: int) -> Callable[[int, Any], None]:
+    def on_sigterm(signum: int, _frame: Any) -> None:
+        if os.getppid() != parent:  # orphaned: nobody else will stop this process
+            sys.exit(0)
+        logger.info("SIGTERM ignored: the launcher (pid %d) drains and stops this process", parent)
+
+    return on_sigterm
 
 
 def child_entry(name: str, parent: int, log_level: str, target: Callable[..., Any],
                 args: tuple, log_file: str | None = None) -> None:
     """Top-level entry of every child: guard against orphaning, then run the role's function."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, {STOP_SIGNAL})  # before any thread: all inherit it
+    signal.signal(STOP_SIGNAL, _exit_on_stop)
+    threading.Thread(target=_stop_watcher, name="stop-watch", daemon=True).start()
     _die_with_parent(parent)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    signal.signal(signal.SIGTERM, _sigterm_handler(parent))
     setup_logging(log_level, log_file)
     target(*args)
 
@@ -118,16 +151,19 @@ class ProcessGroup:
             raise ChildDied(child.name, child.process.exitcode)
 
     def stop(self, timeout: float = 5.0) -> None:
-        """SIGTERM every child, wait up to `timeout` s in total, SIGKILL the rest."""
+        """STOP_SIGNAL to every child, wait up to `timeout` s in total, SIGKILL the rest."""
         self.stopping.set()
         for c in self.children:
             if c.process.is_alive():
-                c.process.terminate()
+                try:
+                    os.kill(c.process.pid, STOP_SIGNAL)
+                except ProcessLookupError:
+                    pass
         deadline = time.monotonic() + timeout
         for c in self.children:
             c.process.join(max(0.0, deadline - time.monotonic()))
             if c.process.is_alive():
-                logger.warning("%s did not stop after SIGTERM; killing it", c.name)
+                logger.warning("%s did not stop after %s; killing it", c.name, STOP_SIGNAL.name)
                 c.process.kill()
                 c.process.join(2.0)
 

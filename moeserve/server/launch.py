@@ -2,9 +2,11 @@
 per rank, wait for their ready handshakes, then run the HTTP server in this (main) process until a
 signal or a child's death.
 
-Shutdown contract (DESIGN.md §2): SIGINT/SIGTERM → children terminated and joined, exit 0; a child
-dying at any time → a log line naming it, the others terminated, exit 1; no orphans (children die
-with the launcher, see children.py); the ipc:// socket files are removed.
+Shutdown contract (DESIGN.md §2): SIGTERM while serving drains first (guard.py: new requests
+503, in-flight ones up to server.shutdown_timeout_s); SIGINT/SIGTERM → children terminated and
+joined, exit 0; a child dying at any time → a log line naming it, the others terminated, exit 1;
+no orphans (children die with the launcher, see children.py); the ipc:// socket files are
+removed.
 """
 
 from __future__ import annotations
@@ -160,6 +162,7 @@ async def _serve_http(cfg: MoeserveConfig, model_path: str, endpoints: Endpoints
     import uvicorn
 
     from moeserve.server.api import create_app
+    from moeserve.server.guard import DrainingServer, RequestGate
     from moeserve.server.tokenizer_manager import TokenizerManager
 
     manager = TokenizerManager(cfg, model_path, endpoints, num_ranks=cfg.parallel.world_size)
@@ -167,10 +170,11 @@ async def _serve_http(cfg: MoeserveConfig, model_path: str, endpoints: Endpoints
     expected = expected | {("detokenizer", 0)}
     await manager.wait_ready(expected, cfg.server.startup_timeout_s, procs.check_alive)
     procs.start_watchdog(lambda child: _on_child_death(child, procs, endpoints))
-    server = uvicorn.Server(uvicorn.Config(
-        create_app(manager, cfg), host=cfg.server.host, port=cfg.server.port,
+    gate = RequestGate(create_app(manager, cfg), cfg.server.max_request_bytes)
+    server = DrainingServer(uvicorn.Config(
+        gate, host=cfg.server.host, port=cfg.server.port,
         log_level=cfg.server.log_level.lower(), access_log=cfg.server.log_level == "debug",
-        timeout_graceful_shutdown=5))
+        timeout_graceful_shutdown=5), gate, manager, cfg.server.shutdown_timeout_s)
     announce = asyncio.get_running_loop().create_task(_announce(server, manager, cfg))
     try:
         await server.serve()
@@ -208,7 +212,7 @@ def _on_child_death(child: Child, procs: ProcessGroup, endpoints: Endpoints) -> 
     child = procs.dead() or child
     logger.error("child process '%s' (pid %s) died with exit code %s; shutting the server down",
                  child.name, child.process.pid, child.process.exitcode)
-    procs.stop()
+    procs.stop(timeout=2.0)  # ranks blocked in a collective with the dead one never answer
     remove_ipc_files(endpoints)
     logging.shutdown()
     os._exit(1)

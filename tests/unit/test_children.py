@@ -8,7 +8,9 @@ import sys
 import threading
 import time
 
-from moeserve.server.children import ProcessGroup
+import pytest
+
+from moeserve.server.children import STOP_SIGNAL, ProcessGroup
 
 
 def _wait_exit(procs: ProcessGroup, name: str) -> None:
@@ -38,9 +40,9 @@ def test_dead_names_the_first_started_among_error_exits():
         procs.start("b", sys.exit, (3,))
         _wait_exit(procs, "b")
         assert procs.dead().name == "b"
-        procs.children[0].process.terminate()
+        os.kill(procs.children[0].process.pid, STOP_SIGNAL)
         _wait_exit(procs, "a")
-        assert procs.dead().name == "a"  # no signal among them (SIGTERM exits 0): start order
+        assert procs.dead().name == "a"  # no signal among them (a stop exits 0): start order
     finally:
         procs.stop()
 
@@ -58,3 +60,31 @@ def test_watchdog_reports_an_exit_without_waiting_out_its_interval():
         assert seen == ["sleeper"]
     finally:
         procs.stop()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_children_ignore_sigterm_and_stop_on_the_launchers_signal():
+    """A group-wide SIGTERM (systemd, `timeout`) leaves the children to the launcher's drain;
+    stop() still ends them cleanly (exit 0), not by SIGKILL."""
+    procs = ProcessGroup(log_level="warning")
+    try:
+        procs.start("worker", time.sleep, (60,))
+        child = procs.children[0].process
+        deadline = time.monotonic() + 60
+        while not _catches(child.pid, signal.SIGTERM):  # past child_entry's handler set-up
+            assert time.monotonic() < deadline and child.is_alive()
+            time.sleep(0.1)
+        os.kill(child.pid, signal.SIGTERM)
+        child.join(2.0)
+        assert child.is_alive()
+        procs.stop(timeout=20)
+        assert child.exitcode == 0
+    finally:
+        procs.stop()
+
+
+def _catches(pid: int, sig: int) -> bool:
+    """Whether process `pid` has a handler installed for `sig` (Linux: SigCgt in /proc)."""
+    with open(f"/proc/{pid}/status") as f:
+        mask = next(int(line.split()[1], 16) for line in f if line.startswith("SigCgt:"))
+    return bool(mask >> (sig - 1) & 1)

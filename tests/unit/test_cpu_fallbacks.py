@@ -1,0 +1,133 @@
+"""Every CPU fast path falls back to torch when its run-time probe says no, on any machine: each
+MOESERVE_DISABLE_* variable forces one probe off, a build that crashes is caught by its probe
+(child process), and a missing compiler means torch ops; the fallbacks compute what the fast
+paths compute (and, in float32, what transformers computes)."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from parity import (extend_batch, hf_logits, hf_model, make_runner, prefill_logits,
+                    prompts_of_lengths, rel_err)
+
+from moeserve.kernels.cpu_ops import NATIVE, build_and_probe, load_cpu_kernels
+from moeserve.layers.linear import Linear, onednn_bf16_linear_works
+
+CC = shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+needs_cc = pytest.mark.skipif(CC is None, reason="no C compiler here")
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    """A fresh kernel cache for this test (children inherit it), so nothing is reused."""
+    monkeypatch.setenv("MOESERVE_CACHE_DIR", str(tmp_path))
+    return str(tmp_path)
+
+
+def test_disable_cpu_kernels_means_none(cache, monkeypatch, caplog):
+    monkeypatch.setenv("MOESERVE_DISABLE_CPU_KERNELS", "1")
+    with caplog.at_level(logging.INFO):
+        assert load_cpu_kernels(cache) is None
+    assert "MOESERVE_DISABLE_CPU_KERNELS" in caplog.text
+
+
+def test_missing_compiler_means_none(cache, caplog):
+    """CC pointing at a binary that does not exist: one warning, no kernels, nothing half-built."""
+    with caplog.at_level(logging.INFO):
+        assert load_cpu_kernels(cache, "/nonexistent/bin/cc") is None
+    assert "building the CPU decode kernels failed" in caplog.text
+    assert not list((Path(cache) / "kernels").iterdir())
+
+
+@needs_cc
+def test_probe_catches_a_build_that_crashes(cache, tmp_path, caplog):
+    """A library whose code traps when loaded (ud2: SIGILL, as an instruction this CPU lacks
+    would): the probe's child dies, the server process does not, and both builds are refused."""
+    header = tmp_path / "trap.h"
+    header.write_text("__attribute__((constructor)) static void ms_trap(void) "
+                      "{ __builtin_trap(); }\n")
+    with caplog.at_level(logging.INFO):
+        assert load_cpu_kernels(cache, f"{CC} -include {header}") is None
+    assert caplog.text.count("failed their probe") == 2  # -march=native, then portable
+    assert "killed by SIG" in caplog.text
+
+
+@needs_cc
+def test_disable_march_native_builds_portable(cache, monkeypatch, caplog):
+    monkeypatch.setenv("MOESERVE_DISABLE_MARCH_NATIVE", "1")
+    with caplog.at_level(logging.INFO):
+        k = load_cpu_kernels(cache)
+    assert k is not None and not k.has_bf16_dot  # AVX512-BF16 needs -march flags
+    assert "MOESERVE_DISABLE_MARCH_NATIVE" in caplog.text
+    native = build_and_probe(cache, [CC], NATIVE)
+    if native is None:
+        pytest.skip("the -march=native build fails its probe here")
+    x, w = torch.randn(5, 64), torch.randn(64)
+    torch.testing.assert_close(k.rms_norm(x, w, 1e-6), native.rms_norm(x, w, 1e-6))
+
+
+@needs_cc
+def test_disable_bf16_head(cache, monkeypatch):
+    monkeypatch.setenv("MOESERVE_DISABLE_BF16_HEAD", "1")
+    assert not load_cpu_kernels(cache).has_bf16_dot
+
+
+def test_disable_onednn_bf16(monkeypatch):
+    monkeypatch.setenv("MOESERVE_DISABLE_ONEDNN_BF16", "1")
+    assert not onednn_bf16_linear_works()
+    m = Linear(16, 8).to(torch.bfloat16)
+    assert not m.pack() and m.packed is None
+
+
+# ---- whole models: each fallback against the fast path and transformers ------------------------
+BF16 = ["model.dtype=bfloat16"]
+
+
+def _greedy_and_logits(runner, prompts):
+    with extend_batch(runner, prompts) as fb:
+        logits = runner.forward(fb, float_logits=False)  # [B, V] in the model dtype
+        chosen = runner.forward_greedy(fb)
+    return logits, chosen
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])
+def test_no_compiler_runner_matches_transformers(tiny_model, cache, monkeypatch, arch):
+    """CC missing: the runner runs torch ops (torch attention backend) and equals transformers."""
+    monkeypatch.setenv("CC", "/nonexistent/bin/cc")
+    path = tiny_model(arch)
+    runner = make_runner(path)
+    assert runner.cpu_kernels is None and runner.greedy_head is None
+    assert type(runner.attn_backend).__name__ == "TorchAttentionBackend"
+    ref = hf_model(path)
+    prompts = prompts_of_lengths([6, 13], runner.hf_config.vocab_size, seed=7)
+    for ours, prompt in zip(prefill_logits(runner, prompts), prompts):
+        assert rel_err(ours, hf_logits(ref, prompt)) < 1e-4
+
+
+@pytest.mark.parametrize("var", ["MOESERVE_DISABLE_CPU_KERNELS", "MOESERVE_DISABLE_MARCH_NATIVE",
+                                 "MOESERVE_DISABLE_BF16_HEAD", "MOESERVE_DISABLE_ONEDNN_BF16"])
+def test_each_fallback_matches_the_fast_path_bf16(tiny_model, cache, monkeypatch, var):
+    """bf16 (where every fast path applies): forcing one probe off gives the same greedy tokens
+    as the runner with all of them on, logits within bf16 noise; greedy = argmax of the logits."""
+    path = tiny_model("qwen3_moe")
+    prompts = prompts_of_lengths([12, 5, 9], 30000, seed=5)
+    fast = make_runner(path, BF16)
+    fast_logits, fast_ids = _greedy_and_logits(fast, prompts)
+    monkeypatch.setenv(var, "1")
+    slow = make_runner(path, BF16)
+    logits, ids = _greedy_and_logits(slow, prompts)
+    if var in ("MOESERVE_DISABLE_CPU_KERNELS", "MOESERVE_DISABLE_BF16_HEAD"):
+        assert slow.greedy_head is None
+    if var == "MOESERVE_DISABLE_CPU_KERNELS":
+        assert slow.cpu_kernels is None
+    if var == "MOESERVE_DISABLE_ONEDNN_BF16":
+        assert all(m.packed is None for m in slow.model.modules() if isinstance(m, Linear))
+    assert torch.equal(ids, logits.float().argmax(-1))
+    assert rel_err(logits, fast_logits) < 3e-2
+    top2 = fast_logits.float().topk(2, dim=-1).values
+    clear = (top2[:, 0] - top2[:, 1]) > 0.05  # tokens not decided by bf16 noise
+    assert torch.equal(ids[clear], fast_ids[clear])
