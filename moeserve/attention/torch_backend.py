@@ -92,8 +92,11 @@ class TorchAttentionBackend(AttentionBackend):
             meta.mask_bias.masked_fill_(~kv_mask, float("-inf"))
             meta.mask_bias = meta.mask_bias[:, None, None, :]
         # NOTE: a TBO micro-batch keeps nothing: its two halves would evict each other's K/V
-        if fb.forward_mode.is_decode() and table.device.type == "cpu" and not fb.micro_batch:
-            rows = tuple(fb.req_pool_indices.tolist())
+        rows = tuple(fb.req_pool_indices.tolist()) if table.device.type == "cpu" else ()
+        # NOTE: a speculative verify batch repeats a row per query; the next one is a step
+        # further only where nothing was rejected, so such batches keep nothing either
+        if (fb.forward_mode.is_decode() and table.device.type == "cpu" and not fb.micro_batch
+                and len(set(rows)) == len(rows)):
             meta.step_key = (rows, tuple(fb.seq_lens_cpu), max_len)
             meta.prev_key = (rows, tuple(n - 1 for n in fb.seq_lens_cpu), max_len)
             meta.append_at = (torch.arange(len(rows), device=table.device), fb.seq_lens - 1)

@@ -47,8 +47,10 @@ class GlobalBatchInfo:
 
     @property
     def global_mode(self) -> ForwardMode:
-        """EXTEND when any rank extends (DeepEP normal mode), else DECODE."""
-        extend = any(m not in (NO_BATCH, ForwardMode.DECODE) for m in self.modes)
+        """EXTEND when any rank extends (DeepEP normal mode), else DECODE (a speculative verify
+        step runs as a decode batch of one-token queries)."""
+        decode_like = (NO_BATCH, ForwardMode.DECODE, ForwardMode.TARGET_VERIFY)
+        extend = any(m not in decode_like for m in self.modes)
         return ForwardMode.EXTEND if extend else ForwardMode.DECODE
 
 

@@ -87,6 +87,7 @@ class CudaGraphRunner:
         self.static = StaticDecodeInputs.allocate(max_bs, runner.device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
+        self.hidden: dict[int, torch.Tensor] = {}  # the final hidden states (speculation reads)
         self.pool = None
 
     def bucket_for(self, n: int) -> int | None:
@@ -132,7 +133,7 @@ class CudaGraphRunner:
         torch.cuda.current_stream(self.runner.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool, stream=stream):
-            self.outputs[bs] = self._forward(fb)
+            self.hidden[bs], self.outputs[bs] = self._forward(fb)
         self.pool = graph.pool()
         self.graphs[bs] = graph
 
@@ -140,7 +141,7 @@ class CudaGraphRunner:
         r = self.runner
         r.attn_backend.init_forward_metadata(fb)
         hidden = r.model(fb)[: fb.batch_size]
-        return r.model.compute_logits(hidden)  # [bs, V]
+        return hidden, r.model.compute_logits(hidden)  # [bs, H], [bs, V]
 
     def _static_batch(self, bs: int) -> ForwardBatch:
         s, r = self.static, self.runner
@@ -154,9 +155,10 @@ class CudaGraphRunner:
             attn_backend=r.attn_backend, global_forward_mode=ForwardMode.DECODE,
             global_num_tokens=[bs] * world)
 
-    def replay(self, fb: ForwardBatch, bs: int) -> torch.Tensor:
+    def replay(self, fb: ForwardBatch, bs: int, with_hidden: bool = False):
         """→ logits [fb.batch_size, V] of the step (a view of the graph's output buffer, valid
-        until the next replay)."""
+        until the next replay), and with_hidden the final hidden states [fb.batch_size, H]."""
         self.static.load(fb, bs)
         self.graphs[bs].replay()
-        return self.outputs[bs][: fb.batch_size]
+        logits = self.outputs[bs][: fb.batch_size]
+        return (logits, self.hidden[bs][: fb.batch_size]) if with_hidden else logits

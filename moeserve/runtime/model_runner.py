@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from moeserve.attention.registry import create_attention_backend
-from moeserve.config import ConfigError, MoeserveConfig, loads_mtp_layer
+from moeserve.config import MoeserveConfig, loads_mtp_layer
 from moeserve.core import ForwardMode
 from moeserve.forward_batch import ForwardBatch
 from moeserve.kvcache.allocator import TokenToKVPoolAllocator
@@ -177,19 +177,16 @@ class ModelRunner:
         the step runs eager (the log says why)."""
         on, why = use_cuda_graphs(self.cfg, self.device, self.attn_backend.graph_safe,
                                   self.moe_parallel.dispatcher)
-        if on and self.draft is not None:
-            if self.cfg.cuda_graph.enabled:
-                raise ConfigError("cuda_graph.enabled", "CUDA graphs are not captured for "
-                                  "speculative decoding yet (its passes run eager)")
-            on, why = False, "speculative decoding runs its draft and verify passes eager"
         if not on:
             if self.device.type == "cuda":
                 logger.info("CUDA graphs off: %s", why)
             return None
         from moeserve.runtime.cuda_graph import CudaGraphRunner
 
+        # a speculative verify step is a decode batch of num_steps + 1 queries per request
+        width = self.cfg.spec.num_steps + 1 if self.draft is not None else 1
         graphs = CudaGraphRunner(self, min(self.cfg.cuda_graph.max_bs,
-                                           self.cfg.cache.max_running_requests))
+                                           width * self.cfg.cache.max_running_requests))
         graphs.capture()
         return graphs
 
@@ -343,6 +340,20 @@ class ModelRunner:
             if ids is not None:
                 return ids
         return greedy(self.model.compute_logits(hidden))  # also where some logit is NaN
+
+    @torch.inference_mode()
+    def forward_with_hidden(self, fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """A decode-shaped step → (logits [B, V] in the model dtype, final hidden states [B, H]),
+        replayed from a CUDA graph where one is captured (speculative decoding's passes)."""
+        graphs = self.graph_runner
+        bs = graphs.bucket_of_step(fb) if graphs is not None else None
+        if bs is not None:
+            logits, hidden = graphs.replay(fb, bs, with_hidden=True)
+            if self.recorder is not None:
+                self.recorder.step()
+            return logits, hidden
+        hidden = self.forward_hidden(fb)
+        return self.model.compute_logits(hidden), hidden
 
     def _graph_logits(self, fb: ForwardBatch) -> torch.Tensor | None:
         """The step's logits [B, V] from a replayed CUDA graph, or None where it runs eager."""

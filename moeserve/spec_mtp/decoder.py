@@ -116,11 +116,16 @@ class SpecDecoder:
         b, w, runner = len(fi.rows), self.n + 1, self.runner
         table = runner.memory.req_to_token.token_ids
         table[rows[:, None], positions[:, 1:]] = drafts
-        fb = runner.make_batch(ForwardMode.TARGET_VERIFY, table[rows[:, None], positions].view(-1),
-                               positions.view(-1), slots.view(-1), rows, fi.prefix_lens,
-                               fi.extend_lens, True, fi.global_mode, fi.global_num_tokens)
-        hidden = runner.forward_hidden(fb)  # [B (N+1), H]
-        logits = runner.model.compute_logits(hidden)  # [B (N+1), V]
+        # B (N+1) one-token queries, query i of a request over its positions [0, L+i]: a decode
+        # batch of "virtual requests" sharing the request's row (causal among the drafts), so
+        # the decode kernels and CUDA graphs run it; every backend stores the batch's K/V
+        # before attending. (The prefix KV is read once per query: cheap while weights dominate.)
+        flat = positions.reshape(-1)
+        fb = runner.make_batch(ForwardMode.DECODE, table[rows[:, None], positions].view(-1), flat,
+                               slots.reshape(-1), rows.repeat_interleave(w),
+                               [p + i for p in fi.prefix_lens for i in range(w)], [1] * (b * w),
+                               False, fi.global_mode, fi.global_num_tokens, seq_lens_dev=flat + 1)
+        logits, hidden = runner.forward_with_hidden(fb)  # [B (N+1), V], [B (N+1), H]
         tokens = greedy(logits).view(b, w)  # the target's argmax at every position
         accepted = greedy_accept(tokens, drafts)  # [B]
         sampled = [i for i, p in enumerate(fi.sampling) if not p.is_greedy]
@@ -167,13 +172,18 @@ class SpecDecoder:
         extend reads (every position of a prefill chunk)."""
         runner, fb = self.runner, self.worker._prepare(fi)
         extend = fi.mode == ForwardMode.EXTEND
-        fb.return_all_logits = extend
-        hidden = runner.forward_hidden(fb)  # EXTEND: [T, H]; DECODE: [B, H]
+        if not extend and not fi.return_all_logits:  # DECODE, IDLE: CUDA graphs where captured
+            logits, hidden = runner.forward_with_hidden(fb)  # [B, V], [B, H]
+        else:
+            fb.return_all_logits = extend
+            hidden = runner.forward_hidden(fb)  # EXTEND: [T, H]
+            logits = None
         if fi.mode == ForwardMode.IDLE:
             return ForwardOutput([]), fb, hidden, fb.input_ids, None
         last_idx = fb.last_token_indices() if extend else None
         last = hidden[last_idx] if extend else hidden
-        logits = runner.model.compute_logits(hidden if fi.return_all_logits else last)
+        if logits is None:
+            logits = runner.model.compute_logits(hidden if fi.return_all_logits else last)
         if not fi.greedy_only() or fi.return_all_logits:
             logits = logits.float()
         out = self.worker.sample_step(fi, fb, logits)
