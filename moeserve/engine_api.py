@@ -109,10 +109,12 @@ class Engine:
     def generate(self, prompts: list[str] | str | None = None,
                  input_ids: list[list[int]] | None = None,
                  sampling_params: dict | list[dict] | None = None,
-                 dp_ranks: list[int | None] | None = None) -> list[dict[str, Any]]:
+                 dp_ranks: list[int | None] | None = None,
+                 return_logprob: bool = False) -> list[dict[str, Any]]:
         """One result per prompt: {"text", "output_ids", "meta": {prompt_tokens, completion_tokens,
         cached_tokens, finish_reason}}. Exactly one of prompts / input_ids. `dp_ranks` pins
-        prompts to data-parallel ranks (multi-rank engines)."""
+        prompts to data-parallel ranks (multi-rank engines). `return_logprob`: meta also holds
+        "output_logprobs", each output token's logprob under the raw distribution."""
         if (prompts is None) == (input_ids is None):
             raise ValueError("pass exactly one of prompts or input_ids")
         if isinstance(prompts, str):
@@ -124,7 +126,8 @@ class Engine:
             raise ValueError("empty prompt")
         pins = dp_ranks if dp_ranks is not None else [None] * len(ids)
         reqs = [GenerateReq(rid=f"engine-{next(self._rid)}", input_ids=list(x), sampling=p,
-                            dp_rank=pin) for x, p, pin in zip(ids, params, pins, strict=True)]
+                            dp_rank=pin, return_logprob=return_logprob)
+                for x, p, pin in zip(ids, params, pins, strict=True)]
         outputs = self._core.run(reqs)
         return [self._result(outputs[r.rid]) for r in reqs]
 
@@ -151,6 +154,8 @@ class Engine:
         meta = {"prompt_tokens": last.prompt_tokens, "completion_tokens": last.completion_tokens,
                 "cached_tokens": last.cached_tokens,
                 "finish_reason": "length" if last.finish_reason == "length" else "stop"}
+        if any(o.logprobs is not None for o in outs):
+            meta["output_logprobs"] = [lp for o in outs for lp in (o.logprobs or [])]
         if last.spec_verify_steps:
             meta.update(spec_meta(last.spec_verify_steps, last.spec_draft_tokens,
                                   last.spec_accepted_tokens))

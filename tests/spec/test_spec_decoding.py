@@ -63,20 +63,25 @@ def test_mtp_layer_greedy_equals_plain(dsv3, overrides):
 
 
 def install_oracle_draft(eng: Engine, reference: dict[tuple, list[int]], corrupt: float,
-                         seed: int) -> None:
+                         seed: int, alternate: bool = False) -> None:
     """Replace the draft chain by the reference continuation (from the plain run), each token
-    replaced by a wrong one with probability `corrupt`."""
+    replaced by a wrong one with probability `corrupt` (`alternate`: every other round is all
+    wrong, the others all right)."""
     decoder, sched = eng.scheduler.worker.spec, eng.scheduler
     vocab, n, rng = eng.runner.hf_config.vocab_size, decoder.n, random.Random(seed)
+    rounds = [0]
 
     def chain(fi, geo):
         by_row = {r.req_pool_idx: r for r in sched.running}
         drafts = []
+        rounds[0] += 1
+        wrong = 1.0 if rounds[0] % 2 else 0.0
         for row, start in zip(fi.rows, fi.prefix_lens):
             req = by_row[row]
             full = req.input_ids + reference[tuple(req.input_ids)]
             d = [full[start + 1 + i] if start + 1 + i < len(full) else 0 for i in range(n)]
-            drafts.append([(t + 1) % vocab if rng.random() < corrupt else t for t in d])
+            p = wrong if alternate else corrupt
+            drafts.append([(t + 1) % vocab if rng.random() < p else t for t in d])
         return torch.tensor(drafts, dtype=torch.int64, device=geo[0].device)
 
     decoder._draft_chain = chain
@@ -97,25 +102,32 @@ def oracle_case(dsv3):
             if i % 3 == 0:  # a token of the reference output becomes a stop id
                 sp["stop_token_ids"] = [reference[tuple(p)][rng.randrange(2, 12)]]
             params.append(sp)
-        expected = [o["output_ids"] for o in eng.generate(input_ids=prompts,
-                                                          sampling_params=params)]
-    return path, prompts, params, reference, expected
+        plain = eng.generate(input_ids=prompts, sampling_params=params, return_logprob=True)
+    expected = [o["output_ids"] for o in plain]
+    logprobs = [o["meta"]["output_logprobs"] for o in plain]
+    return path, prompts, params, reference, expected, logprobs
 
 
-@pytest.mark.parametrize("corrupt,overlap", [(0.0, False), (0.25, True), (0.6, False)])
+@pytest.mark.parametrize("corrupt,overlap", [(0.0, False), (0.25, True), (0.6, False),
+                                             (1.0, False)])
 def test_accepted_blocks_equal_plain(oracle_case, corrupt, overlap):
-    path, prompts, params, reference, expected = oracle_case
+    path, prompts, params, reference, expected, logprobs = oracle_case
     overrides = FP32_CPU + SPEC + ["spec.num_steps=3", f"scheduler.overlap={str(overlap).lower()}"]
     with Engine(path, overrides) as eng:
         install_oracle_draft(eng, reference, corrupt, seed=7)
         baseline = eng.runner.memory.allocator.available_size()
-        outs = eng.generate(input_ids=prompts, sampling_params=params)
+        outs = eng.generate(input_ids=prompts, sampling_params=params, return_logprob=True)
         assert [o["output_ids"] for o in outs] == expected
+        # the verify pass's logprobs are the plain decode step's (a stale K/V would show here)
+        for o, want in zip(outs, logprobs):
+            assert o["meta"]["output_logprobs"] == pytest.approx(want, abs=1e-4)
         lengths = [o["meta"]["spec_accept_length"] for o in outs
                    if o["meta"].get("spec_verify_steps", 0) >= 2]
         mean = sum(lengths) / len(lengths)
         if corrupt == 0.0:
             assert mean > 3.0  # nearly every block is fully accepted (4 tokens per pass)
+        elif corrupt == 1.0:
+            assert mean == 1.0  # every draft rejected: each verify pass yields one token
         else:
             assert 1.0 < mean < 4.0
         assert eng.scheduler.is_memory_clean()
@@ -136,6 +148,24 @@ def install_mode_draft(eng: Engine, modes: list[int]) -> None:
         return torch.tensor(drafts, dtype=torch.int64, device=geo[0].device)
 
     decoder._draft_chain = chain
+
+
+def test_rejected_round_leaves_no_stale_kv(dsv3):
+    """A round rejecting everything, then one accepting: the second one's queries past its first
+    attend over positions whose drafts the first rejected — they must see the new tokens' K/V
+    (a batch of one request keeps the same rows and lengths, so cached K/V would be reused)."""
+    path, prompts, _, _ = dsv3
+    sp = {**GREEDY, "max_new_tokens": 16}
+    with Engine(path, FP32_CPU) as eng:
+        plain = eng.generate(input_ids=prompts[:1], sampling_params=sp, return_logprob=True)[0]
+    with Engine(path, FP32_CPU + SPEC + ["spec.num_steps=3"]) as eng:
+        install_oracle_draft(eng, {tuple(prompts[0]): plain["output_ids"]}, 0.0, 0,
+                             alternate=True)
+        out = eng.generate(input_ids=prompts[:1], sampling_params=sp, return_logprob=True)[0]
+    assert out["output_ids"] == plain["output_ids"]
+    assert out["meta"]["output_logprobs"] == pytest.approx(plain["meta"]["output_logprobs"],
+                                                           abs=1e-4)
+    assert 1.5 < out["meta"]["spec_accept_length"] < 4
 
 
 def test_sampling_distribution_matches_plain(tiny_model):
