@@ -1,13 +1,16 @@
 """`python -m moeserve.bench.fp8_gemm`: block-scaled FP8 GEMM TFLOP/s against bf16 `torch.matmul`
 on DeepSeek-V3's linear shapes, on one CUDA GPU.
 
-Rows: M tokens x (K -> N). Columns: bf16 x @ w^T; the FP8 linear as the model runs it (per-token
-activation quantization + the Triton block GEMM, kernels/fp8.py); the GEMM alone on pre-quantized
-activations; `torch._scaled_mm` with the same 1x128 / 128x128 scales where this torch supports
-them ("-" otherwise); and, for the best FP8 column, the weight read rate as a share of the copy
-bandwidth (what bounds small M). The bf16 peak is measured on an 8192^3 matmul. Times are
-do_bench medians (L2 flushed between runs: a layer's weights are cold). `--sweep` also tries a few
-launch configs per shape and prints the best.
+Rows: M tokens x (K -> N). Columns: bf16 x @ w^T; the FP8 linear as the model runs it (an
+`Fp8Linear`: its path by M, layers/fp8_linear.py, is the `path` column: `fused` = one Triton
+launch quantizing x inside the GEMM, `scaled_mm` = the quantization kernel + torch._scaled_mm,
+`triton` = the quantization kernel + the Triton GEMM); the Triton GEMM alone on pre-quantized
+activations; `torch._scaled_mm` alone with the same 1x128 / 128x128 scales where this torch
+supports them ("-" otherwise); the FP8 linear's speedup over bf16; and, for the fastest FP8
+column, the weight read rate as a share of the copy bandwidth (what bounds small M). The bf16
+peak is measured on an 8192^3 matmul. Times are do_bench medians (L2 flushed between runs: a
+layer's weights are cold). `--sweep` also tries a few launch configs per shape (of the fused
+kernel at M <= 16, of the GEMM above) and prints the best.
 """
 
 from __future__ import annotations
@@ -16,16 +19,18 @@ import argparse
 
 import torch
 
-from moeserve.kernels.fp8 import (GemmConfig, fp8_block_matmul, fp8_linear, gemm_config,
-                                  quant_fp8_per_token_group)
+from moeserve.kernels.fp8 import (GemmConfig, fp8_block_matmul, fp8_quant_matmul, fused_config,
+                                  gemm_config, quant_fp8_per_token_group)
 from moeserve.kernels.fp8_format import dequantize_fp8_blocks, quantize_fp8_blocks
+from moeserve.layers.fp8_linear import FUSED_MAX_M, Fp8Linear, fp8_gemm_path, scaled_mm_layout
 
 # (K, N) of DeepSeek-V3: dense MLP up (gate or up), q_a, q_b, kv_a, o_proj, dense MLP down
 SHAPES = [(7168, 18432), (7168, 1536), (1536, 24576), (7168, 576), (16384, 7168), (18432, 7168)]
-TOKENS = (1, 64, 256, 4096)
+TOKENS = (1, 16, 64, 256, 4096)
 SWEEP = [GemmConfig(16, 64), GemmConfig(16, 128, num_stages=4), GemmConfig(32, 128),
          GemmConfig(64, 128, num_warps=8), GemmConfig(128, 128, num_warps=8, num_stages=4),
          GemmConfig(128, 256, num_warps=8)]
+FUSED_SWEEP = [GemmConfig(16, bn, split, 4, 4) for bn in (32, 64, 128) for split in (1, 4, 16)]
 
 
 def _us(fn) -> float:
@@ -70,29 +75,46 @@ def bench_shape(m: int, k: int, n: int, bw: float, sweep: bool) -> str:
     x = torch.randn(m, k, device="cuda", generator=g).to(torch.bfloat16)
     w = (torch.randn(n, k, device="cuda", generator=g) * 0.02).to(torch.bfloat16)
     w_q, w_s = quantize_fp8_blocks(w)
+    lin = Fp8Linear(k, n, device="cuda")
+    lin.weight.data.copy_(w_q)
+    lin.weight_scale_inv.data.copy_(w_s)
     x_q, x_s = quant_fp8_per_token_group(x)
     flops = 2 * m * n * k
     t_bf16 = _us(lambda: x @ w.t())
-    t_lin = _us(lambda: fp8_linear(x, w_q, w_s))
+    t_lin = _us(lambda: lin(x))
+    path = fp8_gemm_path(m, n, k, (128, 128), x.dtype, x.device)
     t_gemm = _us(lambda: fp8_block_matmul(x_q, x_s, w_q, w_s))
     ref = (x_q.float() * x_s.repeat_interleave(128, 1)[:, :k]) @ dequantize_fp8_blocks(w_q, w_s).t()
     mm = scaled_mm_fn(x_q, x_s, w_q, w_s, ref)
     t_mm = _us(mm) if mm is not None else None
-    best = min(t for t in (t_gemm, t_mm) if t is not None)
+    best = min(t for t in (t_lin, t_gemm, t_mm) if t is not None)
     weight_gbs = (n * k + w_s.numel() * 4) / (best * 1e-6)
     cells = [f"{m:>5}", f"{k:>5} -> {n:<5}", f"{flops / t_bf16 / 1e6:>9.1f}",
-             f"{flops / t_lin / 1e6:>9.1f}", f"{flops / t_gemm / 1e6:>9.1f}",
+             f"{flops / t_lin / 1e6:>9.1f}", f"{path:<9}", f"{flops / t_gemm / 1e6:>9.1f}",
              f"{flops / t_mm / 1e6:>9.1f}" if t_mm else f"{'-':>9}",
              f"{t_bf16 / t_lin:>6.2f}x", f"{100 * weight_gbs / bw:>6.1f}%"]
     line = "| " + " | ".join(cells) + " |"
     if sweep:
-        default = gemm_config(m, n, k, 128, x.device)
-        tried = {c: _us(lambda c=c: fp8_block_matmul(x_q, x_s, w_q, w_s, config=c))
-                 for c in {*SWEEP, *(GemmConfig(c.block_m, c.block_n, s, c.num_warps,
-                                                c.num_stages) for c in SWEEP[:3] for s in (4, 8))}}
-        c, t = min(tried.items(), key=lambda kv: kv[1])
-        line += f" best {flops / t / 1e6:.1f} TFLOP/s at {c} (default {default})"
+        line += " " + _sweep(m, k, n, x, x_q, x_s, w_q, w_s, flops)
     return line
+
+
+def _sweep(m: int, k: int, n: int, x: torch.Tensor, x_q: torch.Tensor, x_s: torch.Tensor,
+           w_q: torch.Tensor, w_s: torch.Tensor, flops: int) -> str:
+    """The best launch config: of the fused kernel (M <= 16) or of the GEMM on quantized x."""
+    if m <= FUSED_MAX_M:
+        default = fused_config(n, k, 128, x.device)
+        tried = {c: _us(lambda c=c: fp8_quant_matmul(x, w_q, w_s, config=c))
+                 for c in {*FUSED_SWEEP, default}}
+    else:
+        default = gemm_config(m, n, k, 128, x.device)
+        configs = {*SWEEP, *(GemmConfig(c.block_m, c.block_n, s, c.num_warps, c.num_stages)
+                             for c in SWEEP[:3] for s in (4, 8))}
+        tried = {c: _us(lambda c=c: fp8_block_matmul(x_q, x_s, w_q, w_s, config=c))
+                 for c in configs}
+    c, t = min(tried.items(), key=lambda kv: kv[1])
+    mine = f": {flops / tried[default] / 1e6:.1f}" if default in tried else ""
+    return f"best {flops / t / 1e6:.1f} TFLOP/s at {c} (default {default}{mine})"
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -103,8 +125,9 @@ def main(argv: list[str] | None = None) -> None:
     peak, bw = bf16_peak_tflops(), copy_bandwidth()
     print(f"{torch.cuda.get_device_name()}: bf16 matmul peak {peak:.0f} TFLOP/s (8192^3), copy "
           f"bandwidth {bw / 1e12:.2f} TB/s (read+write); TFLOP/s below")
-    print(f"| {'M':>5} | {'K -> N':<14} | {'bf16':>9} | {'fp8 lin':>9} | {'fp8 gemm':>9} | "
-          f"{'scaled_mm':>9} | {'speedup':>7} | {'% BW':>7} |")
+    print(f"FP8 linear: torch._scaled_mm probe: {scaled_mm_layout(torch.device('cuda'))}")
+    print(f"| {'M':>5} | {'K -> N':<14} | {'bf16':>9} | {'fp8 lin':>9} | {'path':<9} | "
+          f"{'fp8 gemm':>9} | {'scaled_mm':>9} | {'speedup':>7} | {'% BW':>7} |")
     for m in args.tokens:
         for k, n in SHAPES:
             print(bench_shape(m, k, n, bw, args.sweep), flush=True)

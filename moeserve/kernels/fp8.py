@@ -2,14 +2,18 @@
 
 Weights: `w` [N, K] float8_e4m3fn with `w_scale` [ceil(N/bn), ceil(K/bk)] float32, so that
 w_real[n, k] = w[n, k] * w_scale[n // bn, k // bk] (the checkpoints' `weight_scale_inv`; the block
-(bn, bk) is 128 x 128 for DeepSeek). Activations are quantized on the fly per token and group of bk
+(bn, bk) is 128 x 128 for DeepSeek). Activations are quantized per token and group of bk
 channels: x_real[t, k] = x_q[t, k] * x_scale[t, k // bk]. The GEMM multiplies FP8 tiles on the
 tensor cores (fp32 accumulation) and applies both scales per bk-wide K group, so BLOCK_K = bk.
 Dimensions that are not multiples of the block work: the last block is partial and masked.
 
-Small grids (decode: one m-block, few n-blocks) split K over extra programs that write fp32
-partial sums, added afterwards: without it a 7168 -> 1536 projection at one token ran on 12 of
-the GPU's 132 SMs.
+The GEMM kernel either reads pre-quantized activations (x_q, x_scale) or quantizes float ones
+itself (`QUANT_A`: each program quantizes the K groups of its rows as it reads them, with the
+quantization kernel's own code, so the values are bit-identical to quantize-then-GEMM); decode
+(M <= 16) runs the latter, one launch per linear. Small grids split K over extra programs (without
+it a 7168 -> 576 projection at one token ran on 5 of the GPU's 132 SMs): each writes fp32
+partials and the last split of a tile to finish adds them in split order, in the same launch.
+Which kernel a linear runs at which M (and torch._scaled_mm) is layers/fp8_linear.py's choice.
 """
 
 from __future__ import annotations
@@ -23,23 +27,36 @@ import triton.language as tl
 
 from moeserve.kernels.fp8_format import FP8, FP8_BLOCK, FP8_MAX, Block, as_block
 
+SPLIT_TILES = 1024  # split-K tiles one launch may count on (per-device int32 counters)
 
-def quant_fp8_per_token_group(x: torch.Tensor, group: int = FP8_BLOCK
-                              ) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [T, K] (any float dtype) → (x_q [T, K] float8_e4m3fn, scale [T, ceil(K/group)] float32)
-    with scale = amax(|group|) / 448 (a tiny floor keeps all-zero groups finite)."""
+
+def quant_fp8_per_token_group(x: torch.Tensor, group: int = FP8_BLOCK, col_major: bool = False,
+                              rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, K] (any float dtype) → (x_q [R, K] float8_e4m3fn, scale [R, ceil(K/group)] float32)
+    with scale = amax(|group|) / 448 (a tiny floor keeps all-zero groups finite). R = rows (>= T;
+    rows past T are zeros, padding for torch._scaled_mm) or T. `col_major`: the kernel writes the
+    scales column-major (strides (1, R)), the layout torch._scaled_mm reads, so no copy."""
     t, k = x.shape
+    rows = t if rows is None else rows
     groups = triton.cdiv(k, group)
-    x_q = torch.empty((t, k), dtype=FP8, device=x.device)
-    scale = torch.empty((t, groups), dtype=torch.float32, device=x.device)
-    if t == 0 or k == 0:
+    x_q = torch.empty((rows, k), dtype=FP8, device=x.device)
+    scale = (torch.empty((groups, rows), dtype=torch.float32, device=x.device).t() if col_major
+             else torch.empty((rows, groups), dtype=torch.float32, device=x.device))
+    if rows == 0 or k == 0:
         return x_q, scale
     if not x.is_cuda:  # Triton's interpreter rounds float32 -> e4m3 wrongly for some values
-        return _quant_torch(x, group, groups)
-    x = x if x.stride(-1) == 1 else x.contiguous()
-    _quant_group_kernel[(t, groups)](x, x_q, scale, k, x.stride(0), x_q.stride(0),
-                                     scale.stride(0), GROUP_SIZE=group, FP8_MAX=FP8_MAX)
+        q, s = _quant_torch(torch.nn.functional.pad(x, (0, 0, 0, rows - t)), group, groups)
+        return x_q.copy_(q), scale.copy_(s)
+    _launch_quant(x, x_q, scale, group)
     return x_q, scale
+
+
+def _launch_quant(x: torch.Tensor, x_q: torch.Tensor, scale: torch.Tensor, group: int) -> None:
+    """The Triton quantization of x [T, K] into x_q [R, K] and scale [R, G] (any strides)."""
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    _quant_group_kernel[(x_q.shape[0], scale.shape[1])](
+        x, x_q, scale, x.shape[0], x.shape[1], x.stride(0), x_q.stride(0), scale.stride(0),
+        scale.stride(1), GROUP_SIZE=group, FP8_MAX=FP8_MAX, EXACT_E4M3=not x.is_cuda)
 
 
 def _quant_torch(x: torch.Tensor, group: int, groups: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -52,17 +69,43 @@ def _quant_torch(x: torch.Tensor, group: int, groups: int) -> tuple[torch.Tensor
 
 
 @triton.jit
-def _quant_group_kernel(x_ptr, q_ptr, s_ptr, k, stride_x, stride_q, stride_s,
-                        GROUP_SIZE: tl.constexpr, FP8_MAX: tl.constexpr):
-    t = tl.program_id(0).to(tl.int64)
+def _e4m3_rtne(v):
+    """float32 v (|v| <= 448) rounded to the nearest e4m3 value, ties to even, with float32 adds
+    (v + c - c, c = 1.5 * 2^23 ulp): the hardware cast's result, which the interpreter's cast
+    gets wrong where rounding carries into the next binade or ties. Interpreter only."""
+    exp = ((v.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+    ulp_exp = tl.maximum(exp, -6) - 3  # e4m3: 3 mantissa bits, subnormals below 2^-6
+    c = (((ulp_exp + 150) << 23) | 0x400000).to(tl.float32, bitcast=True)
+    return (v + c) - c
+
+
+@triton.jit
+def _quant_group(x, FP8_MAX: tl.constexpr, EXACT_E4M3: tl.constexpr):
+    """x [R, G] float32 → (q [R, G] float32 on e4m3 values, scale [R]): one 128-group per row.
+    Shared by the quantization kernel and the GEMM's QUANT_A path (bit-identical values)."""
+    scale = tl.maximum(tl.max(tl.abs(x), 1), 1e-10) / FP8_MAX
+    q = tl.clamp(x / scale[:, None], -FP8_MAX, FP8_MAX)
+    if EXACT_E4M3:
+        q = _e4m3_rtne(q)
+    return q, scale
+
+
+@triton.jit
+def _quant_group_kernel(x_ptr, q_ptr, s_ptr, t, k, stride_x, stride_q, stride_st, stride_sg,
+                        GROUP_SIZE: tl.constexpr, FP8_MAX: tl.constexpr,
+                        EXACT_E4M3: tl.constexpr):
+    """Program (row, group); rows >= t (padding) are zeros."""
+    row = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1)
     offs = g * GROUP_SIZE + tl.arange(0, GROUP_SIZE)
     mask = offs < k
-    x = tl.load(x_ptr + t * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
-    scale = tl.maximum(tl.max(tl.abs(x), 0), 1e-10) / FP8_MAX
-    q = tl.clamp(x / scale, -FP8_MAX, FP8_MAX)
-    tl.store(q_ptr + t * stride_q + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
-    tl.store(s_ptr + t * stride_s + g, scale)
+    k_row = tl.where(row < t, k, 0)  # rows past t: zeros
+    x = tl.load(x_ptr + row * stride_x + offs[None, :], mask=offs[None, :] < k_row,
+                other=0.0).to(tl.float32)  # [1, GROUP]
+    q, scale = _quant_group(x, FP8_MAX, EXACT_E4M3)
+    tl.store(q_ptr + row * stride_q + offs[None, :], q.to(q_ptr.dtype.element_ty),
+             mask=mask[None, :])
+    tl.store(s_ptr + row * stride_st + g * stride_sg + tl.arange(0, 1), scale)
 
 
 @dataclass(frozen=True)
@@ -79,9 +122,16 @@ def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+@functools.cache
+def _split_counters(device: torch.device) -> torch.Tensor:
+    """Arrival counters of split-K tiles, zero between launches (each tile's last split resets
+    its own). NOTE: launches on one device run in stream order, as moeserve's forward does."""
+    return torch.zeros(SPLIT_TILES, dtype=torch.int32, device=device)
+
+
 def gemm_config(t: int, n: int, k: int, block_k: int, device: torch.device) -> GemmConfig:
-    """The launch config for [T, K] x [N, K]^T: m-tiles by T; K split when the m x n grid would
-    leave most SMs idle (not on CPU: the interpreter runs programs one by one)."""
+    """The launch config for pre-quantized [T, K] x [N, K]^T: m-tiles by T; K split when the
+    m x n grid would leave most SMs idle (not on CPU: the interpreter runs programs one by one)."""
     if t <= 64:
         block_m = 16 if t <= 16 else 32 if t <= 32 else 64
         cfg = GemmConfig(block_m=block_m)
@@ -97,42 +147,83 @@ def gemm_config(t: int, n: int, k: int, block_k: int, device: torch.device) -> G
     return GemmConfig(cfg.block_m, cfg.block_n, max(split, 1), cfg.num_warps, cfg.num_stages)
 
 
+def fused_config(n: int, k: int, block_k: int, device: torch.device) -> GemmConfig:
+    """Decode (M <= 16, QUANT_A): a weight-read-bound GEMV. 64-column tiles, and K split until
+    about 3 programs per SM stream the weights (each split >= 2 K groups)."""
+    if device.type != "cuda":
+        return GemmConfig(block_m=16, block_n=128)
+    n_tiles, groups, sms = triton.cdiv(n, 64), triton.cdiv(k, block_k), _num_sms(device.index or 0)
+    split = 1 if n_tiles >= 2 * sms else min(triton.cdiv(3 * sms, n_tiles), max(groups // 2, 1))
+    return GemmConfig(block_m=16, block_n=64, split_k=split, num_warps=4, num_stages=4)
+
+
 def fp8_block_matmul(x_q: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor,
                      w_scale: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16,
                      block: int | Block = FP8_BLOCK, config: GemmConfig | None = None,
-                     out: torch.Tensor | None = None) -> torch.Tensor:
-    """(x_q * x_scale) @ (w * w_scale)^T: x_q [T, K] fp8, x_scale [T, ceil(K/bk)], w [N, K] fp8,
-    w_scale [ceil(N/bn), ceil(K/bk)] → [T, N] in out_dtype, fp32 accumulation. `out`: write into
-    this [T, N] view (unit column stride) instead of a new tensor."""
+                     out: torch.Tensor | None = None,
+                     bias: torch.Tensor | None = None) -> torch.Tensor:
+    """(x_q * x_scale) @ (w * w_scale)^T (+ bias [N]): x_q [T, K] fp8, x_scale [T, ceil(K/bk)]
+    (any strides), w [N, K] fp8, w_scale [ceil(N/bn), ceil(K/bk)] → [T, N] in out_dtype, fp32
+    accumulation. `out`: write into this [T, N] view (unit column stride), not a new tensor."""
     t, k = x_q.shape
-    n = w.shape[0]
+    if out is None:
+        out = torch.empty((t, w.shape[0]), dtype=out_dtype, device=x_q.device)
+    cfg = config or gemm_config(t, w.shape[0], k, as_block(block)[1], x_q.device)
+    return _launch_gemm(x_q, x_scale, w, w_scale, out, as_block(block), cfg, bias)
+
+
+def fp8_quant_matmul(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
+                     block: int | Block = FP8_BLOCK, config: GemmConfig | None = None,
+                     out: torch.Tensor | None = None,
+                     bias: torch.Tensor | None = None) -> torch.Tensor:
+    """quant(x) @ (w * w_scale)^T (+ bias) in one launch: x [T, K] float, quantized per token and
+    group inside the GEMM exactly as quant_fp8_per_token_group does → [T, N] in x.dtype (or
+    `out`)."""
     bn, bk = as_block(block)
     if out is None:
-        out = torch.empty((t, n), dtype=out_dtype, device=x_q.device)
+        out = torch.empty((x.shape[0], w.shape[0]), dtype=x.dtype, device=x.device)
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    cfg = config or fused_config(w.shape[0], x.shape[1], bk, x.device)
+    return _launch_gemm(x, None, w, w_scale, out, (bn, bk), cfg, bias)
+
+
+def _launch_gemm(a: torch.Tensor, a_scale: torch.Tensor | None, w: torch.Tensor,
+                 w_scale: torch.Tensor, out: torch.Tensor, block: Block, cfg: GemmConfig,
+                 bias: torch.Tensor | None) -> torch.Tensor:
+    """a_scale None: `a` is float and quantized in the kernel (QUANT_A)."""
+    (t, k), n = a.shape, w.shape[0]
     if t == 0 or n == 0:
         return out
-    cfg = config or gemm_config(t, n, k, bk, x_q.device)
-    split = min(cfg.split_k, triton.cdiv(k, bk))
-    per_split = triton.cdiv(triton.cdiv(k, bk), split)
-    split = triton.cdiv(triton.cdiv(k, bk), per_split)  # no empty splits
-    dest = out if split == 1 else torch.empty((split, t, n), dtype=torch.float32,
-                                              device=x_q.device)
+    bn, bk = block
+    groups = triton.cdiv(k, bk)
+    grid_mn = triton.cdiv(t, cfg.block_m) * triton.cdiv(n, cfg.block_n)
+    split = min(cfg.split_k, groups) if grid_mn <= SPLIT_TILES else 1
+    per_split = triton.cdiv(groups, split)
+    split = triton.cdiv(groups, per_split)  # no empty splits
+    counters = _split_counters(a.device) if split > 1 else out
+    partials = torch.empty((split, t, n), dtype=torch.float32, device=a.device) if split > 1 \
+        else out
+    a_s, s_strides = (a, (0, 0)) if a_scale is None else (a_scale, a_scale.stride())
     grid = (triton.cdiv(t, cfg.block_m), triton.cdiv(n, cfg.block_n), split)
     _fp8_block_matmul_kernel[grid](
-        x_q, x_scale, w, w_scale, dest, t, n, k, per_split, x_q.stride(0), x_scale.stride(0),
-        w.stride(0), w_scale.stride(0), dest.stride(-2), t * n, SCALE_BN=bn,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=bk, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages)
-    if split > 1:
-        out.copy_(dest.sum(0))
+        a, a_s, w, w_scale, out, out if bias is None else bias, partials, counters, t, n, k,
+        per_split, a.stride(0),
+        *s_strides, w.stride(0), w_scale.stride(0), out.stride(0), t * n, SCALE_BN=bn,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=bk, SPLIT_K=split,
+        QUANT_A=a_scale is None, HAS_BIAS=bias is not None, FP8_MAX=FP8_MAX,
+        EXACT_E4M3=not a.is_cuda,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out
 
 
 @triton.jit(do_not_specialize=["m"])
-def _fp8_block_matmul_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, m, n, k, groups_per_split,
-                             stride_am, stride_asm, stride_bn, stride_bsn, stride_cm,
-                             stride_split, SCALE_BN: tl.constexpr, BLOCK_M: tl.constexpr,
-                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _fp8_block_matmul_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, bias_ptr, part_ptr, count_ptr,
+                             m, n, k, groups_per_split, stride_am, stride_asm, stride_asg,
+                             stride_bn, stride_bsn, stride_cm, stride_part,
+                             SCALE_BN: tl.constexpr, BLOCK_M: tl.constexpr,
+                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+                             QUANT_A: tl.constexpr, HAS_BIAS: tl.constexpr,
+                             FP8_MAX: tl.constexpr, EXACT_E4M3: tl.constexpr):
     """Program (m block, n block, K split): the K loop runs over BLOCK_K-wide groups, each tile
     product scaled by its activation-row scales and its weight block's scale."""
     pid_m = tl.program_id(0)
@@ -152,21 +243,31 @@ def _fp8_block_matmul_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, m, n, k, group
         kk = g * BLOCK_K + offs_k
         mask_k = kk < k
         a = tl.load(a_rows + kk[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+        if QUANT_A:  # float activations: this group's e4m3 values and row scales, here
+            q, a_s = _quant_group(a.to(tl.float32), FP8_MAX, EXACT_E4M3)
+            a = q.to(b_ptr.dtype.element_ty)
+        else:
+            a_s = tl.load(as_ptr + offs_m * stride_asm + g * stride_asg, mask=mask_m, other=0.0)
         b = tl.load(b_rows + kk[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0)
-        a_s = tl.load(as_ptr + offs_m * stride_asm + g, mask=mask_m, other=0.0)  # [BM]
         b_s = tl.load(bs_ptr + w_block * stride_bsn + g, mask=mask_n, other=0.0)  # [BN]
         acc += tl.dot(a, tl.trans(b)) * a_s[:, None] * b_s[None, :]
-    c = (c_ptr + pid_s.to(tl.int64) * stride_split + offs_m.to(tl.int64)[:, None] * stride_cm
-         + offs_n[None, :])
-    tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
-
-
-def fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
-               bias: torch.Tensor | None = None, block: int | Block = FP8_BLOCK) -> torch.Tensor:
-    """A linear layer on block-FP8 weights: x [..., K] → [..., N] in x.dtype."""
-    x2 = x.reshape(-1, x.shape[-1])
-    x_q, x_s = quant_fp8_per_token_group(x2, as_block(block)[1])
-    out = fp8_block_matmul(x_q, x_s, w, w_scale, out_dtype=x.dtype, block=block)
-    if bias is not None:
-        out += bias
-    return out.view(*x.shape[:-1], w.shape[0])
+    mask_c = mask_m[:, None] & mask_n[None, :]
+    c = c_ptr + offs_m.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+    else:
+        bias = tl.zeros((1, BLOCK_N), dtype=tl.float32)
+    if SPLIT_K == 1:
+        tl.store(c, (acc + bias).to(c_ptr.dtype.element_ty), mask=mask_c)
+    else:  # fp32 partials [SPLIT_K, M, N]; the tile's last split to arrive adds them in order
+        part = part_ptr + offs_m.to(tl.int64)[:, None] * n + offs_n[None, :]  # split 0
+        tl.store(part + pid_s.to(tl.int64) * stride_part, acc, mask=mask_c)
+        tl.debug_barrier()  # every thread's partial is written before the tile's count moves
+        tile = count_ptr + pid_m * tl.num_programs(1) + pid_n
+        if tl.atomic_add(tile, 1, sem="acq_rel") == SPLIT_K - 1:
+            total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32) + bias
+            for _ in range(SPLIT_K):  # .cg: from L2, where the other programs' stores are
+                total += tl.load(part, mask=mask_c, other=0.0, cache_modifier=".cg")
+                part += stride_part
+            tl.store(c, total.to(c_ptr.dtype.element_ty), mask=mask_c)
+            tl.atomic_xchg(tile, 0)  # zero again for the next launch

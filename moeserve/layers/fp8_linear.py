@@ -3,22 +3,163 @@
 `weight` [N, K] float8_e4m3fn and `weight_scale_inv` [ceil(N/bn), ceil(K/bk)] float32 are named
 as in the checkpoints, so FP8 tensors load by name; a float tensor loaded into them is quantized
 into the same blocks (kernels/fp8_format.py, `model.quantization=fp8`). Two forward paths:
-- "triton": activations quantized per token and group of bk channels, then the block-scaled FP8
-  GEMM with fp32 accumulation (kernels/fp8.py), as on CUDA;
+- "triton": activations quantized per token and group of bk channels, then a block-scaled FP8
+  GEMM with fp32 accumulation; `fp8_linear` picks the GEMM by the input's token count M;
 - "torch": the reference, dequantize the weight and matmul in the activation dtype (no activation
   quantization); CPU runs it, and it is selectable anywhere by setting `backend`.
+
+`fp8_linear`'s choice, from static shapes only (no host sync, so CUDA graphs capture it):
+- M <= FUSED_MAX_M (decode): one Triton launch that quantizes x inside the GEMM, K split over
+  enough programs to stream the weights (kernels/fp8.py);
+- M >= SCALED_MM_MIN_M: torch._scaled_mm with 1x128 activation / 128x128 weight scales, where a
+  probe at first use on this CUDA device accepted it (`scaled_mm_layout`), for 128 x 128 blocks,
+  K a multiple of 512 and N of 16, contiguous weights; the quantization kernel writes the
+  activation scales in the layout the probe found;
+- otherwise: the quantization kernel, then the Triton GEMM on the quantized activations.
 """
 
 from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moeserve.kernels.fp8_format import (FP8, FP8_BLOCK, Block, check_block, dequantize_fp8_blocks,
-                                         scale_shape)
+from moeserve.kernels.fp8_format import (FP8, FP8_BLOCK, Block, as_block, check_block,
+                                         dequantize_fp8_blocks, quantize_fp8_blocks, scale_shape)
+
+logger = logging.getLogger(__name__)
 
 FP8_BACKENDS = ("triton", "torch")
+FUSED_MAX_M = 16  # M <= this: activation quantization fused into the GEMM (one launch)
+SCALED_MM_MIN_M = 17  # M >= this: torch._scaled_mm where the probe accepted it
+
+
+@dataclass(frozen=True)
+class ScaledMMLayout:
+    """How torch._scaled_mm takes DeepSeek's scales here: activation scales [M, K/128]
+    column-major (strides (1, M)) or row-major; weight scales as the view w_scale.t() or a
+    contiguous copy of it; M padded with zero rows to a multiple of `row_multiple`."""
+
+    a_col_major: bool
+    b_contiguous: bool
+    row_multiple: int = 1
+    dtype: torch.dtype = torch.bfloat16  # the output dtype it was probed with
+
+
+# tried in this order (copies last), each with M padded to a multiple of 1, then 4, then 16
+SCALED_MM_LAYOUTS = (ScaledMMLayout(True, False), ScaledMMLayout(True, True),
+                     ScaledMMLayout(False, False), ScaledMMLayout(False, True))
+PROBE_K, PROBE_N, PROBE_MS = 512, 320, (37, 64)  # N: two full 128-row blocks and a partial one
+_probed: dict[torch.device, ScaledMMLayout | None] = {}
+
+
+def scaled_mm_layout(device: torch.device) -> ScaledMMLayout | None:
+    """The working torch._scaled_mm layout on this CUDA device, probed once per process at first
+    use (not while a CUDA graph is being captured: then None, and the next eager call probes);
+    None off CUDA or where every layout raised or disagreed with the reference."""
+    if device.type != "cuda":
+        return None
+    device = torch.device("cuda", torch.cuda.current_device() if device.index is None
+                          else device.index)
+    if device not in _probed:
+        if torch.cuda.is_current_stream_capturing():
+            return None
+        layout, why = probe_scaled_mm(device)
+        _probed[device] = layout
+        if layout is None:
+            logger.info("FP8 linear on %s: Triton GEMMs at every M (torch._scaled_mm with "
+                        "1x128 / 128x128 scales: %s)", device, why)
+        else:
+            logger.info("FP8 linear on %s: torch._scaled_mm for M >= %d (%s activation "
+                        "scales, weight scales %s, M padded to %d), Triton below", device,
+                        SCALED_MM_MIN_M, "column-major" if layout.a_col_major else "row-major",
+                        "copied" if layout.b_contiguous else "as stored", layout.row_multiple)
+    return _probed[device]
+
+
+def probe_scaled_mm(device: torch.device, dtype: torch.dtype = torch.bfloat16
+                    ) -> tuple[ScaledMMLayout | None, str]:
+    """(the first layout with which `scaled_mm_linear` runs and matches the float32 reference
+    on the dequantized operands within 1e-2 at every M of PROBE_MS, or None; why not)."""
+    g = torch.Generator().manual_seed(0)
+    w_q, w_s = quantize_fp8_blocks((torch.randn(PROBE_N, PROBE_K, generator=g) * 0.05).to(device))
+    w = dequantize_fp8_blocks(w_q, w_s)
+    xs = [torch.randn(m, PROBE_K, generator=g).to(device, dtype) for m in PROBE_MS]
+    why = "no layout matched the reference"
+    for multiple in (1, 4, 16):
+        for layout in SCALED_MM_LAYOUTS:
+            layout = replace(layout, row_multiple=multiple, dtype=dtype)
+            try:
+                errs = [_rel_err(scaled_mm_linear(x, w_q, w_s, layout), x, w) for x in xs]
+            except Exception as e:  # noqa: BLE001 - any refusal means "not this layout"
+                why = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:200]
+                continue
+            if all(err < 1e-2 for err in errs):
+                return layout, ""
+            why = f"{layout}: relative error {max(errs):.3g} against the reference"
+    return None, why
+
+
+def _rel_err(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> float:
+    from moeserve.kernels.fp8 import quant_fp8_per_token_group
+
+    x_q, x_s = quant_fp8_per_token_group(x)
+    ref = (x_q.float() * x_s.repeat_interleave(FP8_BLOCK, 1)[:, : x.shape[1]]) @ w.t()
+    if out.shape != ref.shape:
+        return float("inf")
+    return float((out.float() - ref).norm() / ref.norm())  # NaN compares as not < 1e-2
+
+
+def scaled_mm_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
+                     layout: ScaledMMLayout) -> torch.Tensor:
+    """x [M, K] → [M, N] in layout.dtype by torch._scaled_mm; the activation scales come from
+    the quantization kernel in the layout's strides, padded rows are zeros."""
+    from moeserve.kernels.fp8 import quant_fp8_per_token_group
+
+    m = x.shape[0]
+    rows = -(-m // layout.row_multiple) * layout.row_multiple
+    x_q, x_s = quant_fp8_per_token_group(x, FP8_BLOCK, col_major=layout.a_col_major, rows=rows)
+    s_w = w_scale.t().contiguous() if layout.b_contiguous else w_scale.t()
+    return torch._scaled_mm(x_q, w.t(), scale_a=x_s, scale_b=s_w, out_dtype=layout.dtype)[:m]
+
+
+def fp8_gemm_path(m: int, n: int, k: int, block: Block, dtype: torch.dtype,
+                  device: torch.device) -> str:
+    """"fused" | "scaled_mm" | "triton" for [M, K] x [N, K]^T: static shapes and the cached
+    probe only (the probe runs at the first eligible call)."""
+    if m <= FUSED_MAX_M:
+        return "fused"
+    if m >= SCALED_MM_MIN_M and block == (128, 128) and k % 512 == 0 and n % 16 == 0:
+        layout = scaled_mm_layout(device)
+        if layout is not None and layout.dtype == dtype:
+            return "scaled_mm"
+    return "triton"
+
+
+def fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
+               bias: torch.Tensor | None = None, block: int | Block = FP8_BLOCK) -> torch.Tensor:
+    """A linear layer on block-FP8 weights: x [..., K] → [..., N] in x.dtype (module docstring:
+    which GEMM runs)."""
+    from moeserve.kernels import fp8 as kernels  # imports Triton
+
+    x2 = x.reshape(-1, x.shape[-1])  # [M, K]
+    block = as_block(block)
+    path = fp8_gemm_path(x2.shape[0], w.shape[0], x2.shape[1], block, x.dtype, x.device)
+    if path == "scaled_mm" and not (w.is_contiguous() and w_scale.is_contiguous()):
+        path = "triton"  # torch._scaled_mm reads w.t() as column-major [K, N]
+    if path == "fused":
+        out = kernels.fp8_quant_matmul(x2, w, w_scale, block, bias=bias)
+    elif path == "scaled_mm":
+        out = scaled_mm_linear(x2, w, w_scale, scaled_mm_layout(x.device))
+        if bias is not None:
+            out += bias
+    else:
+        x_q, x_s = kernels.quant_fp8_per_token_group(x2, block[1])
+        out = kernels.fp8_block_matmul(x_q, x_s, w, w_scale, x.dtype, block, bias=bias)
+    return out.view(*x.shape[:-1], w.shape[0])
 
 
 def fp8_parameter(*shape: int, device=None) -> nn.Parameter:
@@ -60,8 +201,6 @@ class Fp8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.backend == "torch":
             return F.linear(x, self.dequantized().to(x.dtype), self.bias)
-        from moeserve.kernels.fp8 import fp8_linear
-
         return fp8_linear(x, self.weight, self.weight_scale_inv, self.bias, self.block)
 
 
@@ -113,13 +252,18 @@ class Fp8MergedLinear(Fp8Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.backend == "torch" or self.aligned:
             return super().forward(x)
-        from moeserve.kernels.fp8 import fp8_block_matmul, quant_fp8_per_token_group
+        from moeserve.kernels import fp8 as kernels  # imports Triton
 
         x2 = x.reshape(-1, x.shape[-1])  # [T, K]
-        x_q, x_s = quant_fp8_per_token_group(x2, self.block[1])
         out = torch.empty((x2.shape[0], self.out_features), dtype=x.dtype, device=x.device)
+        fused = x2.shape[0] <= FUSED_MAX_M  # else quantized once for all shards
+        if not fused:
+            x_q, x_s = kernels.quant_fp8_per_token_group(x2, self.block[1])
         for (start, size, _, _), (w, s) in zip(self.shards.values(), self._shard_views()):
-            fp8_block_matmul(x_q, x_s, w, s, block=self.block, out=out[:, start : start + size])
-        if self.bias is not None:
-            out += self.bias
+            cols = out[:, start : start + size]
+            bias = None if self.bias is None else self.bias[start : start + size]
+            if fused:
+                kernels.fp8_quant_matmul(x2, w, s, self.block, out=cols, bias=bias)
+            else:
+                kernels.fp8_block_matmul(x_q, x_s, w, s, block=self.block, out=cols, bias=bias)
         return out.view(*x.shape[:-1], self.out_features)

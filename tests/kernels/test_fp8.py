@@ -1,14 +1,20 @@
 """Block-scaled FP8 kernels against float64 references on the dequantized values (partial 128
-blocks included), in Triton's interpreter on CPU and on CUDA when present."""
+blocks included), in Triton's interpreter on CPU and on CUDA when present. The interpreter's own
+float32 -> e4m3 cast is wrong where rounding carries or ties; the kernels round exactly there
+(`EXACT_E4M3`), so their quantized values equal torch's cast on CPU too."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from moeserve.kernels.fp8 import (GemmConfig, fp8_block_matmul, fp8_linear,
+import triton
+
+from moeserve.kernels import fp8
+from moeserve.kernels.fp8 import (GemmConfig, fp8_block_matmul, fp8_quant_matmul, fused_config,
                                   quant_fp8_per_token_group)
-from moeserve.kernels.fp8_format import FP8_MAX, dequantize_fp8_blocks, quantize_fp8_blocks
+from moeserve.kernels.fp8_format import FP8, FP8_MAX, dequantize_fp8_blocks, quantize_fp8_blocks
+from moeserve.layers.fp8_linear import fp8_linear
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -78,6 +84,87 @@ def test_block_matmul_split_k_and_other_blocks(block, cfg):
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     assert float((wide[:, 10 : 10 + n].double() - ref).norm() / ref.norm()) < tol
     assert (wide[:, :10] == 7).all() and (wide[:, 10 + n :] == 7).all()
+
+
+def _rounding_cases(t: int, k: int, gen) -> torch.Tensor:
+    """[t, k] with every group's amax 448 (scale exactly 1): e4m3 midpoints (ties), values that
+    round up into the next binade (7.97, 127.6), random values and zeros."""
+    grid = torch.arange(256, dtype=torch.uint8).view(FP8).float()
+    grid = grid[grid.isfinite() & (grid >= 0)].sort().values
+    special = torch.cat([(grid[1:] + grid[:-1]) / 2, grid * (1 - 2**-6), torch.zeros(3)])
+    x = (torch.randn(t, k, generator=gen) * 50).clamp(-440, 440)
+    x.view(-1)[: special.numel()] = special[torch.randperm(special.numel(), generator=gen)]
+    x *= torch.where(torch.rand(t, k, generator=gen) < 0.5, -1.0, 1.0)
+    x[:, ::128] = 448.0
+    return x
+
+
+@pytest.mark.parametrize("col_major,pad", [(False, 0), (True, 0), (True, 3)])
+def test_quant_kernel_rounds_like_the_cast_in_any_scale_layout(col_major, pad):
+    """The Triton quantization kernel (also in the interpreter) against torch: ties to even and
+    binade carries; scales written column-major for torch._scaled_mm; padded rows zero."""
+    t, k = 9, 300
+    x = _rounding_cases(t, k, torch.Generator().manual_seed(pad)).to(DEVICE)
+    rows, groups = t + pad, 3
+    x_q = torch.empty((rows, k), dtype=FP8, device=DEVICE)
+    scale = (torch.empty((groups, rows), device=DEVICE).t() if col_major
+             else torch.empty((rows, groups), device=DEVICE))
+    fp8._launch_quant(x, x_q, scale, 128)
+    ref_q, ref_s = fp8._quant_torch(x, 128, groups)
+    assert torch.equal(scale[:t], ref_s)
+    mismatch = (x_q[:t].float() != ref_q.float()).float().mean()
+    assert mismatch == 0 if DEVICE == "cpu" else mismatch < 1e-3  # CUDA: approximate division
+    assert (x_q[t:].float() == 0).all()  # padding rows: zero values, the floor scale
+    assert torch.allclose(scale[t:], torch.full_like(scale[t:], 1e-10 / FP8_MAX), rtol=1e-6)
+    q2, s2 = quant_fp8_per_token_group(x, col_major=col_major, rows=rows)  # the public entry
+    assert s2.stride() == ((1, rows) if col_major else (groups, 1))
+    assert torch.equal(q2.float(), x_q.float()) or DEVICE == "cuda"
+    assert torch.equal(s2, scale)
+
+
+@pytest.mark.parametrize("t,n,k,block,cfg", [
+    (1, 200, 300, (128, 128), GemmConfig(16, 128)),  # partial K and N blocks
+    (5, 200, 300, (128, 128), GemmConfig(16, 64, split_k=3)),  # 3 splits of one group
+    (1, 576, 1024, (128, 128), GemmConfig(16, 64, split_k=8)),  # kv_a-like: 9 x 8 programs
+    (16, 96, 640, (128, 128), GemmConfig(16, 32, split_k=2)),  # 5 groups: splits of 3 and 2
+    (3, 100, 200, (64, 64), GemmConfig(16, 64, split_k=2)),  # a tile spans 2 scale rows
+])
+def test_fused_quant_matmul_equals_quantize_then_gemm(t, n, k, block, cfg):
+    """Activations quantized inside the GEMM (decode's single launch) give exactly the result of
+    the quantization kernel + the GEMM at the same config, split-K (fp32 partials added in the
+    same launch) included; float64 reference on the dequantized operands."""
+    g = torch.Generator().manual_seed(t * n + k)
+    x = (torch.randn(t, k, generator=g) * 3).to(DEVICE)
+    x[:, :7] *= 40  # outliers
+    w_q, w_s = quantize_fp8_blocks((torch.randn(n, k, generator=g) * 0.05).to(DEVICE), block)
+    dtype = torch.float32 if DEVICE == "cpu" else torch.bfloat16
+    x = x.to(dtype)
+    fused = fp8_quant_matmul(x, w_q, w_s, block, config=cfg)
+    x_q, x_s = quant_fp8_per_token_group(x, block[1])
+    if DEVICE == "cuda":  # the same kernel's quantization, not torch's
+        x_q, x_s = torch.empty_like(x_q), torch.empty_like(x_s)
+        fp8._launch_quant(x, x_q, x_s, block[1])
+    separate = fp8_block_matmul(x_q, x_s, w_q, w_s, dtype, block, config=cfg)
+    assert fused.dtype == dtype and torch.equal(fused, separate)
+    ref = (x_q.double() * x_s.double().repeat_interleave(block[1], 1)[:, :k]
+           @ dequantize_fp8_blocks(w_q, w_s, block).double().T)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    assert float((fused.double() - ref).norm() / ref.norm()) < tol
+    assert torch.count_nonzero(fp8._split_counters(x.device)) == 0  # reset for the next launch
+    assert torch.equal(fp8_quant_matmul(x, w_q, w_s, block, config=cfg), fused)
+
+
+def test_fused_config_streams_the_weights_on_every_sm(monkeypatch):
+    """Decode on DeepSeek-V3's shapes (132 SMs): at least one program per SM, K split only where
+    the 64-column tiles are too few (7168 -> 576: 9 tiles), each split >= 2 K groups."""
+    monkeypatch.setattr(fp8, "_num_sms", lambda index: 132)
+    for k, n in [(7168, 18432), (7168, 1536), (1536, 24576), (7168, 576), (16384, 7168)]:
+        cfg = fused_config(n, k, 128, torch.device("cuda", 0))
+        groups = k // 128
+        split = triton.cdiv(groups, triton.cdiv(groups, cfg.split_k))  # as launched
+        programs = triton.cdiv(n, cfg.block_n) * split
+        assert programs >= 132 and groups // split >= 2, (k, n, cfg)
+    assert fused_config(576, 7168, 128, torch.device("cpu")).split_k == 1  # interpreter
 
 
 def test_weight_blocks_round_trip_through_the_checkpoint_dequantizer():

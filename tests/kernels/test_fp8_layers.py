@@ -1,7 +1,9 @@
 """FP8-resident layers (layers/fp8_linear.py, layers/fp8_moe.py) on their Triton path (Triton's
 interpreter on CPU) against float64 references on the dequantized weights and the quantized
 activations; their torch reference path against float64 on the dequantized weights. Dims are not
-multiples of 128; the experts are an EP-local slice of the global ids."""
+multiples of 128; the experts are an EP-local slice of the global ids. The FP8 linear's GEMM
+choice by M (fused Triton / torch._scaled_mm / Triton) with the scaled_mm probe forced either way
+(a torch stand-in for torch._scaled_mm on CPU); on CUDA the real one, and CUDA graph replay."""
 
 from __future__ import annotations
 
@@ -9,9 +11,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from moeserve.kernels import fp8 as kernels
 from moeserve.kernels.fp8 import quant_fp8_per_token_group
 from moeserve.kernels.fp8_format import FP8, dequantize_fp8_blocks, quantize_fp8_blocks
-from moeserve.layers.fp8_linear import Fp8Linear, Fp8MergedLinear
+from moeserve.layers import fp8_linear as lin
+from moeserve.layers.fp8_linear import Fp8Linear, Fp8MergedLinear, ScaledMMLayout, fp8_gemm_path
 from moeserve.layers.fp8_moe import Fp8MoEExperts
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -73,6 +77,148 @@ def test_fp8_merged_linear_shards_blocked_apart(sizes, aligned):
     assert _rel(layer(x), x.double().cpu() @ deq.cpu().T) < TOL
     with pytest.raises(ValueError, match="shard 's0'"):
         layer.weight_loader(layer.weight_scale_inv, torch.ones(5, 2), "s0")
+
+
+def _fake_scaled_mm(calls: list, refuse=lambda a, scale_a, scale_b: False, wrong=False):
+    """A torch stand-in for torch._scaled_mm with 1x128 / 128x128 block scales (float64), which
+    records its inputs' shapes and strides and refuses (RuntimeError) where `refuse` says."""
+
+    def scaled_mm(a, b, scale_a, scale_b, out_dtype=None, **_):
+        calls.append((tuple(a.shape), scale_a.stride(), tuple(scale_b.shape), scale_b.stride()))
+        if refuse(a, scale_a, scale_b):
+            raise RuntimeError("refused by the stand-in")
+        assert a.dtype == b.dtype == FP8 and b.stride(0) == 1  # b = w.t(): column-major
+        k, n = b.shape
+        a64 = a.double() * scale_a.double().repeat_interleave(128, 1)[:, :k]
+        b64 = b.double() * scale_b.double().repeat_interleave(128, 0).repeat_interleave(128, 1)[
+            :k, :n]
+        return (torch.zeros_like(a64 @ b64) if wrong else a64 @ b64).to(out_dtype)
+
+    return scaled_mm
+
+
+def _record_calls(monkeypatch, module, names: tuple[str, ...]) -> list[str]:
+    """The names of `module`'s functions among `names` as they get called (they still run)."""
+    calls: list[str] = []
+    for name in names:
+        def spy(*args, _real=getattr(module, name), _name=name, **kwargs):
+            calls.append(_name)
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(module, name, spy)
+    return calls
+
+
+def test_gemm_path_by_static_m(monkeypatch):
+    """Decode sizes take the fused kernel; from SCALED_MM_MIN_M torch._scaled_mm where the probe
+    accepted it and the shape suits it (128 x 128 blocks, K % 512, N % 16, the probed dtype)."""
+    layout = ScaledMMLayout(True, False, dtype=torch.bfloat16)
+    monkeypatch.setattr(lin, "scaled_mm_layout", lambda device: layout)
+    bf16, cuda = torch.bfloat16, torch.device("cuda", 0)
+    assert [fp8_gemm_path(m, 576, 7168, (128, 128), bf16, cuda) for m in (1, 16, 17, 4096)] == \
+        ["fused", "fused", "scaled_mm", "scaled_mm"]
+    for n, k, block, dtype in [(576, 300, (128, 128), bf16),  # K not a multiple of 512
+                               (200, 7168, (128, 128), bf16),  # N not a multiple of 16
+                               (576, 7168, (64, 64), bf16),  # other blocks
+                               (576, 7168, (128, 128), torch.float32)]:  # not the probed dtype
+        assert fp8_gemm_path(64, n, k, block, dtype, cuda) == "triton"
+    monkeypatch.setattr(lin, "scaled_mm_layout", lambda device: None)  # the probe failed
+    assert fp8_gemm_path(64, 576, 7168, (128, 128), bf16, cuda) == "triton"
+
+
+def test_fp8_linear_dispatch_with_the_probe_forced_both_ways(monkeypatch):
+    """Probe accepted (M padded to 4, column-major activation scales written by the quant
+    kernel): M = 37 runs torch._scaled_mm once, M = 8 the fused kernel; probe failed: Triton.
+    Every path equals float64 on the dequantized weights and the quantized activations."""
+    g = torch.Generator().manual_seed(4)
+    layer = Fp8Linear(512, 320, bias=True, backend="triton", bias_dtype=DTYPE, device=DEVICE)
+    _fill(layer, (torch.randn(320, 512, generator=g) * 0.05).to(DEVICE))
+    layer.bias.data.copy_(torch.randn(320, generator=g))
+    w, bias = layer.dequantized().double().cpu(), layer.bias.double().cpu()
+    calls: list = []
+    ran = _record_calls(monkeypatch, kernels, ("fp8_quant_matmul", "fp8_block_matmul"))
+    monkeypatch.setattr(torch, "_scaled_mm", _fake_scaled_mm(calls))
+    monkeypatch.setattr(lin, "scaled_mm_layout",
+                        lambda device: ScaledMMLayout(True, False, row_multiple=4, dtype=DTYPE))
+    for m, n_calls, triton_calls in [(37, 1, []), (8, 1, ["fp8_quant_matmul"])]:
+        x = torch.randn(m, 512, generator=g).to(DEVICE, DTYPE)
+        out = layer(x)
+        assert out.shape == (m, 320) and len(calls) == n_calls and ran == triton_calls
+        assert _rel(out, _quantized_rows(x).cpu() @ w.T + bias) < TOL
+    assert calls[0][:2] == ((40, 512), (1, 40)) and calls[0][2:] == ((4, 3), (1, 4))
+    monkeypatch.setattr(lin, "scaled_mm_layout", lambda device: None)  # the probe failed
+    x = torch.randn(37, 512, generator=g).to(DEVICE, DTYPE)
+    assert _rel(layer(x), _quantized_rows(x).cpu() @ w.T + bias) < TOL
+    assert len(calls) == 1 and ran[-1] == "fp8_block_matmul"
+
+
+def test_probe_takes_the_first_layout_that_runs_and_matches(monkeypatch):
+    """Refusals and wrong results rule layouts out; M is padded when only multiples of 4 run."""
+    def refuse(a, scale_a, scale_b):
+        return a.shape[0] % 4 != 0 or not scale_b.is_contiguous()
+
+    calls: list = []
+    monkeypatch.setattr(torch, "_scaled_mm", _fake_scaled_mm(calls, refuse=refuse))
+    layout, why = lin.probe_scaled_mm(torch.device(DEVICE), DTYPE)
+    assert layout == ScaledMMLayout(True, True, row_multiple=4, dtype=DTYPE) and why == ""
+    monkeypatch.setattr(torch, "_scaled_mm", _fake_scaled_mm(calls, wrong=True))
+    layout, why = lin.probe_scaled_mm(torch.device(DEVICE), DTYPE)
+    assert layout is None and "relative error" in why
+
+
+def test_scaled_mm_layout_probes_once_per_device_and_not_while_capturing(monkeypatch, caplog):
+    probes = []
+    found = ScaledMMLayout(True, False)
+    monkeypatch.setattr(lin, "_probed", {})
+    monkeypatch.setattr(lin, "probe_scaled_mm", lambda device: probes.append(device) or (found, ""))
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    assert lin.scaled_mm_layout(torch.device("cuda", 0)) is None and not probes  # graph capture
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    with caplog.at_level("INFO", logger=lin.__name__):
+        assert lin.scaled_mm_layout(torch.device("cuda", 0)) == found
+        assert lin.scaled_mm_layout(torch.device("cuda", 0)) == found
+    assert probes == [torch.device("cuda", 0)]
+    assert [r.getMessage() for r in caplog.records if "torch._scaled_mm for M >= 17" in
+            r.getMessage()] != []
+    assert lin.scaled_mm_layout(torch.device("cpu")) is None
+
+
+@pytest.mark.gpu
+def test_scaled_mm_on_cuda_equals_float64_and_is_chosen_above_the_threshold():
+    """This torch/GPU (H200) takes DeepSeek's scales in torch._scaled_mm (the bench measured it):
+    the probe finds a layout, and it matches float64 on DeepSeek-V3's small-N shapes, ragged M."""
+    layout = lin.scaled_mm_layout(torch.device("cuda"))
+    assert layout is not None, "torch._scaled_mm refused 1x128 / 128x128 scales here"
+    g = torch.Generator().manual_seed(9)
+    for m, k, n in [(17, 7168, 576), (37, 1536, 1024), (64, 7168, 1536), (256, 16384, 512)]:
+        w_q, w_s = quantize_fp8_blocks((torch.randn(n, k, generator=g) * 0.02).cuda())
+        x = torch.randn(m, k, generator=g).cuda().to(torch.bfloat16)
+        out = lin.scaled_mm_linear(x, w_q, w_s, layout)
+        ref = _quantized_rows(x).cpu() @ dequantize_fp8_blocks(w_q, w_s).double().cpu().T
+        print(f"\n[fp8 scaled_mm] {layout} M {m} {k} -> {n}: rel err {_rel(out, ref):.2e}")
+        assert out.shape == (m, n) and _rel(out, ref) < 1e-2
+        assert fp8_gemm_path(m, n, k, (128, 128), torch.bfloat16, x.device) == "scaled_mm"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 16, 64])
+def test_fp8_linear_cuda_graph_replay_equals_eager(m):
+    """Each path (fused with split-K at M <= 16, scaled_mm or Triton above) replays in a CUDA
+    graph exactly as it runs eagerly, on new inputs (split-K counters reset every launch)."""
+    g = torch.Generator().manual_seed(m)
+    layer = Fp8Linear(7168, 576, device="cuda")
+    _fill(layer, (torch.randn(576, 7168, generator=g) * 0.02).cuda())
+    static = torch.randn(m, 7168, generator=g).cuda().to(torch.bfloat16)
+    layer(static)  # warm-up outside capture: compiles, probes
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = layer(static)
+    for _ in range(3):
+        static.copy_(torch.randn(m, 7168, generator=g).to(torch.bfloat16))
+        graph.replay()
+        assert torch.equal(out, layer(static))
+    ref = _quantized_rows(static).cpu() @ layer.dequantized().double().cpu().T
+    assert _rel(out, ref) < 1e-2
 
 
 def _experts(first: int, num_local: int, num_experts: int, h: int, i: int, seed: int):
