@@ -6,8 +6,8 @@ step, at several batch sizes, side by side in one process.
 
 DIR: a model with a NextN layer (DeepSeek-V3 shape: `make_random --shape deepseek_v3
 --config-only`) or any model with `--override spec.draft_path=dummy` (a random NextN head).
-The plain step is timed eager and, on CUDA, replayed from a CUDA graph (the server's plain path);
-speculation's passes run eager. A round produces `accept` tokens per request on average, so its
+The plain step and the round are timed eager and, on CUDA, with the decode CUDA graphs (the
+target's decode and verify passes replay them; the draft's one-layer passes run eager). A round produces `accept` tokens per request on average, so its
 implied speed-up is accept × plain step / round (accept lengths measured elsewhere, e.g. on CPU
 with a trained head; random weights accept nothing).
 """
@@ -81,38 +81,57 @@ class Setup:
         self.runner.memory.req_to_token.free(self.rows)
 
 
+def _count_replays(runner: ModelRunner) -> dict[str, int]:
+    """Count graph replays of the target's and the draft's graphs from now on (diagnostic: which
+    passes of a round replay rather than run eager)."""
+    counts = {"target": 0, "draft": 0}
+    for name, graphs in (("target", runner.graph_runner), ("draft", runner.draft_graphs)):
+        if graphs is None:
+            continue
+        orig = type(graphs).replay
+
+        def counted(self, *a, _orig=orig, _name=name, **k):
+            counts[_name] += 1
+            return _orig(self, *a, **k)
+
+        graphs.replay = counted.__get__(graphs)
+    return counts
+
+
 def bench(runner: ModelRunner, batches: list[int], context: int, num_steps: int,
           accepts: list[float], reps: int) -> list[dict]:
     dev, worker = runner.device, ForwardWorker(runner, threaded=False)
-    spec = worker.spec
-    graphs = None
-    if dev.type == "cuda":
-        from moeserve.runtime.cuda_graph import CudaGraphRunner
-
-        graphs = CudaGraphRunner(runner, max(batches))
-        graphs.capture()
+    spec, graphs = worker.spec, runner.graph_runner
     rows = []
     for b in batches:
         s = Setup(runner, b, context, num_steps + 1)
-        with torch.inference_mode():
-            eager = _timed(lambda: runner.forward_greedy(s.decode_batch()).tolist(), dev, reps)
-            graph = None
-            if graphs is not None:
-                def replay():
-                    fb = s.decode_batch()
-                    return graphs.replay(fb, graphs.bucket_for(b)).argmax(-1).tolist()
 
-                graph = _timed(replay, dev, reps)
-            rnd = _timed(lambda: spec.run(s.verify_input(num_steps)), dev, reps)
+        def plain():
+            return runner.forward_greedy(s.decode_batch()).tolist()
+
+        def round_():
+            return spec.run(s.verify_input(num_steps))
+
+        with torch.inference_mode():
+            runner.graph_runner = None  # eager rows first
+            eager, rnd_eager = _timed(plain, dev, reps), _timed(round_, dev, reps)
+            runner.graph_runner = graphs
+            graph = rnd_graph = None
+            if graphs is not None:
+                graph = _timed(plain, dev, reps)
+                counts = _count_replays(runner)
+                rnd_graph = _timed(round_, dev, reps)
+                print(f"batch {b}: replays per round: target {counts['target'] / (reps + 2):.1f}, "
+                      f"draft {counts['draft'] / (reps + 2):.1f}", flush=True)
             fi = s.verify_input(num_steps)
             geo = spec._geometry(fi)
             chain = _timed(lambda: spec._draft_chain(fi, geo).tolist(), dev, reps)
         s.free()
-        plain = graph if graph is not None else eager
-        rows.append({"batch": b, "plain_eager_ms": eager * 1e3,
+        plain_s, rnd = (graph, rnd_graph) if graph is not None else (eager, rnd_eager)
+        rows.append({"batch": b, "plain_eager_ms": eager * 1e3, "round_eager_ms": rnd_eager * 1e3,
                      "plain_graph_ms": None if graph is None else graph * 1e3,
-                     "round_ms": rnd * 1e3, "chain_ms": chain * 1e3,
-                     "speedups": [a * plain / rnd for a in accepts]})
+                     "round_graph_ms": None if rnd_graph is None else rnd_graph * 1e3,
+                     "chain_ms": chain * 1e3, "speedups": [a * plain_s / rnd for a in accepts]})
     return rows
 
 
@@ -127,21 +146,25 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--override", action="append", default=[])
     args = p.parse_args(argv)
     cfg = compose([f"model.path={args.model}", "spec.algorithm=nextn",
-                   f"spec.num_steps={args.num_steps}", "cuda_graph.enabled=false",
+                   f"spec.num_steps={args.num_steps}",
                    f"cache.max_running_requests={max(args.batch)}", *args.override])
     runner = ModelRunner(cfg, args.model)
     rows = bench(runner, args.batch, args.context, args.num_steps, args.accept, args.reps)
     print(f"\nspeculative round (draft chain of {args.num_steps - 1} + verify of "
           f"{args.num_steps + 1} tokens + draft extend) vs one plain decode step, context "
           f"{args.context}, draft: {runner.draft.kind}")
-    head = ["batch", "plain eager ms", "plain graph ms", "round ms", "of it chain ms"] + [
-        f"speed-up @ accept {a}" for a in args.accept]
-    print(" | ".join(head))
+    head = ["batch", "plain eager ms", "round eager ms", "plain graph ms", "round graph ms",
+            "of it chain ms"] + [f"speed-up @ accept {a}" for a in args.accept]
+    print("| " + " | ".join(head) + " |")
+
+    def ms(x: float | None) -> str:
+        return "-" if x is None else f"{x:.2f}"
+
     for r in rows:
-        graph = "-" if r["plain_graph_ms"] is None else f"{r['plain_graph_ms']:.2f}"
-        cells = [str(r["batch"]), f"{r['plain_eager_ms']:.2f}", graph, f"{r['round_ms']:.2f}",
-                 f"{r['chain_ms']:.2f}"] + [f"{x:.2f}x" for x in r["speedups"]]
-        print(" | ".join(cells))
+        cells = [str(r["batch"]), ms(r["plain_eager_ms"]), ms(r["round_eager_ms"]),
+                 ms(r["plain_graph_ms"]), ms(r["round_graph_ms"]), ms(r["chain_ms"])] + [
+            f"{x:.2f}x" for x in r["speedups"]]
+        print("| " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":

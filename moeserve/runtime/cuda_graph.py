@@ -80,6 +80,8 @@ class CudaGraphRunner:
     """Captured decode forwards (hidden → logits) by bucket; `replay` returns the real rows'
     logits [n, V] in the model dtype."""
 
+    label = "decode"  # what the graphs run (logged)
+
     def __init__(self, runner: ModelRunner, max_bs: int):
         self.runner = runner
         self.max_bs = max_bs
@@ -112,14 +114,14 @@ class CudaGraphRunner:
         rec = self.runner.recorder
         stream = torch.cuda.Stream(self.runner.device)
         try:
-            for bs in tqdm(sorted(self.buckets, reverse=True), desc="capturing CUDA graphs",
+            for bs in tqdm(sorted(self.buckets, reverse=True), desc=f"capturing {self.label} CUDA graphs",
                            unit="graph", leave=False):
                 self._capture_one(bs, stream, rec)
         finally:
             if rec is not None:
                 rec.capture_rows = None
         torch.cuda.synchronize(self.runner.device)
-        logger.info("CUDA graphs captured for decode batch sizes %s", self.buckets)
+        logger.info("CUDA graphs captured for %s batch sizes %s", self.label, self.buckets)
 
     def _capture_one(self, bs: int, stream: torch.cuda.Stream, rec) -> None:
         fb = self._static_batch(bs)

@@ -92,6 +92,7 @@ class ModelRunner:
         self.recorder = None  # an ExpertDistributionRecorder for MoE models
         self.moe_parallel = self._moe_parallel(recorder)
         self.draft = None  # spec_mtp.draft.Draft with spec.algorithm=nextn
+        self.draft_graphs = None  # its decode-shaped passes' CUDA graphs (spec_mtp/draft_graphs)
         self.model = self._build_model(model_path)
         self.context_len = cfg.model.context_length or self.hf_config.max_position_embeddings
         self.memory = self._init_memory()
@@ -188,6 +189,11 @@ class ModelRunner:
         graphs = CudaGraphRunner(self, min(self.cfg.cuda_graph.max_bs,
                                            width * self.cfg.cache.max_running_requests))
         graphs.capture()
+        if self.draft is not None:
+            from moeserve.spec_mtp.draft_graphs import DraftGraphRunner
+
+            self.draft_graphs = DraftGraphRunner(self, self.draft, graphs.max_bs)
+            self.draft_graphs.capture()
         return graphs
 
     def _model_kwargs(self, cls: type) -> dict:

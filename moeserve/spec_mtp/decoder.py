@@ -105,8 +105,8 @@ class SpecDecoder:
                 ForwardMode.DECODE, drafts[:, k - 1].contiguous(), pos, slots[:, k - 1], rows,
                 [p + k - 1 for p in fi.prefix_lens], [1] * len(fi.rows),
                 global_mode=ForwardMode.DECODE, global_num_tokens=counts, seq_lens_dev=pos + 1)
-            hidden = self._draft_forward(fb, fb.input_ids, hidden)
-            drafts[:, k] = greedy(self.draft.logits(hidden))
+            logits, hidden = self._draft_step(fb, hidden)
+            drafts[:, k] = greedy(logits)
         return drafts
 
     def _verify(self, fi: ForwardInput, geo, drafts: torch.Tensor):
@@ -203,13 +203,32 @@ class SpecDecoder:
                       pick: torch.Tensor | None, rows: list[int]) -> None:
         """The draft over the target pass's positions (its KV there), then d_1 and the draft
         hidden state of each request from its row `pick`."""
-        out = self._draft_forward(fb, draft_ids, hidden)
+        graphs = self.runner.draft_graphs
+        bs = graphs.bucket_of_step(fb) if graphs is not None and fb.batch_size else None
+        if bs is not None:  # after a verify or a plain decode step: decode-shaped
+            fb.input_ids = draft_ids
+            logits, out = graphs.replay_draft(fb, hidden, bs)
+            logits = logits[pick] if pick is not None else None
+        else:
+            out, logits = self._draft_forward(fb, draft_ids, hidden), None
         if pick is None or not rows:
             return
         chosen = out[pick]
+        if logits is None:
+            logits = self.draft.logits(chosen)
         row_t = torch.tensor(rows, dtype=torch.int64).to(chosen.device)
-        self.next_draft[row_t] = greedy(self.draft.logits(chosen))
+        self.next_draft[row_t] = greedy(logits)
         self.hidden[row_t] = chosen
+
+    def _draft_step(self, fb: ForwardBatch, hidden: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One chain step → (draft logits, draft hidden): replayed where captured."""
+        graphs = self.runner.draft_graphs
+        bs = graphs.bucket_of_step(fb) if graphs is not None else None
+        if bs is not None:
+            return graphs.replay_draft(fb, hidden, bs)
+        hidden = self._draft_forward(fb, fb.input_ids, hidden)
+        return self.draft.logits(hidden), hidden
 
     def _draft_forward(self, fb: ForwardBatch, input_ids: torch.Tensor,
                        hidden: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,68 @@
+"""Test drafts for speculative decoding: they replace SpecDecoder's draft chain with proposals
+built from a plain run (the oracle), so that accepted blocks of every length occur on tiny random
+models whose own draft layers accept almost nothing."""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+from moeserve import Engine
+
+
+def install_oracle_draft(eng: Engine, reference: dict[tuple, list[int]], corrupt: float,
+                         seed: int, alternate: bool = False) -> None:
+    """Replace the draft chain by the reference continuation (from the plain run), each token
+    replaced by a wrong one with probability `corrupt` (`alternate`: every other round is all
+    wrong, the others all right)."""
+    decoder, sched = eng.scheduler.worker.spec, eng.scheduler
+    vocab, n, rng = eng.runner.hf_config.vocab_size, decoder.n, random.Random(seed)
+    rounds = [0]
+
+    def chain(fi, geo):
+        by_row = {r.req_pool_idx: r for r in sched.running}
+        drafts = []
+        rounds[0] += 1
+        wrong = 1.0 if rounds[0] % 2 else 0.0
+        for row, start in zip(fi.rows, fi.prefix_lens):
+            req = by_row[row]
+            full = req.input_ids + reference[tuple(req.input_ids)]
+            d = [full[start + 1 + i] if start + 1 + i < len(full) else 0 for i in range(n)]
+            p = wrong if alternate else corrupt
+            drafts.append([(t + 1) % vocab if rng.random() < p else t for t in d])
+        return torch.tensor(drafts, dtype=torch.int64, device=geo[0].device)
+
+    decoder._draft_chain = chain
+
+
+def install_mode_draft(eng: Engine, modes: list[int]) -> None:
+    """Drafts = the most frequent plain-run token at each output position: the target gives them
+    a large probability, so both acceptance and rejection are frequent."""
+    decoder, sched = eng.scheduler.worker.spec, eng.scheduler
+
+    def chain(fi, geo):
+        by_row = {r.req_pool_idx: r for r in sched.running}
+        drafts = [[modes[min(start + 1 + i - len(by_row[row].input_ids), len(modes) - 1)]
+                   for i in range(decoder.n)] for row, start in zip(fi.rows, fi.prefix_lens)]
+        return torch.tensor(drafts, dtype=torch.int64, device=geo[0].device)
+
+    decoder._draft_chain = chain
+
+
+def test_rejected_round_leaves_no_stale_kv(dsv3):
+    """A round rejecting everything, then one accepting: the second one's queries past its first
+    attend over positions whose drafts the first rejected — they must see the new tokens' K/V
+    (a batch of one request keeps the same rows and lengths, so cached K/V would be reused)."""
+    path, prompts, _, _ = dsv3
+    sp = {**GREEDY, "max_new_tokens": 16}
+    with Engine(path, FP32_CPU) as eng:
+        plain = eng.generate(input_ids=prompts[:1], sampling_params=sp, return_logprob=True)[0]
+    with Engine(path, FP32_CPU + SPEC + ["spec.num_steps=3"]) as eng:
+        install_oracle_draft(eng, {tuple(prompts[0]): plain["output_ids"]}, 0.0, 0,
+                             alternate=True)
+        out = eng.generate(input_ids=prompts[:1], sampling_params=sp, return_logprob=True)[0]
+    assert out["output_ids"] == plain["output_ids"]
+    assert out["meta"]["output_logprobs"] == pytest.approx(plain["meta"]["output_logprobs"],
+                                                           abs=1e-4)
+    assert 1.5 < out["meta"]["spec_accept_length"] < 4
