@@ -1,0 +1,348 @@
+"""`python -m moeserve.spec_mtp.train`: train a NextN draft head for a model that has none.
+
+    python -m moeserve.spec_mtp.train --out .cache/nextn_smollm2            # embedded SmolLM2
+    python -m moeserve.spec_mtp.train --out DIR --resume                    # continue after Ctrl-C
+    python -m moeserve.spec_mtp.train --out DIR --eval-only                 # the agreement table
+
+Self-distillation (train_data.py): the target answers chat prompts greedily, one target forward
+gives its hidden states, both cached in DIR/data/. The head (train_head.py) is trained with
+AdamW in float32 on chains of `--chain-steps` steps, step 1 on the target's hidden state and
+later steps on the head's own previous output, as serving runs it. DIR/checkpoint.pt (head,
+optimizer, step, data cursor) is written every --save-every steps and on Ctrl-C; the head is
+written as DIR/model.safetensors + DIR/config.json for `spec.draft_path=DIR`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import time
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from moeserve.spec_mtp import train_data as data
+from moeserve.spec_mtp.prompts import heldout_prompts, read_prompts, train_prompts
+from moeserve.spec_mtp.train_eval import collate, evaluate, format_table
+from moeserve.spec_mtp.train_head import TrainHead, load_head, save_head
+
+CHECKPOINT = "checkpoint.pt"
+DATA_SHARE = 0.5  # of --budget-minutes: no new training shard is started after it
+# What defines a run: a resumed run takes these from its checkpoint, not from the command line.
+RUN_KEYS = ("lr", "batch_size", "seed", "chain_steps", "detach", "feature_weight",
+            "prompt_loss", "init", "weight_decay", "warmup", "negatives")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m moeserve.spec_mtp.train", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None, help="HF folder or .gguf (default: embedded SmolLM2)")
+    p.add_argument("--out", required=True, help="output DIR (head, checkpoint, data cache)")
+    p.add_argument("--prompts", default=None, help="user messages, one per line or a JSON list")
+    p.add_argument("--num-prompts", type=int, default=1024,
+                   help="training prompts at most (fewer when the data budget runs out)")
+    p.add_argument("--heldout", type=int, default=32, help="held-out prompts for the table")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--generator", choices=("hf", "engine"), default="hf",
+                   help="hf: transformers generate, hidden states captured on the way; engine: "
+                   "the offline Engine, then a forward for the hidden states")
+    p.add_argument("--concurrency", type=int, default=128, help="sequences generated at once")
+    p.add_argument("--epochs", type=float, default=4.0)
+    p.add_argument("--steps", type=int, default=None, help="optimizer steps (overrides epochs)")
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--weight-decay", type=float, default=0.0)
+    p.add_argument("--warmup", type=int, default=20, help="linear warmup steps, then cosine")
+    p.add_argument("--batch-size", type=int, default=8, help="sequences per step")
+    p.add_argument("--chain-steps", type=int, default=3, help="chain steps trained (and shown)")
+    p.add_argument("--detach", action="store_true", help="no gradient through fed-back outputs")
+    p.add_argument("--feature-weight", type=float, default=0.0,
+                   help="weight of a smooth-L1 loss pulling step outputs towards h_{j+1}")
+    p.add_argument("--negatives", type=int, default=1024,
+                   help="random extra tokens scored besides labels and the target's top-16 "
+                   "(-1: score the full vocabulary)")
+    p.add_argument("--prompt-loss", action="store_true", help="also train on prompt positions")
+    p.add_argument("--init", choices=("random", "last_layer"), default="random")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--save-every", type=int, default=50, help="checkpoint period (steps)")
+    p.add_argument("--resume", action="store_true", help="continue from DIR/checkpoint.pt")
+    p.add_argument("--eval-only", action="store_true", help="print DIR's held-out table")
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: pick 1 or 2 by a "
+                   "probe; on a shared 2-core CPU one thread is often faster)")
+    p.add_argument("--budget-minutes", type=float, default=28.0,
+                   help="fit training into this wall time for the whole command (0: off)")
+    return p.parse_args(argv)
+
+
+def pick_threads(requested: int) -> int:
+    """`requested`, or the faster of 1 and 2 threads on a head-sized matmul (~0.5 s): with
+    another process on one of two cores, a 2-thread OpenMP team waits on the busy core and
+    measured 2-10x slower than 1 thread."""
+    if requested > 0:
+        torch.set_num_threads(requested)
+        return requested
+    a, w = torch.randn(256, 576), torch.randn(1536, 576)
+    best, best_t = 1, float("inf")
+    for n in sorted({1, min(2, os.cpu_count() or 1)}):
+        torch.set_num_threads(n)
+        F.linear(a, w)
+        t0 = time.perf_counter()
+        for _ in range(40):
+            F.linear(a, w)
+        if time.perf_counter() - t0 < best_t:
+            best, best_t = n, time.perf_counter() - t0
+    torch.set_num_threads(best)
+    return best
+
+
+def lr_at(step: int, total: int, base: float, warmup: int) -> float:
+    """Linear warmup, then cosine decay to 10% of the base rate at `total`."""
+    if step < warmup:
+        return base * (step + 1) / warmup
+    frac = min(1.0, (step - warmup) / max(1, total - warmup))
+    return base * (0.1 + 0.45 * (1 + math.cos(math.pi * frac)))
+
+
+def candidates(batch, lm_head: torch.Tensor, negatives: int, gen: torch.Generator):
+    """Sorted token ids whose logits the loss computes: every label and the target's top-K at
+    every position of the batch, plus `negatives` uniformly drawn ids."""
+    valid = batch.labels >= 0
+    ids = torch.cat([batch.labels[valid], batch.next_topk[valid].flatten(),
+                     torch.randint(lm_head.shape[0], (negatives,), generator=gen)])
+    return torch.unique(ids)
+
+
+def step_loss(head: TrainHead, batch, lm_head: torch.Tensor, cfg: dict[str, Any],
+              gen: torch.Generator | None = None):
+    """Summed cross-entropy over chain steps (+ optional feature loss); per-step top-1 accuracy
+    among the scored tokens. cfg["negatives"] None scores the full vocabulary; an int scores
+    only `candidates` (the LM head is 90% of a full-vocabulary step's time on this CPU)."""
+    outs = head.chain(batch.embeds, batch.hidden, cfg["chain_steps"], detach=cfg["detach"])
+    loss = torch.zeros(())
+    accs = []
+    weight, cand = lm_head, None
+    if cfg.get("negatives") is not None:
+        cand = candidates(batch, lm_head, cfg["negatives"], gen or torch.Generator())
+        weight = lm_head[cand]  # [C, H]
+    for k, o in enumerate(outs, 1):
+        valid = batch.valid(k)
+        sel, labels = o[valid], batch.labels[valid]  # [M, H], [M]
+        if cand is not None:
+            labels = torch.searchsorted(cand, labels)
+        logits = sel @ weight.T  # [M, V or C]
+        if cfg.get("distill"):  # the target's distribution after t_{j+1}, not only its argmax
+            with torch.no_grad():
+                teacher = (batch.next_hidden[valid] @ weight.T).softmax(-1)
+            loss = loss + F.cross_entropy(logits, teacher)
+        else:
+            loss = loss + F.cross_entropy(logits, labels)
+        if cfg["feature_weight"]:
+            loss = loss + cfg["feature_weight"] * F.smooth_l1_loss(sel, batch.next_hidden[valid])
+        accs.append(float((logits.argmax(-1) == labels).float().mean()))
+    return loss, accs
+
+
+class Trainer:
+    """The optimizer loop with its checkpoint: the step count fixes the data cursor (epoch =
+    step // batches per epoch, shuffled by seed + epoch), so resuming needs no iterator state."""
+
+    def __init__(self, head: TrainHead, target, records: list[dict], cfg: dict[str, Any],
+                 out: str):
+        self.head, self.target, self.records, self.cfg, self.out = head, target, records, cfg, out
+        self.embed = target.get_input_embeddings()
+        self.lm_head = target.get_output_embeddings().weight
+        self.opt = torch.optim.AdamW(head.parameters(), lr=cfg["lr"],
+                                     weight_decay=cfg["weight_decay"])
+        self.step = 0
+        self.retune: Any = None  # called every 25 steps (the thread probe)
+        self.per_epoch = max(1, len(records) // cfg["batch_size"])
+
+    def cursor(self, step: int) -> tuple[int, int]:
+        return step // self.per_epoch, step % self.per_epoch
+
+    def batch_at(self, step: int):
+        epoch, i = self.cursor(step)
+        gen = torch.Generator().manual_seed(self.cfg["seed"] * 1000 + epoch)
+        order = torch.randperm(len(self.records), generator=gen)
+        b = self.cfg["batch_size"]
+        picked = [self.records[int(k)] for k in order[i * b: (i + 1) * b]]
+        return collate(picked, self.embed, self.cfg["prompt_loss"])
+
+    def save_checkpoint(self) -> None:
+        state = {"head": self.head.state_dict(), "optimizer": self.opt.state_dict(),
+                 "step": self.step, "cursor": self.cursor(self.step), "cfg": self.cfg}
+        path = os.path.join(self.out, CHECKPOINT)
+        torch.save(state, path + ".tmp")
+        os.replace(path + ".tmp", path)
+
+    def load_checkpoint(self) -> None:
+        self.load_state(torch.load(os.path.join(self.out, CHECKPOINT), weights_only=False))
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        if state["cfg"].get("train_records", len(self.records)) != len(self.records):
+            raise SystemExit(f"checkpoint was trained on {state['cfg']['train_records']} "
+                             f"records, the data cache now gives {len(self.records)}")
+        self.head.load_state_dict(state["head"])
+        self.opt.load_state_dict(state["optimizer"])
+        self.step, self.cfg = state["step"], state["cfg"]
+
+    def run(self, deadline: float | None) -> None:
+        """Train to cfg["total_steps"], shrinking it (checked every 10 steps, timed from after the
+        warm-up step) when the projected end passes `deadline`; Ctrl-C saves the checkpoint and
+        exits 130."""
+        from tqdm import tqdm
+
+        total = self.cfg["total_steps"]
+        bar = tqdm(total=total, initial=self.step, desc="train", dynamic_ncols=True)
+        avg: list[float] = []
+        probe: tuple[float, int] | None = None  # (time, step) after the first (warm-up) step
+        try:
+            while self.step < self.cfg["total_steps"]:
+                loss, accs = self.train_step()
+                avg = accs if not avg else [0.9 * a + 0.1 * x for a, x in zip(avg, accs)]
+                bar.update(1)
+                bar.set_postfix(loss=f"{float(loss):.3f}", acc1=f"{avg[0]:.3f}",
+                                acc2=f"{avg[1]:.3f}" if len(avg) > 1 else "-")
+                if deadline and probe is None:
+                    probe = (time.time(), self.step)
+                elif deadline and probe and (self.step - probe[1]) % 10 == 0:
+                    self._fit_deadline(probe, deadline, bar)
+                if self.step % self.cfg["save_every"] == 0:
+                    self.save_checkpoint()
+                if self.retune is not None and self.step % 25 == 0:
+                    self.retune()
+        except KeyboardInterrupt:
+            self.save_checkpoint()
+            bar.close()
+            print(f"\ninterrupted: checkpoint at step {self.step} in {self.out}; "
+                  f"continue with --resume", file=sys.stderr)
+            raise SystemExit(130)
+        bar.close()
+        self.save_checkpoint()
+
+    def _fit_deadline(self, probe: tuple[float, int], deadline: float, bar) -> None:
+        per_step = (time.time() - probe[0]) / (self.step - probe[1])
+        fit = self.step + int((deadline - time.time()) / per_step)
+        if fit < self.cfg["total_steps"]:
+            self.cfg["total_steps"] = max(self.step, fit)
+            bar.total = self.cfg["total_steps"]
+            bar.set_description(f"train (budget: {per_step:.1f}s/step)")
+
+    def train_step(self):
+        self.head.train()
+        for group in self.opt.param_groups:
+            group["lr"] = lr_at(self.step, self.cfg["total_steps"], self.cfg["lr"],
+                                self.cfg["warmup"])
+        gen = torch.Generator().manual_seed(self.cfg["seed"] * 7919 + self.step)  # resumable
+        loss, accs = step_loss(self.head, self.batch_at(self.step), self.lm_head, self.cfg, gen)
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.head.parameters(), 1.0)
+        self.opt.step()
+        self.step += 1
+        return loss.detach(), accs
+
+
+def _generator(args, model_path: str, target, tokenizer):
+    if args.generator == "engine":
+        return data.EngineGenerator(model_path, args.max_new_tokens, args.concurrency)
+
+    def generate(ids):
+        pick_threads(args.threads)  # per shard: the CPU's neighbours come and go
+        return data.generate_hf(target, tokenizer, ids, args.max_new_tokens, args.concurrency)
+    return generate
+
+
+def build_data(args, model_path: str, target, tokenizer, train: bool = True,
+               deadline: float | None = None, max_shards: int | None = None):
+    """(train records or None, held-out records), cached in DIR/data/; generation only for
+    shards that are missing, and no new training shard once `deadline` has passed."""
+    gen = _generator(args, model_path, target, tokenizer)
+    prompts = read_prompts(args.prompts) if args.prompts else train_prompts(args.seed)
+    held = set(heldout_prompts(None))
+    prompts = [p for p in prompts if p not in held][: args.num_prompts]
+    try:
+        heldout = data.build_split(args.out, "heldout", model_path, target, tokenizer,
+                                   heldout_prompts(args.heldout), args.max_new_tokens, gen)
+        records = None
+        if train:
+            records = data.build_split(args.out, "train", model_path, target, tokenizer, prompts,
+                                       args.max_new_tokens, gen, deadline=deadline,
+                                       max_shards=max_shards)
+    finally:
+        if hasattr(gen, "close"):
+            gen.close()
+    return records, heldout
+
+
+def summary(result: dict, head_dir: str, t_start: float, meta: dict) -> str:
+    extra = {"head": head_dir, "trained steps": meta.get("trained_steps"),
+             "training prompts / answer tokens": f"{meta.get('prompts')} / {meta.get('tokens')}",
+             "wall time of this command": f"{time.time() - t_start:.0f}s"}
+    if "tokens_seen" in meta:
+        extra["answer tokens trained on (with repeats)"] = meta["tokens_seen"]
+    return format_table(result, extra)
+
+
+def new_cfg(args, n_records: int) -> dict[str, Any]:
+    cfg = {k: getattr(args, k) for k in RUN_KEYS} | {"save_every": args.save_every}
+    cfg["negatives"] = None if args.negatives < 0 else args.negatives
+    per_epoch = max(1, n_records // args.batch_size)
+    cfg["total_steps"] = args.steps or max(1, round(args.epochs * per_epoch))
+    cfg["train_records"] = n_records
+    return cfg
+
+
+def main(argv: list[str] | None = None) -> int:
+    t_start = time.time()
+    args = parse_args(argv)
+    log = print if args.eval_only else (lambda m: print(m, file=sys.stderr))
+    log(f"torch threads: {pick_threads(args.threads)}")
+    model_path = data.resolve_target(args.model, args.out)
+    target, tokenizer = data.load_target(model_path)
+    if args.eval_only:
+        head, meta = load_head(args.out, target)
+        _, heldout = build_data(args, model_path, target, tokenizer, train=False)
+        print(summary(evaluate(head, target, heldout, args.chain_steps), args.out, t_start, meta))
+        return 0
+    torch.manual_seed(args.seed)
+    ckpt = os.path.join(args.out, CHECKPOINT)
+    state = torch.load(ckpt, weights_only=False) if args.resume and os.path.exists(ckpt) else None
+    if args.resume and state is None:
+        log("--resume: no checkpoint yet, starting at step 0")
+    budget = 60 * args.budget_minutes if args.budget_minutes else None
+    data_deadline = t_start + DATA_SHARE * budget if budget and state is None else None
+    max_shards = None
+    if state is not None:  # the data the checkpoint was trained on, not more
+        max_shards = -(-state["cfg"]["train_records"] // data.SHARD_PROMPTS)
+    try:
+        train, heldout = build_data(args, model_path, target, tokenizer, True, data_deadline,
+                                    max_shards)
+    except KeyboardInterrupt:
+        log(f"\ninterrupted while making data: finished shards stay in {args.out}/data/ and "
+            "the next run (with or without --resume) continues from them")
+        return 130
+    log(f"torch threads: {pick_threads(args.threads)}")  # the neighbours may have changed
+    trainer = Trainer(TrainHead(target, args.init), target, train,
+                      state["cfg"] if state else new_cfg(args, len(train)), args.out)
+    if not args.threads:
+        trainer.retune = lambda: pick_threads(0)
+    if state is not None:
+        trainer.load_state(state)
+        log(f"resumed at step {trainer.step}/{trainer.cfg['total_steps']}")
+    eval_reserve = 20 + 0.005 * data.supervised_positions(heldout)  # seconds
+    deadline = t_start + budget - eval_reserve if budget else None
+    trainer.run(deadline)
+    tokens = data.supervised_positions(train)
+    meta = {"trained_steps": trainer.step, "prompts": len(train), "tokens": tokens}
+    save_head(trainer.head, target, args.out, meta)
+    meta["tokens_seen"] = round(tokens * trainer.step * trainer.cfg["batch_size"] / len(train))
+    result = evaluate(trainer.head, target, heldout, trainer.cfg["chain_steps"])
+    print(summary(result, args.out, t_start, meta))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,121 @@
+"""Batches for the NextN trainer and the held-out agreement table.
+
+Agreement is measured the way serving uses the head: chains start at every answer position p
+(step 1 reads the target's h_p and embed(t_{p+1})), step k feeds the head's own output of step
+k-1 back in, and step k is right when its argmax equals the target's greedy token t_{p+k+1}.
+With the tokens teacher-forced, step k's inputs are exactly the serving inputs whenever steps
+1..k-1 were right, so `P(step k | 1..k-1 right)` is the acceptance rate the verifier sees and
+`1 + sum_k P(steps 1..k right)` is the expected accept length (tokens per verify step) at N.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass
+class Batch:
+    """Padded head inputs for B sequences of n = L - 1 positions each.
+
+    embeds [B, n, H] = embed(t_{j+1}); hidden [B, n, H] = target h_j; next_hidden [B, n, H] =
+    target h_{j+1} (the feature step k should reproduce); labels [B, n] = t_{j+2} (-1: none);
+    start [B] = first chain start counted (P - 1 for answers only, 0 with the prompt);
+    next_topk [B, n, K] = the target's top tokens after t_{j+1} (training negatives).
+    """
+
+    embeds: torch.Tensor
+    hidden: torch.Tensor
+    next_hidden: torch.Tensor
+    labels: torch.Tensor
+    start: torch.Tensor
+    next_topk: torch.Tensor
+
+    def valid(self, step: int) -> torch.Tensor:
+        """[B, n] bool: positions j where chain step `step` has a label and a counted start."""
+        n = self.labels.shape[1]
+        j = torch.arange(n).unsqueeze(0)
+        return (self.labels >= 0) & (j - step + 1 >= self.start.unsqueeze(1))
+
+
+def collate(records: list[dict[str, Any]], embed: torch.nn.Module,
+            prompt_loss: bool = False) -> Batch:
+    """Right-padded Batch of records (causal masks keep padding out of real positions)."""
+    n = max(len(r["tokens"]) for r in records) - 1
+    b, h = len(records), records[0]["hidden"].shape[1]
+    tokens = torch.zeros(b, n + 1, dtype=torch.long)
+    hidden = torch.zeros(b, n + 1, h)
+    labels = torch.full((b, n), -1, dtype=torch.long)
+    start = torch.zeros(b, dtype=torch.long)
+    k = records[0]["topk"].shape[1] if "topk" in records[0] else 1
+    topk = torch.zeros(b, n + 1, k, dtype=torch.long)
+    for i, r in enumerate(records):
+        length = len(r["tokens"])
+        tokens[i, :length] = r["tokens"].long()
+        hidden[i, :length] = r["hidden"]
+        labels[i, : length - 2] = tokens[i, 2:length]
+        start[i] = 0 if prompt_loss else r["prompt_len"] - 1
+        if "topk" in r:
+            topk[i, :length] = r["topk"].long()
+    with torch.no_grad():
+        embeds = embed(tokens[:, 1:])
+    return Batch(embeds, hidden[:, :-1], hidden[:, 1:], labels, start, topk[:, 1:])
+
+
+@torch.no_grad()
+def chain_correct(head, lm_head: torch.Tensor, batch: Batch, steps: int) -> list[torch.Tensor]:
+    """Per step k, [B, n] bool: the head's step-k argmax equals the label at that position."""
+    outs = head.chain(batch.embeds, batch.hidden, steps)
+    correct = []
+    for o in outs:
+        pred = torch.empty(batch.labels.shape, dtype=torch.long)
+        flat_o, flat_p = o.reshape(-1, o.shape[-1]), pred.view(-1)
+        for i in range(0, flat_o.shape[0], 2048):  # [chunk, V] logits, not [B * n, V]
+            flat_p[i: i + 2048] = (flat_o[i: i + 2048] @ lm_head.T).argmax(-1)
+        correct.append(pred == batch.labels)
+    return correct
+
+
+@torch.no_grad()
+def evaluate(head, target, records: list[dict[str, Any]], steps: int = 3,
+             batch_size: int = 8) -> dict[str, Any]:
+    """Chained agreement on `records` (answers only), aggregated over chain starts p whose
+    `steps` steps all have labels: per-step, conditional and joint rates, accept lengths."""
+    was_training = head.training
+    head.eval()
+    embed, lm_head = target.get_input_embeddings(), target.get_output_embeddings().weight
+    hits = []  # per chain start: [steps] bool
+    for i in range(0, len(records), batch_size):
+        batch = collate(records[i: i + batch_size], embed)
+        correct = chain_correct(head, lm_head, batch, steps)
+        for b in range(batch.labels.shape[0]):
+            last = int((batch.labels[b] >= 0).sum()) - steps  # last start with all labels
+            for p in range(int(batch.start[b]), last + 1):
+                hits.append(torch.stack([correct[k][b, p + k] for k in range(steps)]))
+    head.train(was_training)
+    h = torch.stack(hits).float() if hits else torch.zeros(0, steps)  # [starts, steps]
+    joint = torch.cumprod(h, dim=1)
+    rows = []
+    for k in range(steps):
+        prev = joint[:, k - 1] if k else torch.ones(len(h))
+        cond = float((joint[:, k].sum() / prev.sum()) if prev.sum() else 0.0)
+        rows.append({"step": k + 1, "agree": float(h[:, k].mean()) if len(h) else 0.0,
+                     "given_prev": cond, "joint": float(joint[:, k].mean()) if len(h) else 0.0})
+    accept = [1.0 + sum(r["joint"] for r in rows[: k + 1]) for k in range(steps)]
+    return {"starts": len(h), "rows": rows, "accept_length": accept}
+
+
+def format_table(result: dict[str, Any], extra: dict[str, Any] | None = None) -> str:
+    """The agreement table the trainer prints at the end (and --eval-only prints alone)."""
+    lines = [f"held-out chained agreement ({result['starts']} chain starts):",
+             "| step | agree (teacher-forced tokens) | agree given earlier steps right | "
+             "all steps so far right | accept length at N=step |",
+             "|---|---|---|---|---|"]
+    for row, acc in zip(result["rows"], result["accept_length"]):
+        lines.append(f"| {row['step']} | {row['agree']:.3f} | {row['given_prev']:.3f} | "
+                     f"{row['joint']:.3f} | {acc:.2f} |")
+    for key, value in (extra or {}).items():
+        lines.append(f"{key}: {value}")
+    return "\n".join(lines)

@@ -1,0 +1,180 @@
+"""The NextN draft head as the trainer builds it: transformers modules of the target's own family.
+
+    o_i = norm(layer(eh_proj([enorm(embed(t_{i+1})) | hnorm(h_i)])))     logits_i = lm_head(o_i)
+
+h_i is the target's post-norm final hidden state; logits_i predict t_{i+2}. `layer` is one
+decoder layer of the target's class (LlamaDecoderLayer for SmolLM2), so this module and the
+serving side's `spec_mtp/head.py` compute the same function from the same file. The embedding and
+the LM head stay the target's: frozen here, absent from the file.
+
+Training must see what serving feeds the head (EAGLE's observation): at serving time step 1 reads
+the target's h at the last accepted position, and steps 2..N read the head's own previous output.
+`chain` runs K such steps over every position of a sequence at once. Step k at position j
+stands for a chain that started at p = j - k + 1: its query attends to the teacher-forced keys
+of positions 0..p (what the serving side's draft KV holds after verification re-runs the head
+over the accepted tokens) and to the keys of its own chain's steps 2..k at positions p+1..j.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import json
+import os
+from typing import Any
+
+import torch
+from torch import nn
+
+HEAD_FILE, CONFIG_FILE = "model.safetensors", "config.json"
+
+
+class _ChainKV:
+    """The minimal transformers Cache protocol: keys/values of earlier steps, concatenated."""
+
+    def __init__(self) -> None:
+        self.k: torch.Tensor | None = None
+        self.v: torch.Tensor | None = None
+
+    def update(self, k: torch.Tensor, v: torch.Tensor, *args: Any, **kwargs: Any):
+        self.k = k if self.k is None else torch.cat([self.k, k], dim=2)  # [B, kv_heads, S, D]
+        self.v = v if self.v is None else torch.cat([self.v, v], dim=2)
+        return self.k, self.v
+
+
+def chain_mask(n: int, step: int, dtype: torch.dtype) -> torch.Tensor:
+    """Additive mask [1, 1, n, step * n] for the queries of chain step `step` (1-based).
+
+    Keys are laid out step-major: block s holds step s's keys for positions 0..n-1. Query j
+    (chain start p = j - step + 1) may see block 1 at positions <= p, and block s >= 2 only at
+    position p + s - 1. Every query sees at least its own key, so no row is empty.
+    """
+    j = torch.arange(n).view(n, 1)
+    m = torch.arange(n).view(1, n)
+    blocks = [m <= j - step + 1]
+    blocks += [m == j - step + s for s in range(2, step + 1)]
+    allowed = torch.cat(blocks, dim=1)  # [n, step * n]
+    mask = torch.zeros(allowed.shape, dtype=dtype)
+    mask.masked_fill_(~allowed, torch.finfo(dtype).min)
+    return mask.view(1, 1, n, step * n)
+
+
+class TrainHead(nn.Module):
+    """enorm, hnorm, eh_proj [H, 2H], one decoder layer of the target's class, norm."""
+
+    def __init__(self, target: nn.Module, init: str = "random", eh_init: str = "identity"):
+        super().__init__()
+        cfg = target.config
+        base = target.model
+        h = cfg.hidden_size
+        norm_cls = type(base.norm)
+        self.enorm, self.hnorm = norm_cls(h, eps=cfg.rms_norm_eps), norm_cls(h, eps=cfg.rms_norm_eps)
+        self.eh_proj = nn.Linear(2 * h, h, bias=False)
+        if init == "last_layer":
+            self.layer = copy.deepcopy(base.layers[-1])
+            self.norm = copy.deepcopy(base.norm)
+        elif init == "random":
+            self.layer = type(base.layers[-1])(cfg, layer_idx=0)
+            self.layer.apply(target._init_weights)
+            self.norm = norm_cls(h, eps=cfg.rms_norm_eps)
+        else:
+            raise ValueError(f"unknown init {init!r} (last_layer | random)")
+        self.layer.self_attn.layer_idx = 0
+        if eh_init == "identity":
+            with torch.no_grad():  # [0 | I]: at init the layer reads the target's hidden state
+                self.eh_proj.weight.zero_()
+                self.eh_proj.weight[:, h:].copy_(torch.eye(h))
+        self.rotary = type(base.rotary_emb)(config=cfg)
+        self.requires_grad_(True)  # the copies inherit the frozen target's flags
+        self._cache_kw = _cache_kwarg(self.layer)
+
+    def step(self, e: torch.Tensor, hidden: torch.Tensor, mask: torch.Tensor, rope, kv: _ChainKV,
+             positions: torch.Tensor) -> torch.Tensor:
+        """One head application; e is enorm(embed) already. [B, n, H] -> [B, n, H]."""
+        x = self.eh_proj(torch.cat([e, self.hnorm(hidden)], dim=-1))
+        y = self.layer(x, attention_mask=mask, position_ids=positions, position_embeddings=rope,
+                       **{self._cache_kw: kv})
+        return self.norm(y[0] if isinstance(y, tuple) else y)
+
+    def chain(self, embeds: torch.Tensor, hidden: torch.Tensor, steps: int,
+              detach: bool = False) -> list[torch.Tensor]:
+        """Outputs of chain steps 1..steps at every position (see the module docstring).
+
+        embeds [B, n, H] = embed(t_{j+1}); hidden [B, n, H] = target h_j. Step k's hidden input at
+        position j is step k-1's output at j-1; `detach` stops gradients through that feedback.
+        """
+        b, n, _ = embeds.shape
+        positions = torch.arange(n, device=embeds.device).unsqueeze(0)
+        rope = self.rotary(embeds, positions)
+        e = self.enorm(embeds)
+        kv = _ChainKV()
+        outs: list[torch.Tensor] = []
+        h_in = hidden
+        for k in range(1, steps + 1):
+            o = self.step(e, h_in, chain_mask(n, k, embeds.dtype).to(embeds.device), rope, kv,
+                          positions)
+            outs.append(o)
+            prev = o.detach() if detach else o
+            h_in = torch.cat([torch.zeros_like(prev[:, :1]), prev[:, :-1]], dim=1)  # shift right
+        return outs
+
+    def head_state_dict(self) -> dict[str, torch.Tensor]:
+        """The file's tensors: the head's parameters only (the rotary buffer is derived)."""
+        return {k: v.detach().contiguous() for k, v in self.named_parameters()}
+
+
+def _cache_kwarg(layer: nn.Module) -> str:
+    """transformers renamed the decoder layer's `past_key_values` argument to `cache` (5.x)."""
+    params = inspect.signature(layer.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def head_config(target: nn.Module, meta: dict[str, Any]) -> dict[str, Any]:
+    """DIR/config.json: what the serving side checks against its target, plus training facts."""
+    cfg = target.config
+    return {
+        "architecture": "NextNHead",
+        "target_architecture": (cfg.architectures or [type(target).__name__])[0],
+        "hidden_size": cfg.hidden_size,
+        "vocab_size": cfg.vocab_size,
+        "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.num_key_value_heads,
+        "intermediate_size": cfg.intermediate_size,
+        "rms_norm_eps": cfg.rms_norm_eps,
+        **meta,
+    }
+
+
+def save_head(head: TrainHead, target: nn.Module, out: str, meta: dict[str, Any],
+              dtype: torch.dtype = torch.float32) -> None:
+    """Write DIR/model.safetensors and DIR/config.json; tmp + rename so readers never see half."""
+    from safetensors.torch import save_file
+
+    os.makedirs(out, exist_ok=True)
+    tensors = {k: v.to(dtype) for k, v in head.head_state_dict().items()}
+    tmp = os.path.join(out, HEAD_FILE + ".tmp")
+    save_file(tensors, tmp, metadata={"format": "pt"})
+    os.replace(tmp, os.path.join(out, HEAD_FILE))
+    with open(os.path.join(out, CONFIG_FILE), "w") as f:
+        json.dump(head_config(target, meta), f, indent=2)
+
+
+def load_head(path: str, target: nn.Module) -> tuple[TrainHead, dict[str, Any]]:
+    """A TrainHead with DIR's weights (float32) and DIR's config.json, checked against target."""
+    from safetensors.torch import load_file
+
+    with open(os.path.join(path, CONFIG_FILE)) as f:
+        cfg = json.load(f)
+    if cfg.get("architecture") != "NextNHead":
+        raise ValueError(f"{path}: config.json is not a NextNHead")
+    expected = head_config(target, {})
+    for key in ("target_architecture", "hidden_size", "vocab_size", "num_key_value_heads"):
+        if cfg.get(key) != expected[key]:
+            raise ValueError(f"{path}: {key}={cfg.get(key)} but the target has {expected[key]}")
+    head = TrainHead(target)
+    tensors = {k: v.float() for k, v in load_file(os.path.join(path, HEAD_FILE)).items()}
+    head.load_state_dict(tensors, strict=False)
+    missing = set(head.head_state_dict()) ^ set(tensors)
+    if missing:
+        raise ValueError(f"{path}: tensor names differ from the head's: {sorted(missing)[:4]}")
+    return head, cfg

@@ -1,0 +1,192 @@
+"""The NextN trainer on a tiny random Llama: chained training matches serving-time chaining, loss
+falls, the file format round-trips, and a resumed run equals an uninterrupted one."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from moeserve.spec_mtp import train as train_mod
+from moeserve.spec_mtp import train_data as data
+from moeserve.spec_mtp.train_eval import collate, evaluate
+from moeserve.spec_mtp.train_head import TrainHead, _ChainKV, chain_mask, load_head, save_head
+
+LAYER_NAMES = {
+    "layer.self_attn.q_proj.weight", "layer.self_attn.k_proj.weight",
+    "layer.self_attn.v_proj.weight", "layer.self_attn.o_proj.weight",
+    "layer.mlp.gate_proj.weight", "layer.mlp.up_proj.weight", "layer.mlp.down_proj.weight",
+    "layer.input_layernorm.weight", "layer.post_attention_layernorm.weight",
+}
+HEAD_NAMES = {"enorm.weight", "hnorm.weight", "eh_proj.weight", "norm.weight"} | LAYER_NAMES
+CONFIG_KEYS = {"architecture", "target_architecture", "hidden_size", "vocab_size",
+               "num_attention_heads", "num_key_value_heads", "intermediate_size",
+               "rms_norm_eps", "trained_steps", "prompts", "tokens"}
+PROMPTS = ["Explain rivers.", "Write a poem about tea.", "What is chess?", "Describe glaciers.",
+           "Give tips for sleep.", "Why is the sky blue?"]
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_model):
+    """(target, tokenizer, records): greedy answers of the tiny model and its hidden states."""
+    torch.manual_seed(0)
+    target, tokenizer = data.load_target(tiny_model("llama"))
+    ids = data.chat_ids(tokenizer, PROMPTS)
+    generated = data.generate_hf(target, tokenizer, ids, max_new=12, batch=4)
+    return target, tokenizer, data.make_records(target, ids, generated)
+
+
+def test_generate_hf_captures_forward_hidden_states(tiny):
+    """The hidden states hooked out of batched, left-padded generation equal one plain forward
+    over prompt + answer, and the answers are the target's greedy tokens."""
+    target, _, records = tiny
+    assert all(len(r["tokens"]) - r["prompt_len"] == 12 for r in records)
+    for r in records:
+        ids = r["tokens"].long().tolist()
+        ref = data.hidden_states(target, ids)
+        torch.testing.assert_close(r["hidden"], ref, rtol=1e-4, atol=1e-4)
+        greedy = (ref @ target.lm_head.weight.T).argmax(-1)  # the next token at each position
+        assert greedy[r["prompt_len"] - 1: -1].tolist() == ids[r["prompt_len"]:]
+        assert torch.equal(r["topk"][:, 0].long(), greedy)
+
+
+def _cfg(**kw):
+    cfg = dict(lr=1e-2, batch_size=3, seed=0, chain_steps=3, detach=False, feature_weight=0.0,
+               prompt_loss=True, init="random", weight_decay=0.0, warmup=2, save_every=2,
+               total_steps=6, negatives=256)
+    return cfg | kw
+
+
+def test_chain_mask_layout():
+    allowed = chain_mask(5, 2, torch.float32)[0, 0] == 0  # [5 queries, 2 blocks x 5 keys]
+    # step 2 at j=3 started at p=2: teacher-forced keys 0..2 and its own step-2 key at 3
+    assert allowed[3].nonzero().flatten().tolist() == [0, 1, 2, 5 + 3]
+    step3 = chain_mask(6, 3, torch.float32)[0, 0] == 0
+    assert step3[4].nonzero().flatten().tolist() == [0, 1, 2, 6 + 3, 12 + 4]
+    assert step3.any(dim=1).all()  # no empty row (no NaN for positions without a chain)
+
+
+def test_chain_equals_serving_order(tiny):
+    """Step 2 of `chain` at p+1 equals running the head as serving does: teacher-forced prefix
+    0..p, then one step on the head's own output with the drafted token's embedding."""
+    target, _, records = tiny
+    head = TrainHead(target).eval()
+    batch = collate(records[:1], target.get_input_embeddings())
+    with torch.no_grad():
+        torch.nn.init.normal_(head.eh_proj.weight, std=0.05)  # not the identity init
+        o1, o2 = head.chain(batch.embeds, batch.hidden, steps=2)
+        p = batch.labels.shape[1] // 2
+        e = head.enorm(torch.cat([batch.embeds[:, : p + 1], batch.embeds[:, p + 1: p + 2]], 1))
+        h = torch.cat([batch.hidden[:, : p + 1], o1[:, p: p + 1]], dim=1)
+        pos = torch.arange(p + 2).unsqueeze(0)
+        mask = chain_mask(p + 2, 1, torch.float32)
+        serve = head.step(e, h, mask, head.rotary(e, pos), _ChainKV(), pos)
+    torch.testing.assert_close(serve[0, -1], o2[0, p + 1], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(serve[0, : p + 1], o1[0, : p + 1], rtol=1e-4, atol=1e-5)
+
+
+def test_few_steps_reduce_loss(tiny):
+    """Full-vocabulary loss and accuracy before/after 30 steps on candidate-softmax training.
+
+    The tiny model's frozen LM head has N(0, 0.02) rows, so its logits span about +-1 and the
+    cross-entropy over 129k tokens cannot fall far: accuracy is the sharper signal here."""
+    target, _, records = tiny
+    torch.manual_seed(0)
+    trainer = train_mod.Trainer(TrainHead(target), target, records, _cfg(total_steps=30), "")
+    lm_head = target.get_output_embeddings().weight
+    batch = collate(records, target.get_input_embeddings(), prompt_loss=True)
+    full = trainer.cfg | {"negatives": None}
+    with torch.no_grad():
+        before, accs_before = train_mod.step_loss(trainer.head, batch, lm_head, full)
+    for _ in range(30):
+        trainer.train_step()
+    with torch.no_grad():
+        after, accs = train_mod.step_loss(trainer.head, batch, lm_head, full)
+    assert float(after) < float(before) - 1.5, (float(before), float(after))
+    assert max(accs_before) < 0.05 and min(accs) > 0.5, (accs_before, accs)
+
+
+def test_save_load_round_trip(tiny, tmp_path):
+    target, _, _ = tiny
+    head = TrainHead(target)
+    with torch.no_grad():
+        for p in head.parameters():
+            p.add_(0.01 * torch.randn(p.shape))
+    save_head(head, target, str(tmp_path), {"trained_steps": 7, "prompts": 6, "tokens": 60})
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    assert set(tensors) == HEAD_NAMES
+    h = target.config.hidden_size
+    assert tensors["eh_proj.weight"].shape == (h, 2 * h)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    assert set(cfg) == CONFIG_KEYS
+    assert cfg["architecture"] == "NextNHead" and cfg["target_architecture"] == "LlamaForCausalLM"
+    assert (cfg["hidden_size"], cfg["trained_steps"]) == (h, 7)
+    loaded, _ = load_head(str(tmp_path), target)
+    for name, t in head.head_state_dict().items():
+        assert torch.equal(loaded.head_state_dict()[name], t), name
+        assert torch.equal(tensors[name], t), name
+
+
+def test_resume_equals_uninterrupted(tiny, tmp_path):
+    """Ctrl-C at step 3 saves the checkpoint; resuming to step 6 gives the same weights as one
+    uninterrupted 6-step run (the data cursor and AdamW state come back)."""
+    target, _, records = tiny
+
+    def fresh_head() -> TrainHead:
+        torch.manual_seed(1)  # the same random init for both runs
+        return TrainHead(target)
+
+    straight = train_mod.Trainer(fresh_head(), target, records, _cfg(), str(tmp_path))
+    straight.run(deadline=None)
+
+    part = tmp_path / "part"
+    part.mkdir()
+    interrupted = train_mod.Trainer(fresh_head(), target, records, _cfg(), str(part))
+    real_step = interrupted.train_step
+
+    def step_then_interrupt():
+        if interrupted.step == 3:
+            raise KeyboardInterrupt
+        return real_step()
+
+    interrupted.train_step = step_then_interrupt
+    with pytest.raises(SystemExit) as exc:
+        interrupted.run(deadline=None)
+    assert exc.value.code == 130
+    assert torch.load(part / "checkpoint.pt", weights_only=False)["step"] == 3
+
+    resumed = train_mod.Trainer(TrainHead(target), target, records, _cfg(), str(part))
+    resumed.load_checkpoint()
+    assert resumed.step == 3 and resumed.cursor(3) == (1, 1)
+    resumed.run(deadline=None)
+    assert resumed.step == 6
+    for name, t in straight.head.head_state_dict().items():
+        torch.testing.assert_close(resumed.head.head_state_dict()[name], t, rtol=0, atol=0)
+
+
+def test_cli_trains_caches_and_evaluates(tiny_model, tmp_path, capsys):
+    out = str(tmp_path / "head")
+    args = ["--model", tiny_model("llama"), "--out", out, "--num-prompts", "4", "--heldout", "2",
+            "--max-new-tokens", "6", "--steps", "3", "--batch-size", "2", "--generator", "hf",
+            "--budget-minutes", "0", "--threads", "1"]
+    assert train_mod.main(args) == 0
+    assert {"model.safetensors", "config.json", "checkpoint.pt"} <= set(os.listdir(out))
+    shard = os.path.join(out, "data", "train-0000.pt")
+    mtime = os.stat(shard).st_mtime_ns
+    assert train_mod.main(["--eval-only", *args]) == 0
+    assert os.stat(shard).st_mtime_ns == mtime  # cached data reused, not generated again
+    text = capsys.readouterr().out
+    assert text.count("| 3 |") == 2 and "accept length" in text
+    cfg = json.loads(open(os.path.join(out, "config.json")).read())
+    assert cfg["trained_steps"] == 3 and cfg["prompts"] == 4
+
+
+def test_evaluate_counts_only_full_chains(tiny):
+    target, _, records = tiny
+    result = evaluate(TrainHead(target), target, records[:2], steps=3)
+    answers = sum(len(r["tokens"]) - r["prompt_len"] for r in records[:2])
+    assert result["starts"] == answers - 2 * 3  # per record: answer length - steps starts
+    assert len(result["rows"]) == 3 and result["accept_length"][0] >= 1.0
