@@ -79,7 +79,9 @@ def main(argv: list[str] | None = None) -> None:
         rows.append((("off" if n == 0 else f"N={n}"), tok_s, accepted / verify if verify else None,
                      (accepted - verify) / drafts if drafts else None, served,
                      outs == reference))
-        print(f"done {rows[-1][0]}", flush=True)
+        print(f"{rows[-1][0]}: batch-1 {tok_s:.1f} tok/s, accept length "
+              f"{rows[-1][2] if rows[-1][2] is None else round(rows[-1][2], 2)}, served "
+              f"{served:.1f} tok/s, outputs = off: {rows[-1][5]}", flush=True)
     off_b1, off_served = rows[0][1], rows[0][4]
     print(f"\n{len(prompts)} held-out chat prompts, {args.max_new_tokens} new tokens, greedy; "
           f"served: {2 * args.concurrency} requests at {args.concurrency} in flight")
