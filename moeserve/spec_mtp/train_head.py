@@ -62,7 +62,10 @@ def chain_mask(n: int, step: int, dtype: torch.dtype) -> torch.Tensor:
 class TrainHead(nn.Module):
     """enorm, hnorm, eh_proj [H, 2H], one decoder layer of the target's class, norm."""
 
-    def __init__(self, target: nn.Module, init: str = "random", eh_init: str = "identity"):
+    def __init__(self, target: nn.Module, init: str = "ridge"):
+        """init: "ridge" (random layer, the target's final norm; `fit_eh_proj` then sets
+        eh_proj), "random" (random layer, eh_proj [0 | I], unit norm) or "last_layer" (copies
+        of the target's last layer and final norm, eh_proj [0 | I])."""
         super().__init__()
         cfg = target.config
         base = target.model
@@ -70,20 +73,18 @@ class TrainHead(nn.Module):
         norm_cls = type(base.norm)
         self.enorm, self.hnorm = norm_cls(h, eps=cfg.rms_norm_eps), norm_cls(h, eps=cfg.rms_norm_eps)
         self.eh_proj = nn.Linear(2 * h, h, bias=False)
+        if init not in ("ridge", "random", "last_layer"):
+            raise ValueError(f"unknown init {init!r} (ridge | random | last_layer)")
         if init == "last_layer":
             self.layer = copy.deepcopy(base.layers[-1])
-            self.norm = copy.deepcopy(base.norm)
-        elif init == "random":
+        else:
             self.layer = type(base.layers[-1])(cfg, layer_idx=0)
             self.layer.apply(target._init_weights)
-            self.norm = norm_cls(h, eps=cfg.rms_norm_eps)
-        else:
-            raise ValueError(f"unknown init {init!r} (last_layer | random)")
+        self.norm = norm_cls(h, eps=cfg.rms_norm_eps) if init == "random" else copy.deepcopy(base.norm)
         self.layer.self_attn.layer_idx = 0
-        if eh_init == "identity":
-            with torch.no_grad():  # [0 | I]: at init the layer reads the target's hidden state
-                self.eh_proj.weight.zero_()
-                self.eh_proj.weight[:, h:].copy_(torch.eye(h))
+        with torch.no_grad():  # [0 | I]: at init the layer reads the target's hidden state
+            self.eh_proj.weight.zero_()
+            self.eh_proj.weight[:, h:].copy_(torch.eye(h))
         self.rotary = type(base.rotary_emb)(config=cfg)
         self.requires_grad_(True)  # the copies inherit the frozen target's flags
         self._cache_kw = _cache_kwarg(self.layer)
@@ -121,6 +122,37 @@ class TrainHead(nn.Module):
     def head_state_dict(self) -> dict[str, torch.Tensor]:
         """The file's tensors: the head's parameters only (the rotary buffer is derived)."""
         return {k: v.detach().contiguous() for k, v in self.named_parameters()}
+
+
+@torch.no_grad()
+def fit_eh_proj(head: TrainHead, target: nn.Module, records: list[dict[str, Any]],
+                ridge: float = 1e-4) -> int:
+    """Set eh_proj to the least-squares map from [enorm(e_j) | hnorm(h_j)] to the direction of
+    the target's next hidden state h_{j+1} (divided by the head's final-norm weight, so that
+    norm() of the projection alone reproduces h_{j+1}) over the answer positions of `records`.
+
+    With the fresh layer's small residual updates this head already predicts t_{j+2}: on
+    SmolLM2 the fit alone gave 0.34 held-out step-1 agreement, which SGD from the [0 | I] init
+    took ~60 steps (~3 CPU minutes) to reach; the fit takes seconds. Returns the positions used.
+    """
+    from moeserve.spec_mtp.train_eval import collate
+
+    embed = target.get_input_embeddings()
+    w = head.norm.weight
+    w = torch.where(w.abs() < 1e-2, torch.full_like(w, 1e-2), w)  # no division by ~0
+    h = w.shape[0]
+    xtx, xty, n = torch.zeros(2 * h, 2 * h), torch.zeros(2 * h, h), 0
+    for i in range(0, len(records), 16):
+        batch = collate(records[i: i + 16], embed)
+        valid = batch.valid(1)
+        x = torch.cat([head.enorm(batch.embeds[valid]), head.hnorm(batch.hidden[valid])], -1)
+        y = batch.next_hidden[valid] / w
+        xtx += x.T @ x  # [2H, 2H]
+        xty += x.T @ y  # [2H, H]
+        n += x.shape[0]
+    sol = torch.linalg.solve(xtx + ridge * max(n, 1) * torch.eye(2 * h), xty)
+    head.eh_proj.weight.copy_(sol.T)
+    return n
 
 
 def _cache_kwarg(layer: nn.Module) -> str:
