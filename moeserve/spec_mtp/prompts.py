@@ -46,7 +46,12 @@ TRAIN_TOPICS = (
     "renewable energy", "the immune system", "ancient Egypt", "coral reefs", "video games",
     "sleep", "the Renaissance", "rivers", "bicycles", "cloud computing",
     "penguins", "democracy", "tea", "the periodic table", "robots",
-    "time zones", "mountains", "the violin",
+    "time zones", "mountains", "the violin", "photography", "the Vikings", "deserts",
+    "electric guitars", "trains", "the ocean tides", "yoga", "the camera obscura",
+    "wind turbines", "ants", "the Amazon River", "public speaking", "pizza", "satellites",
+    "the Ice Age", "kindness", "museums", "rice farming", "sharks", "the telephone",
+    "marathons", "the Milky Way", "bees and flowers", "castles", "soap", "the Eiffel Tower",
+    "fireworks", "owls",
 )
 
 HELDOUT_TOPICS = (
@@ -70,7 +75,9 @@ TRAIN_TASKS = (
     "sorts a list of names alphabetically", "finds the average of a list of numbers",
     "counts how often each word appears in a text", "merges two sorted lists",
     "returns the Fibonacci numbers below a limit", "capitalizes the first letter of every word",
-    "checks whether two strings are anagrams",
+    "checks whether two strings are anagrams", "counts the lines in a text file",
+    "finds the common elements of two lists", "rounds a price to two decimals",
+    "splits a sentence into words", "computes the greatest common divisor of two numbers",
 )
 
 HELDOUT_TASKS = (
@@ -109,7 +116,7 @@ def _split(topics, tasks, math, seed: int) -> list[str]:
 
 
 def train_prompts(seed: int = 0) -> list[str]:
-    """All training user messages (~1000), shuffled by `seed`; take a prefix for a smaller set."""
+    """All training user messages (~1600), shuffled by `seed`; take a prefix for a smaller set."""
     return _split(TRAIN_TOPICS, TRAIN_TASKS, TRAIN_MATH, seed)
 
 

@@ -70,8 +70,8 @@ class TrainHead(nn.Module):
         cfg = target.config
         base = target.model
         h = cfg.hidden_size
-        norm_cls = type(base.norm)
-        self.enorm, self.hnorm = norm_cls(h, eps=cfg.rms_norm_eps), norm_cls(h, eps=cfg.rms_norm_eps)
+        norm_cls, eps = type(base.norm), cfg.rms_norm_eps
+        self.enorm, self.hnorm = norm_cls(h, eps=eps), norm_cls(h, eps=eps)
         self.eh_proj = nn.Linear(2 * h, h, bias=False)
         if init not in ("ridge", "random", "last_layer"):
             raise ValueError(f"unknown init {init!r} (ridge | random | last_layer)")
@@ -80,7 +80,7 @@ class TrainHead(nn.Module):
         else:
             self.layer = type(base.layers[-1])(cfg, layer_idx=0)
             self.layer.apply(target._init_weights)
-        self.norm = norm_cls(h, eps=cfg.rms_norm_eps) if init == "random" else copy.deepcopy(base.norm)
+        self.norm = norm_cls(h, eps=eps) if init == "random" else copy.deepcopy(base.norm)
         self.layer.self_attn.layer_idx = 0
         with torch.no_grad():  # [0 | I]: at init the layer reads the target's hidden state
             self.eh_proj.weight.zero_()
