@@ -79,6 +79,10 @@ class SchedulerConfig:
     min_new_token_ratio: float = 0.1
     new_token_ratio_decay: float = 0.001  # per decode step, back towards the minimum
     stream_interval: int = 1  # decode steps between streamed outputs
+    # Prefill steps carry the running decodes along (one token each, in the same eager forward),
+    # so decoding does not stall while new requests prefill; the chunk budget shrinks by them.
+    mixed_chunk: bool = False
+    log_interval_s: float = 10.0  # per-rank step statistics in the log (0: off)
     # CPU: OpenMP threads of each rank's forward. None: the rank's share of the cores, but 1 for a
     # light model (decoder layers under 10M parameters), whose decode step is mostly per-op host
     # work: a second thread gains little there and stalls its parallel regions on the cores the
@@ -306,6 +310,8 @@ def validate(cfg: MoeserveConfig) -> MoeserveConfig:
     _check_positive("scheduler.chunked_prefill_size", cfg.scheduler.chunked_prefill_size, False)
     _check_positive("scheduler.stream_interval", cfg.scheduler.stream_interval, False)
     _check_positive("scheduler.cpu_threads", cfg.scheduler.cpu_threads)
+    if cfg.scheduler.log_interval_s < 0:
+        raise ConfigError("scheduler.log_interval_s", "must be >= 0 (0: off)")
     _check_positive("server.max_n", cfg.server.max_n, False)
     _check_positive("server.max_request_bytes", cfg.server.max_request_bytes, False)
     if cfg.server.shutdown_timeout_s < 0:

@@ -118,18 +118,33 @@ if [[ $what == multigpu || $what == p2p ]]; then
 fi
 
 if [[ $what == serving || $what == all ]]; then
+  # SERVING_VARIANTS: '|'-separated server overrides, one server each ("" = the defaults);
+  # SERVING_CONC: concurrencies; SERVER_ARGS apply to every variant.
   python3 -m moeserve.tools.make_random --shape qwen3_30b_a3b --config-only --out /tmp/q3moe_full \
     >/dev/null
-  python3 -m launch.server model.path=/tmp/q3moe_full model.load_format=dummy device=cuda \
-    server.port=31000 cache.max_running_requests=256 ${SERVER_ARGS:-} \
-    > "$OUT/server.log" 2>&1 &
-  SERVER=$!
-  for _ in $(seq 1 120); do curl -sf http://127.0.0.1:31000/health >/dev/null && break; sleep 2; done
-  tail -5 "$OUT/server.log"
-  for c in 64 256; do
-    timeout 200 python3 -m moeserve.bench.serving --base-url http://127.0.0.1:31000 --num-prompts $((c * 2)) \
-      --max-concurrency $c --random-input-len 256 --random-output-len 128 --ignore-eos \
-      --tokenizer /tmp/q3moe_full --output-file "$OUT/serving.jsonl" 2>&1 | tee -a "$OUT/serving.log"
+  IFS='|' read -ra variants <<< "${SERVING_VARIANTS:-}"
+  [ ${#variants[@]} -eq 0 ] && variants=("")
+  i=0
+  for v in "${variants[@]}"; do
+    i=$((i + 1))
+    echo "== serving variant $i: ${SERVER_ARGS:-} $v" | tee -a "$OUT/serving.log"
+    python3 -m launch.server model.path=/tmp/q3moe_full model.load_format=dummy device=cuda \
+      server.port=31000 cache.max_running_requests=256 ${SERVER_ARGS:-} $v \
+      > "$OUT/server_$i.log" 2>&1 &
+    SERVER=$!
+    for _ in $(seq 1 150); do
+      curl -sf http://127.0.0.1:31000/health >/dev/null && break
+      kill -0 $SERVER 2>/dev/null || break  # it died: its log says why
+      sleep 2
+    done
+    tail -3 "$OUT/server_$i.log"
+    curl -sf http://127.0.0.1:31000/health >/dev/null || { echo "server $i did not start"; continue; }
+    for c in ${SERVING_CONC:-64 256}; do
+      timeout 200 python3 -m moeserve.bench.serving --base-url http://127.0.0.1:31000 \
+        --num-prompts $((c * 2)) --max-concurrency $c --random-input-len 256 \
+        --random-output-len 128 --ignore-eos --tokenizer /tmp/q3moe_full \
+        --output-file "$OUT/serving.jsonl" 2>&1 | tee -a "$OUT/serving.log"
+    done
+    kill $SERVER; wait $SERVER
   done
-  kill $SERVER; wait $SERVER
 fi

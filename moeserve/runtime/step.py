@@ -22,7 +22,7 @@ class ForwardInput:
     prefix_lens: list[int]
     extend_lens: list[int]
     out_cache_loc: torch.Tensor  # [T] slots for the new tokens
-    new_token_ids: list[int] | None  # EXTEND: ids of the new tokens; DECODE: read from the table
+    new_token_ids: list[int] | None  # EXTEND/MIXED: the prefills' new ids; decodes: in the table
     sampling: list[SamplingParams]
     generators: list[torch.Generator | None]
     top_logprobs_nums: list[int]  # -1: no logprobs for this request

@@ -27,17 +27,22 @@ class ScheduledBatch:
 
     @classmethod
     def build(cls, mode: ForwardMode, reqs: list[Req], extend_lens: list[int], slots,
-              partial: list[bool]) -> ScheduledBatch:
-        """Assign the new tokens' slots, advance kv_len/device_len and describe the step."""
+              partial: list[bool], riders: int = 0) -> ScheduledBatch:
+        """Assign the new tokens' slots, advance kv_len/device_len and describe the step.
+
+        MIXED: the last `riders` requests are running decodes riding along with the prefills
+        (one token each); their input tokens were sampled on the device and are already in the
+        token table (the host may not know them yet), so only the prefills' tokens travel."""
         prefix_lens = [r.kv_len for r in reqs]
         new_ids, history, after = None, [], []
-        if mode == ForwardMode.EXTEND:
-            new_ids = [t for r, n in zip(reqs, extend_lens) for t in r.fill_ids[r.kv_len : r.kv_len + n]]
-            history = [(r.req_pool_idx, r.fill_ids[: r.kv_len]) for r in reqs
+        if mode in (ForwardMode.EXTEND, ForwardMode.MIXED):
+            fills = list(zip(reqs[: len(reqs) - riders], extend_lens))
+            new_ids = [t for r, n in fills for t in r.fill_ids[r.kv_len : r.kv_len + n]]
+            history = [(r.req_pool_idx, r.fill_ids[: r.kv_len]) for r, _ in fills
                        if r.kv_len and r.sampling.has_penalties]
             # the token after each chunk (a speculating draft's input there), -1 after a prompt
             after = [r.fill_ids[r.kv_len + n] if r.kv_len + n < len(r.fill_ids) else -1
-                     for r, n in zip(reqs, extend_lens)]
+                     for r, n in fills] + [-1] * riders
         offset, slot_list = 0, slots.tolist()  # one conversion, not one per request
         for r, n, part in zip(reqs, extend_lens, partial):
             r.kv_slots.extend(slot_list[offset : offset + n])

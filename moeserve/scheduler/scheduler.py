@@ -26,11 +26,13 @@ from moeserve.scheduler.decode import NewTokenRatio, decodable, pick_retractions
 from moeserve.scheduler.ops import SchedulerOps
 from moeserve.scheduler.prefill import AddResult, PrefillAdder
 from moeserve.scheduler.spec_steps import SpecPolicy
+from moeserve.scheduler.stats import StepLog
 from moeserve.scheduler.stop import StopChecker
 from moeserve.scheduler.worker import ForwardWorker
 from moeserve.tbo.strategy import vote as tbo_vote
 
 logger = logging.getLogger(__name__)
+PREFILLS = (ForwardMode.EXTEND, ForwardMode.MIXED)  # steps whose first tokens go out at once
 
 
 class SchedulerIO(Protocol):
@@ -64,8 +66,10 @@ class Scheduler:
         self.chunked: Req | None = None
         self.reqs: dict[str, Req] = {}
         self.pending_stop_strings: dict[str, list[str]] = {}
-        self.stats = {"prompt_tokens": 0, "cache_hit_tokens": 0, "retractions": 0}
+        self.stats = {"prompt_tokens": 0, "cache_hit_tokens": 0, "retractions": 0,
+                      "mixed_steps": 0}
         self.max_req_len = runner.context_len
+        self.step_log = StepLog(self.mesh.rank, sc.log_interval_s)
 
     # ---- intake -----------------------------------------------------------------------------
     def handle(self, msg: GenerateReq | AbortReq | ControlReq | Wake) -> None:
@@ -129,12 +133,18 @@ class Scheduler:
 
     # ---- scheduling -------------------------------------------------------------------------
     def get_next_batch(self) -> ScheduledBatch | None:
-        return self._prefill_batch() or self._decode_batch()
+        batch = self._prefill_batch() or self._decode_batch()
+        if batch is not None and self.step_log.enabled:
+            self.step_log.on_batch(batch.mode, len(batch.reqs),
+                                   len(batch.forward_input.new_token_ids or ()))
+        return batch
 
     def _prefill_batch(self) -> ScheduledBatch | None:
         if not self.waiting and self.chunked is None:
             return None
-        adder = PrefillAdder(self.cache.available(), self.cfg.scheduler.chunked_prefill_size,
+        riders = self._riders()
+        adder = PrefillAdder(self.cache.available() - len(riders),
+                             max(self.cfg.scheduler.chunked_prefill_size - len(riders), 1),
                              self.ratio.value, self.running, self.cfg.cache.page_size)
         continuing, self.chunked = self.chunked, None
         if continuing is not None and adder.add_chunk_continuation(continuing) == AddResult.NO_ROOM:
@@ -155,7 +165,16 @@ class Scheduler:
             free_rows, max_running = free_rows - 1, max_running - 1
         if not adder.added:
             return None
-        return self._build_extend(adder)
+        return self._build_extend(adder, riders)
+
+    def _riders(self) -> list[Req]:
+        """Running decodes that ride along with the next prefill step (scheduler.mixed_chunk):
+        decoding then goes on while requests prefill. Not while speculating (verify steps have
+        their own shape), nor when their slots would not fit."""
+        if not self.cfg.scheduler.mixed_chunk or self.spec is not None:
+            return []
+        reqs = decodable(self.running, self.max_req_len)
+        return reqs if len(reqs) < self.cache.available() else []
 
     def _ordered_waiting(self) -> list[Req]:
         if self.cfg.scheduler.policy == "lpm" and len(self.waiting) <= 128:
@@ -170,8 +189,8 @@ class Scheduler:
             self.stats["prompt_tokens"] += len(req.input_ids)
             self.stats["cache_hit_tokens"] += req.kv_len
 
-    def _build_extend(self, adder: PrefillAdder) -> ScheduledBatch | None:
-        slots = self.cache.alloc_slots(sum(adder.extend_lens))
+    def _build_extend(self, adder: PrefillAdder, riders: list[Req]) -> ScheduledBatch | None:
+        slots = self.cache.alloc_slots(sum(adder.extend_lens) + len(riders))
         if slots is None:  # the budget said yes but eviction fell short: undo and wait
             for req in adder.added:
                 self.cache.release(req)
@@ -179,8 +198,13 @@ class Scheduler:
             self.waiting[:0] = [r for r in adder.added]
             return None
         partial = [r is adder.chunked for r in adder.added]
-        batch = ScheduledBatch.build(ForwardMode.EXTEND, adder.added, adder.extend_lens, slots,
-                                     partial)
+        mode = ForwardMode.MIXED if riders else ForwardMode.EXTEND
+        if riders:
+            self.ratio.step()
+            self.stats["mixed_steps"] += 1
+        batch = ScheduledBatch.build(mode, adder.added + riders,
+                                     adder.extend_lens + [1] * len(riders), slots,
+                                     partial + [False] * len(riders), riders=len(riders))
         self.chunked = adder.chunked
         self.running.extend(r for r, p in zip(adder.added, partial) if not p)
         return batch
@@ -241,6 +265,10 @@ class Scheduler:
                 self._finish(req, finish)
             touched.append(req)
         outputs = [self._output(r) for r in touched]
+        if self.step_log.enabled:
+            self.step_log.on_generated(sum(len(o.new_ids) for o in outputs))
+            self.step_log.maybe_log(len(self.running), len(self.waiting),
+                                    self.cache.used_tokens(), self.runner.memory.allocator.size)
         if outputs:
             self.io.send_outputs(outputs, self._take_stop_strings(touched))
 
@@ -341,7 +369,7 @@ class Scheduler:
                 last = None
             self.ops.run_lockstep(info)
             if last is not None and batch is not None and (
-                    batch.mode == last[0].mode == ForwardMode.EXTEND):
+                    batch.mode in PREFILLS and last[0].mode in PREFILLS):
                 self.process_result(last[0], last[1].result())  # protect time-to-first-token
                 last = None
             future = self.worker.submit(batch.forward_input) if batch is not None else None

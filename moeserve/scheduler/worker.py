@@ -134,9 +134,10 @@ class ForwardWorker:
         positions = torch.arange(int(lens.sum())) + torch.repeat_interleave(starts, lens)  # [T]
         row_of_tok, positions = row_of_tok.to(dev), positions.to(dev)
         mem.req_to_token.req_to_token[row_of_tok, positions] = fi.out_cache_loc.to(dev)
-        if fi.new_token_ids is not None:
+        if fi.new_token_ids:  # the leading tokens; a MIXED step's decode riders are on the device
+            n = len(fi.new_token_ids)
             ids = torch.tensor(fi.new_token_ids, dtype=torch.int64, device=dev)
-            mem.req_to_token.token_ids[row_of_tok, positions] = ids
+            mem.req_to_token.token_ids[row_of_tok[:n], positions[:n]] = ids
         input_ids = mem.req_to_token.token_ids[row_of_tok, positions]
         return self.runner.make_batch(fi.mode, input_ids, positions, fi.out_cache_loc, fi.rows,
                                       fi.prefix_lens, fi.extend_lens, fi.return_all_logits,

@@ -43,12 +43,18 @@ def sequential(tiny_model):
     ["scheduler.overlap=true", "scheduler.chunked_prefill_size=16"],
     ["scheduler.overlap=false", "scheduler.chunked_prefill_size=8", "cache.page_size=4"],
     ["scheduler.overlap=true", "scheduler.disable_radix_cache=true", "scheduler.policy=fcfs"],
-], ids=["normal", "overlap", "overlap-chunked", "normal-chunked-page4", "overlap-nocache-fcfs"])
+    ["scheduler.overlap=true", "scheduler.mixed_chunk=true", "scheduler.chunked_prefill_size=24"],
+    ["scheduler.overlap=false", "scheduler.mixed_chunk=true", "scheduler.chunked_prefill_size=8",
+     "cache.page_size=4"],
+], ids=["normal", "overlap", "overlap-chunked", "normal-chunked-page4", "overlap-nocache-fcfs",
+        "overlap-mixed", "normal-mixed-page4"])
 def test_batched_equals_sequential(sequential, overrides):
     path, prompts, params, expected = sequential
     with Engine(path, FP32_CPU + overrides) as eng:
         outs = eng.generate(input_ids=prompts, sampling_params=params)
         assert [o["output_ids"] for o in outs] == expected
+        if "scheduler.mixed_chunk=true" in overrides:  # decodes rode along with prefill chunks
+            assert eng.scheduler.stats["mixed_steps"] > 0
         again = eng.generate(input_ids=prompts, sampling_params=params)  # now mostly cache hits
         assert [o["output_ids"] for o in again] == expected
         if "scheduler.disable_radix_cache=true" not in overrides:
@@ -56,8 +62,8 @@ def test_batched_equals_sequential(sequential, overrides):
         assert eng.scheduler.is_memory_clean()
 
 
-@pytest.mark.parametrize("overlap", [False, True])
-def test_retraction_under_kv_pressure(tiny_model, overlap):
+@pytest.mark.parametrize("overlap,mixed", [(False, False), (True, False), (True, True)])
+def test_retraction_under_kv_pressure(tiny_model, overlap, mixed):
     """64 concurrent requests in a pool that holds a fraction of them: every request completes,
     outputs equal sequential runs, and the pool returns to its baseline."""
     path = tiny_model("llama")
@@ -68,6 +74,7 @@ def test_retraction_under_kv_pressure(tiny_model, overlap):
         expected = [eng.generate(input_ids=[p], sampling_params=params)[0]["output_ids"]
                     for p in prompts]
     small = FP32_CPU + [f"scheduler.overlap={str(overlap).lower()}", "cache.max_total_tokens=400",
+                        f"scheduler.mixed_chunk={str(mixed).lower()}",
                         "scheduler.init_new_token_ratio=0.05", "scheduler.min_new_token_ratio=0.01"]
     with Engine(path, small) as eng:
         baseline = eng.scheduler.cache.available()
