@@ -4,21 +4,33 @@
 Two timings per row: eager (a loop of calls: host launch cost included, as without CUDA graphs) and
 graph (the same calls captured once in a CUDA graph and replayed: device time plus the gaps between
 kernels, as the decode step runs).
+
+A second table times the linears at decode row counts M: the small-M GEMV (kernels/gemv.py;
+`Linear` takes it at M <= LINEAR_MAX_M) vs F.linear (cuBLAS), with GB/s of the graph timings
+(weight + x + out bytes). Successive calls cycle through copies of the weight totalling at least
+COLD_BYTES, so the weights come from HBM, not L2, as in a model's step.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 
+from moeserve.kernels.gemv import gemv
 from moeserve.kernels.triton_ops import TritonOps
 from moeserve.layers.norm import RMSNorm, rms_norm_heads
 from moeserve.layers.rotary import RotaryEmbedding
 from moeserve.layers.router import RouterConfig, select_experts
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, EXPERTS, TOP_K, EPS = 2048, 32, 4, 128, 128, 8, 1e-6
+# Qwen3-30B-A3B's linears, (in, out): qkv_proj, o_proj, the router, the LM head
+LINEARS = {"qkv 2048->5120": (2048, 5120), "o_proj 4096->2048": (4096, 2048),
+           "router 2048->128": (2048, 128), "lm_head 2048->151936": (2048, 151936)}
+COLD_BYTES = 512 << 20  # weight copies cycled per row: several times the H200's 60 MB L2
 
 
 def time_us(fn: Callable[[], object], iters: int, graph: bool) -> float:
@@ -78,10 +90,41 @@ def cases(t: int, dtype: torch.dtype, ops: TritonOps) -> dict[str, tuple[Callabl
     }
 
 
+def linear_cases(m: int, dtype: torch.dtype) -> dict[str, tuple[Callable, Callable, int]]:
+    """name → (F.linear, gemv, bytes per call) closures at M = m rows; each call takes the next
+    weight copy (of enough copies to leave L2 cold)."""
+    out = {}
+    for name, (k, n) in LINEARS.items():
+        size = n * k * dtype.itemsize
+        ws = [torch.randn(n, k, dtype=dtype) * k**-0.5 for _ in range(max(1, COLD_BYTES // size))]
+        x = torch.randn(m, k, dtype=dtype)
+        ref_ws, our_ws = itertools.cycle(ws), itertools.cycle(ws)
+        out[name] = (lambda x=x, it=ref_ws: F.linear(x, next(it)),
+                     lambda x=x, it=our_ws: gemv(x, next(it)),
+                     size + (m * k + m * n) * dtype.itemsize)
+    return out
+
+
+def bench_linears(rows: list[int], dtype: torch.dtype, iters: int) -> None:
+    cols = ["torch eager", "gemv eager", "torch graph", "gemv graph"]
+    print(f"\n{'linear':<22}{'M':>6}" + "".join(f"{c:>14}" for c in cols)
+          + f"{'graph x':>9}{'torch GB/s':>12}{'gemv GB/s':>11}")
+    for m in rows:
+        for name, (ref, ours, nbytes) in linear_cases(m, dtype).items():
+            us = [time_us(fn, iters, graph) for graph in (False, True) for fn in (ref, ours)]
+            row = "".join(f"{u:>14.2f}" for u in us)
+            gbs = [nbytes / (u * 1e-6) / 1e9 for u in us[2:]]
+            print(f"{name:<22}{m:>6}{row}{us[2] / us[3]:>8.2f}x{gbs[0]:>12.0f}{gbs[1]:>11.0f}",
+                  flush=True)
+        torch.cuda.empty_cache()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 64, 256])
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--linear-rows", type=int, nargs="*", default=[1, 4, 8],
+                    help="M of the linear table (none: skip it)")
     ap.add_argument("--iters", type=int, default=100, help="calls per timing (and per graph)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -97,6 +140,8 @@ def main() -> None:
                       for fn in (ref, ours)]
                 row = "".join(f"{u:>14.2f}" for u in us)
                 print(f"{name:<22}{t:>6}{row}{us[2] / us[3]:>8.1f}x", flush=True)
+        if args.linear_rows:
+            bench_linears(args.linear_rows, dtype, args.iters)
 
 
 if __name__ == "__main__":

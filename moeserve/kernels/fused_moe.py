@@ -7,6 +7,9 @@ A pair p = t * K + k is token t's k-th choice. `moe_align_block_size` lays the l
 expert by expert, each expert padded to whole blocks of BLOCK_SIZE_M rows, so every m-block of
 the GEMMs reads one expert's weights. Everything is sized from T*K, E_local and BLOCK_SIZE_M and
 never waits on the host, so the whole call can be captured in a CUDA graph.
+
+Up to SMALL_MAX_PAIRS pairs of float experts (decode), `fused_moe` runs two GEMV kernels instead:
+fused_moe_small.py, no align step and no sum pass.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from moeserve.kernels.fused_moe_small import SMALL_MAX_PAIRS, fused_moe_small
 from moeserve.kernels.moe_config import get_moe_config
 
 # Up to this many pairs one single-program kernel sorts them (one launch for decode); above it
@@ -284,8 +288,8 @@ def _grouped_gemm(a, b, c, weights, sorted_ids, expert_ids, num_post, row_div, g
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
               topk_weights: torch.Tensor, first_expert: int = 0, num_local: int | None = None,
               config: dict | None = None, w13_scale: torch.Tensor | None = None,
-              w2_scale: torch.Tensor | None = None, block: tuple[int, int] = (128, 128)
-              ) -> torch.Tensor:
+              w2_scale: torch.Tensor | None = None, block: tuple[int, int] = (128, 128),
+              small_path: bool | None = None) -> torch.Tensor:
     """sum_k w[t,k] * (silu(x[t] @ gate_e^T) * (x[t] @ up_e^T)) @ w2_e^T over the pairs whose
     e = ids[t,k] - first_expert is in [0, num_local): [T, H] in x.dtype (fp32 accumulation).
 
@@ -293,7 +297,9 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: to
     topk_weights [T, K]. `config`: launch config (default: `get_moe_config` for this shape).
     FP8 experts: w13/w2 float8_e4m3fn with (bn, bk) = `block` scales w13_scale
     [E, 2 * ceil(I/bn), ceil(H/bk)] (gate and up blocked separately, as checkpoints store them) and
-    w2_scale [E, ceil(H/bn), ceil(I/bk)]; activations are quantized per token and bk channels."""
+    w2_scale [E, ceil(H/bn), ceil(I/bk)]; activations are quantized per token and bk channels.
+    `small_path`: the GEMV kernels of fused_moe_small (True; float experts only) or the sorted
+    grouped GEMMs (False); None picks GEMV for T*K <= SMALL_MAX_PAIRS float pairs."""
     t, h = x.shape
     e_local, two_i, _ = w13.shape
     inter_size, k = two_i // 2, topk_ids.shape[1]
@@ -302,6 +308,12 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: to
         raise ValueError(f"num_local={num_local} but w13 holds {e_local} experts")
     if t == 0:
         return x.new_empty((0, h))
+    if small_path is None:
+        small_path = t * k <= SMALL_MAX_PAIRS and w13_scale is None
+    if small_path:
+        if w13_scale is not None:
+            raise ValueError("fused_moe: the small (GEMV) path has no FP8 experts")
+        return fused_moe_small(x, w13, w2, topk_ids, topk_weights, first_expert, num_local)
     cfg = config or get_moe_config(e_local, h, inter_size, k, x.dtype, t)
     ids = topk_ids.contiguous()
     sorted_ids, expert_ids, num_post = moe_align_block_size(ids, cfg["BLOCK_SIZE_M"],

@@ -1,5 +1,6 @@
 """Triton kernels for the small per-layer ops of decode: RMSNorm (+ residual add), Qwen3's per-head
-q/k RMSNorm + neox rope, and the softmax top-k router, each one launch.
+q/k RMSNorm + neox rope, the softmax top-k router, and small-M linears (kernels/gemv.py), each one
+launch.
 
 Why: at batch 1 the GPU decode step is launch-bound, and these ops were chains of tiny torch
 kernels (about 5, 12 and 6 per layer). `TritonOps` mirrors the `CpuKernels` methods it replaces
@@ -21,6 +22,8 @@ import torch
 try:  # optional: only the CUDA image has Triton
     import triton
     import triton.language as tl
+
+    from moeserve.kernels.gemv import GEMV_DTYPES, LINEAR_MAX_M, gemv
 except ImportError:  # pragma: no cover - CPU installs
     triton = None
 
@@ -39,6 +42,24 @@ class TritonOps:
     def usable(self, t: torch.Tensor) -> bool:
         """Whether the kernels can run on t's device (CUDA, or the CPU under the interpreter)."""
         return triton is not None and (t.is_cuda or (_INTERPRET and t.device.type == "cpu"))
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor,
+               bias: torch.Tensor | None = None) -> torch.Tensor | None:
+        """F.linear(x, weight, bias) by the small-M GEMV where x [..., K] has at most LINEAR_MAX_M
+        rows (where it beats cuBLAS, kernels/gemv.py) and the dtype of a plain 2-D float weight
+        (bf16/fp16/fp32, unit column stride), and no gradient is wanted (the kernel has no
+        backward); None where not (the caller runs F.linear). Only static shapes decide: a
+        captured graph keeps its choice."""
+        k = x.shape[-1]
+        if (x.numel() > LINEAR_MAX_M * k or weight.dim() != 2 or weight.shape[1] != k
+                or x.dtype not in GEMV_DTYPES or weight.dtype != x.dtype or weight.stride(1) != 1
+                or (bias is not None and bias.dtype != x.dtype)
+                or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))):
+            return None
+        x2 = x.reshape(-1, k)  # [M, K]
+        if x2.stride(1) != 1:
+            x2 = x2.contiguous()
+        return gemv(x2, weight, bias).view(*x.shape[:-1], weight.shape[0])
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
                  residual: torch.Tensor | None = None):

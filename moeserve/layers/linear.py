@@ -5,25 +5,33 @@ from __future__ import annotations
 
 import functools
 import logging
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from moeserve.env import env, log_forced_off
 
+if TYPE_CHECKING:  # importing it imports Triton
+    from moeserve.kernels.triton_ops import TritonOps
+
 logger = logging.getLogger(__name__)
 
 
 class Linear(nn.Linear):
-    """nn.Linear that can run from a oneDNN-prepacked copy of its weight on CPU (`pack`).
+    """nn.Linear that can run from a oneDNN-prepacked copy of its weight on CPU (`pack`), and on
+    CUDA through the Triton GEMV at decode batch 1 (`gpu_ops.linear`: at most LINEAR_MAX_M rows,
+    kernels/gemv.py, where it beat cuBLAS' M=1 GEMMs: 1.04-2.6x on Qwen3-30B-A3B's linears).
 
-    Why: for bf16 on CPU, F.linear re-lays out the weight on every call; a prepacked weight gives
-    bit-identical outputs 1.3-2x faster at decode batch sizes (lm_head 129280x64 at 16 tokens:
-    1.9 -> 1.0 ms; SmolLM2's MLP 3072x576: 0.21 -> 0.15 ms). The packed copy is taken once, after
-    the weights are loaded; the parameter stays the source of truth for loading and state_dict.
+    Why the prepack: for bf16 on CPU, F.linear re-lays out the weight on every call; a prepacked
+    weight gives bit-identical outputs 1.3-2x faster at decode batch sizes (lm_head 129280x64 at
+    16 tokens: 1.9 -> 1.0 ms; SmolLM2's MLP 3072x576: 0.21 -> 0.15 ms). The packed copy is taken
+    once, after the weights are loaded; the parameter stays the source of truth for loading and
+    state_dict.
     """
 
     packed: torch.Tensor | None = None
+    gpu_ops: TritonOps | None = None  # set on CUDA models (kernels.triton_ops)
 
     def pack(self) -> bool:
         """Prepack for CPU bf16 (the only dtype where oneDNN matches F.linear bit for bit);
@@ -35,6 +43,10 @@ class Linear(nn.Linear):
         return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gpu_ops is not None and self.gpu_ops.usable(x):
+            out = self.gpu_ops.linear(x, self.weight, self.bias)
+            if out is not None:
+                return out
         if self.packed is None or x.dtype != torch.bfloat16:
             return super().forward(x)
         x2 = x.reshape(-1, x.shape[-1])  # [T, in]

@@ -1,4 +1,5 @@
-"""The fused-MoE Triton kernels equal a float64 per-expert reference and MoEExperts.forward_loop,
+"""The fused-MoE Triton kernels (the sorted path; the GEMV path of few pairs in
+test_fused_moe_small.py) equal a float64 per-expert reference and MoEExperts.forward_loop,
 including expert-parallel shards (ids outside this rank's range contribute 0). Without CUDA they
 run in Triton's interpreter in float32 (exact there); on CUDA in bf16 with looser tolerances."""
 
@@ -79,29 +80,34 @@ def test_matches_float64_reference(t, h, i, e, k, poisoned_buffers):
 @pytest.mark.parametrize("t,k", [(7, 3), (130, 8)])  # 1040 pairs: the torch align path
 def test_partial_tiles_with_explicit_config(t, k, poisoned_buffers):
     x, w13, w2, ids, w = _inputs(t, 40, 24, 8, k, seed=3)  # H, I not multiples of 32
-    _check(fm.fused_moe(x, w13, w2, ids, w, config=SMALL), x, w13, w2, ids, w)
+    out = fm.fused_moe(x, w13, w2, ids, w, config=SMALL, small_path=False)  # the config's path
+    _check(out, x, w13, w2, ids, w)
 
 
+@pytest.mark.parametrize("small_path", [None, False])  # auto (GEMV up to 32 pairs), sorted
 @pytest.mark.parametrize("t,k,first,num_local", [(11, 2, 3, 5), (40, 6, 8, 4), (3, 8, 0, 16)])
-def test_expert_parallel_shard(t, k, first, num_local, poisoned_buffers):
+def test_expert_parallel_shard(t, k, first, num_local, small_path, poisoned_buffers):
     x, w13, w2, ids, w = _inputs(t, 32, 40, 16, k, seed=k, first=first, num_local=num_local,
                                  stray=True)
-    out = fm.fused_moe(x, w13, w2, ids, w, first_expert=first, num_local=num_local)
+    out = fm.fused_moe(x, w13, w2, ids, w, first_expert=first, num_local=num_local,
+                       small_path=small_path)
     _check(out, x, w13, w2, ids, w, first)
     m = MoEExperts(16, 32, 40, first_expert=first, num_local=num_local).to(DEVICE, DTYPE)
     m.w13.data, m.w2.data = w13, w2
     torch.testing.assert_close(out, m.forward_loop(x, ids, w), **TOL)
 
 
-def test_no_local_pair_gives_zeros():
+@pytest.mark.parametrize("small_path", [None, False])
+def test_no_local_pair_gives_zeros(small_path):
     x, w13, w2, ids, w = _inputs(6, 32, 32, 8, 2, seed=5, num_local=4)
-    out = fm.fused_moe(x, w13, w2, ids + 100, w, num_local=4)
+    out = fm.fused_moe(x, w13, w2, ids + 100, w, num_local=4, small_path=small_path)
     assert torch.equal(out, torch.zeros_like(x))
 
 
-def test_zero_tokens():
+@pytest.mark.parametrize("small_path", [None, True, False])
+def test_zero_tokens(small_path):
     x, w13, w2, ids, w = _inputs(0, 32, 32, 8, 2, seed=0)
-    out = fm.fused_moe(x, w13, w2, ids, w)
+    out = fm.fused_moe(x, w13, w2, ids, w, small_path=small_path)
     assert out.shape == (0, 32) and out.dtype == DTYPE
 
 
@@ -141,7 +147,8 @@ def test_align_one_token_blocks_in_pair_order(first, num_local):
     want = [i - first if 0 <= i - first < num_local else -1 for i in [9, 2, 15, 5]]
     assert ex.tolist() == want
     x, w13, w2, _, w = _inputs(1, 32, 24, 16, 4, seed=3, num_local=num_local)
-    _check(fm.fused_moe(x, w13, w2, ids, w, first, num_local), x, w13, w2, ids, w, first)
+    out = fm.fused_moe(x, w13, w2, ids, w, first, num_local, small_path=False)  # this align
+    _check(out, x, w13, w2, ids, w, first)
 
 
 def test_align_paths_agree():

@@ -1,0 +1,124 @@
+"""Small-M dense GEMV: out [M, N] = x [M, K] @ w [N, K]^T (+ bias) for M <= GEMV_MAX_M.
+
+Why: at decode batch 1 a linear layer is a weight stream, and cuBLAS' M=1 GEMMs leave bandwidth
+unused. Here each program owns BLOCK_N rows of w, reads them once in [BLOCK_N, BLOCK_K] tiles
+(16-byte loads along the contiguous K) and multiplies every tile with all M rows of x, summing in
+float32 on the CUDA cores (no tl.dot: its 16-row minimum would waste 15/16 of the math).
+
+H200, bf16, in a CUDA graph with cold weights (bench.small_ops), µs cuBLAS -> GEMV at M=1:
+qkv 2048->5120 8.10 -> 7.81, o_proj 4096->2048 8.57 -> 8.16, router 2048->128 4.81 -> 1.84,
+lm_head 2048->151936 149.9 -> 141.3 (4.4 TB/s). At M=2 qkv is 0.81x cuBLAS, at M=4 0.55x, at
+M=8 0.33x: one cross-thread sum per row per K step makes it compute-bound, so `Linear` takes it
+at LINEAR_MAX_M rows only (TritonOps.linear); the kernel itself is correct up to GEMV_MAX_M.
+
+Launch geometry from N and K only, never M, so a row's result is the same at every M:
+- BLOCK_N: the largest power of two <= 16 that still gives TARGET_PROGRAMS programs (about 4 per
+  SM of a 132-SM GPU, all resident at once), 1 where N is small (the router's 128 rows);
+- BLOCK_K: TILE_ELEMS / BLOCK_N (about 8 KB in flight per program per step), at least 128 and at
+  most K rounded up to a power of two (the router reads each row in one step).
+No split-K: a small N with a large K (2048->128) still gets N programs with the whole row in one
+or two tiles, so every weight byte is requested at once; splitting would add an fp32 pass.
+
+Graph-safe: one launch, shapes from static sizes, no host sync.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+GEMV_MAX_M = 8  # rows the kernel takes: each weight element costs M fp32 FMAs
+LINEAR_MAX_M = 1  # rows at which it beats cuBLAS (H200, module docstring): Linear's limit
+TARGET_PROGRAMS = 512  # ~4 programs per SM on a 132-SM H200: enough loads in flight for HBM
+TILE_ELEMS = 4096  # weight elements a program loads per K step (8 KB in 16-bit)
+MIN_BLOCK_K = 128  # a warp's 16-byte loads cover 256 (fp32: 512) contiguous bytes at least
+GEMV_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+class GemvConfig(NamedTuple):
+    block_n: int
+    block_k: int
+    num_warps: int = 4
+
+
+def block_n_for(n: int, groups: int = 1, most: int = 16, programs: int = TARGET_PROGRAMS) -> int:
+    """Largest power of two <= `most` such that groups * cdiv(n, block_n) stays >= `programs`
+    (1 when even that is fewer): rows of w per program."""
+    per = max(1, groups * n // programs)
+    return min(most, 1 << (per.bit_length() - 1))
+
+
+def block_k_for(k: int, rows: int, budget: int = TILE_ELEMS) -> int:
+    """K step for a program loading `rows` weight rows per step: budget / rows elements, within
+    [MIN_BLOCK_K, next power of two of k]."""
+    return max(MIN_BLOCK_K, min(triton.next_power_of_2(k), budget // rows))
+
+
+def interpreter_block(size: int, most: int) -> int:
+    """A block over `size` for Triton's interpreter, which runs programs one by one at ~10 ms
+    each: the fewest programs and steps (a whole tile costs it about what one row does)."""
+    return min(most, triton.next_power_of_2(size))
+
+
+def gemv_config(n: int, k: int, device: torch.device) -> GemvConfig:
+    if device.type != "cuda":
+        return GemvConfig(interpreter_block(n, 64), interpreter_block(k, 1024))
+    block_n = block_n_for(n)
+    return GemvConfig(block_n, block_k_for(k, block_n))
+
+
+def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
+         config: GemvConfig | None = None) -> torch.Tensor:
+    """x [M, K] (unit column stride) @ w [N, K]^T (unit column stride) + bias [N] → [M, N] in
+    x.dtype, float32 accumulation; M <= GEMV_MAX_M. `config`: launch geometry (default
+    `gemv_config`)."""
+    m, k = x.shape
+    n = w.shape[0]
+    if m > GEMV_MAX_M or w.shape[1] != k:
+        raise ValueError(f"gemv: x {tuple(x.shape)}, w {tuple(w.shape)} (M <= {GEMV_MAX_M})")
+    assert x.stride(1) == 1 and w.stride(1) == 1 and (bias is None or bias.is_contiguous())
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0 or n == 0:
+        return out
+    cfg = config or gemv_config(n, k, x.device)
+    _gemv_kernel[(triton.cdiv(n, cfg.block_n),)](
+        x, w, out if bias is None else bias, out, n, k, x.stride(0), w.stride(0), out.stride(0),
+        M=m, BLOCK_M=triton.next_power_of_2(m), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        EVEN_K=k % cfg.block_k == 0, HAS_BIAS=bias is not None, num_warps=cfg.num_warps)
+    return out
+
+
+@triton.jit
+def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, N, K, stride_xm, stride_wn, stride_om,
+                 M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """Program n-block: each [BLOCK_N, BLOCK_K] tile of w is loaded once and dotted with the M
+    rows of x (statically unrolled), partial sums per step added into acc [BLOCK_M, BLOCK_N]."""
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    rows = tl.arange(0, BLOCK_M)
+    # rows past N wrap to valid ones (no mask along N); their results are never stored
+    w_ptrs = w_ptr + (offs_n % N).to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        if EVEN_K:
+            w = tl.load(w_ptrs).to(tl.float32)
+        else:
+            k_ok = offs_k < K - k0
+            w = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0).to(tl.float32)
+        for m in tl.static_range(M):
+            if EVEN_K:
+                xm = tl.load(x_ptr + m * stride_xm + k0 + offs_k)
+            else:
+                xm = tl.load(x_ptr + m * stride_xm + k0 + offs_k, mask=k_ok, other=0.0)
+            part = tl.sum(w * xm.to(tl.float32)[None, :], axis=1)  # [BN]
+            acc = tl.where(rows[:, None] == m, acc + part[None, :], acc)
+        w_ptrs += BLOCK_K
+    n_ok = offs_n < N
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    out = out_ptr + rows[:, None] * stride_om + offs_n[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=(rows < M)[:, None] & n_ok[None, :])

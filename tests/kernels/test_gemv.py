@@ -1,0 +1,149 @@
+"""The small-M GEMV (kernels/gemv.py) against float64 torch, and `Linear` with TritonOps attached
+against F.linear. Without CUDA: Triton's interpreter in float32 (its launch geometry, and in one
+test the CUDA one); on CUDA also bf16 at Qwen3-30B-A3B's shapes and under graph capture."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("triton")
+
+from moeserve.kernels.attach import attach_ops  # noqa: E402
+from moeserve.kernels.gemv import (  # noqa: E402
+    GEMV_MAX_M, LINEAR_MAX_M, MIN_BLOCK_K, gemv, gemv_config)
+from moeserve.kernels.triton_ops import TritonOps  # noqa: E402
+from moeserve.layers.fp8_linear import Fp8Linear  # noqa: E402
+from moeserve.layers.linear import Linear, MergedLinear  # noqa: E402
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+OPS = TritonOps()
+
+
+def rand(*shape, seed: int, dtype=torch.float32) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g).to(DEVICE, dtype)
+
+
+def oracle(x, w, b=None) -> torch.Tensor:
+    return F.linear(x.double(), w.double(), None if b is None else b.double())
+
+
+@pytest.mark.parametrize("m", range(1, GEMV_MAX_M + 1))
+@pytest.mark.parametrize("n,k,bias", [(70, 130, True), (33, 257, False), (128, 64, True)])
+def test_gemv_matches_float64(m, n, k, bias):
+    x, w = rand(m, k, seed=m), rand(n, k, seed=n) / k**0.5
+    b = rand(n, seed=k) if bias else None
+    out = gemv(x, w, b)
+    assert out.shape == (m, n) and out.dtype == x.dtype
+    torch.testing.assert_close(out.double(), oracle(x, w, b), rtol=1e-5, atol=1e-5)
+
+
+def test_rows_do_not_depend_on_m():
+    """The launch geometry depends on N and K only: row i is the same bits at every M (a
+    speculative verify batch equals the plain decode step's rows)."""
+    x, w = rand(GEMV_MAX_M, 300, seed=1), rand(40, 300, seed=2)
+    full = gemv(x, w)
+    for m in (1, 3, GEMV_MAX_M):
+        assert torch.equal(gemv(x[:m], w), full[:m])
+
+
+def test_cuda_launch_geometry_in_interpreter():
+    """The CUDA config (one row per program, K steps of 128+; K = 300 leaves a partial step)."""
+    x, w, b = rand(3, 300, seed=3), rand(20, 300, seed=4), rand(20, seed=5)
+    cfg = gemv_config(20, 300, torch.device("cuda"))
+    assert cfg.block_n == 1 and cfg.block_k >= MIN_BLOCK_K and 300 % cfg.block_k
+    torch.testing.assert_close(gemv(x, w, b, cfg).double(), oracle(x, w, b), rtol=1e-5,
+                               atol=1e-5)
+
+
+@pytest.mark.parametrize("n,k", [(5120, 2048), (2048, 4096), (128, 2048), (151936, 2048)])
+def test_cuda_geometry(n, k):
+    """Qwen3-30B-A3B's linears: >= 512 programs where N allows (the router's 128 rows: one each,
+    each row read in one step), 16-byte loads (K steps >= 128), ~8 KB per program per step."""
+    cfg = gemv_config(n, k, torch.device("cuda"))
+    assert -(-n // cfg.block_n) >= min(512, n) and cfg.block_k >= MIN_BLOCK_K
+    assert cfg.block_n * cfg.block_k <= 4096 or cfg.block_n == 1
+
+
+def test_gemv_strided_rows_and_errors():
+    x = rand(4, 100, seed=6)[:, :64]  # row stride 100
+    w = rand(24, 64, seed=7)
+    torch.testing.assert_close(gemv(x, w).double(), oracle(x, w), rtol=1e-5, atol=1e-5)
+    assert gemv(x[:0], w).shape == (0, 24)
+    with pytest.raises(ValueError):
+        gemv(rand(GEMV_MAX_M + 1, 64, seed=8), w)
+
+
+def test_ops_linear_applies_only_where_it_can():
+    w, b = rand(24, 64, seed=9), rand(24, seed=10)
+    x3 = rand(1, LINEAR_MAX_M, 64, seed=11)  # [..., K]
+    with torch.no_grad():
+        out = OPS.linear(x3, w, b)
+        assert out.shape == (1, LINEAR_MAX_M, 24)
+        torch.testing.assert_close(out.double(), oracle(x3, w, b), rtol=1e-5, atol=1e-5)
+        assert OPS.linear(rand(LINEAR_MAX_M + 1, 64, seed=12), w) is None  # too many rows
+        assert OPS.linear(x3.double(), w.double()) is None  # float64
+        assert OPS.linear(x3, w.half()) is None  # dtypes differ
+        assert OPS.linear(x3, w.t().contiguous().t()) is None  # column-major weight
+    w.requires_grad_(True)
+    assert OPS.linear(x3, w) is None  # a gradient is wanted: no backward here
+
+
+def _linear(cls, *args, seed: int, **kwargs):
+    with torch.device(DEVICE):
+        lin = cls(*args, **kwargs)
+    for p in lin.parameters():
+        p.data.copy_(rand(*p.shape, seed=seed) / p.shape[-1] ** 0.5)
+    return lin
+
+
+@pytest.mark.parametrize("rows", [1, LINEAR_MAX_M + 1, GEMV_MAX_M + 3])
+def test_linear_module_with_ops_equals_f_linear(rows, monkeypatch):
+    lin = _linear(Linear, 96, 40, bias=True, seed=13)
+    merged = _linear(MergedLinear, 96, [24, 16], ["a", "b"], seed=14)
+    x = rand(rows, 96, seed=rows)
+    assert OPS.usable(x)  # else the modules fall back to torch, and this test proves nothing
+    assert attach_ops(lin, "gpu_ops", OPS) == 1 and attach_ops(merged, "gpu_ops", OPS) == 1
+    used = []
+    orig = OPS.linear
+    monkeypatch.setattr(OPS, "linear", lambda *a: used.append(orig(*a) is not None) or orig(*a))
+    with torch.no_grad():
+        for m in (lin, merged):
+            torch.testing.assert_close(m(x), F.linear(x, m.weight, m.bias), rtol=1e-5, atol=1e-5)
+    assert used == [rows <= LINEAR_MAX_M] * 2
+    y = lin(x)  # grad mode: F.linear, and backward works
+    y.sum().backward()
+    assert lin.weight.grad is not None
+
+
+def test_fp8_linear_takes_no_gpu_ops():
+    """Fp8Linear is no `Linear`: attach_ops leaves it alone, its FP8 GEMMs keep running."""
+    assert not issubclass(Fp8Linear, Linear) and not hasattr(Fp8Linear, "gpu_ops")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 4, GEMV_MAX_M])
+@pytest.mark.parametrize("k,n", [(2048, 5120), (4096, 2048), (2048, 128), (2048, 151936),
+                                 (7168, 576), (1000, 300)])
+def test_gpu_bf16_matches_f_linear(m, k, n):
+    x, w = rand(m, k, seed=m, dtype=torch.bfloat16), rand(n, k, seed=n) / k**0.5
+    w, b = w.to(torch.bfloat16), rand(n, seed=k, dtype=torch.bfloat16)
+    out = gemv(x, w, b)
+    torch.testing.assert_close(out, F.linear(x, w, b), rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(out.double(), oracle(x, w, b), rtol=1e-2, atol=1e-2)
+    assert torch.equal(gemv(x[:1], w, b), out[:1])
+
+
+@pytest.mark.gpu
+def test_gpu_graph_replay():
+    x, w = rand(4, 2048, seed=1, dtype=torch.bfloat16), rand(512, 2048, seed=2,
+                                                            dtype=torch.bfloat16)
+    gemv(x, w)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = gemv(x, w)
+    x.copy_(rand(4, 2048, seed=3, dtype=torch.bfloat16))
+    graph.replay()
+    torch.testing.assert_close(out.double(), oracle(x, w), rtol=1e-2, atol=1e-2)
