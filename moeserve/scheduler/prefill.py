@@ -20,6 +20,20 @@ def reserved_decode_tokens(req: Req, new_token_ratio: float) -> int:
     return int(remaining * new_token_ratio)
 
 
+def prefill_may_wait(waiting: list[Req], decoding: bool, decodes_since_prefill: int,
+                     wait_steps: int, chunk_budget: int) -> bool:
+    """scheduler.prefill_wait_steps: new arrivals wait for more while requests decode, up to
+    `wait_steps` decode steps after the last prefill, unless a full chunk of prompt tokens is
+    waiting already (then one prefill step is as full as it gets)."""
+    if not decoding or decodes_since_prefill >= wait_steps:
+        return False
+    for r in waiting:
+        chunk_budget -= len(r.fill_ids)
+        if chunk_budget <= 0:
+            return False
+    return True
+
+
 @dataclass
 class PrefillAdder:
     """Admits requests while (a) new prefill tokens fit in the chunk budget and (b) their prompt

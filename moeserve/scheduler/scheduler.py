@@ -24,7 +24,7 @@ from moeserve.scheduler.batch import ScheduledBatch
 from moeserve.scheduler.cache import CacheManager
 from moeserve.scheduler.decode import NewTokenRatio, decodable, pick_retractions
 from moeserve.scheduler.ops import SchedulerOps
-from moeserve.scheduler.prefill import AddResult, PrefillAdder
+from moeserve.scheduler.prefill import AddResult, PrefillAdder, prefill_may_wait
 from moeserve.scheduler.spec_steps import SpecPolicy
 from moeserve.scheduler.stats import StepLog
 from moeserve.scheduler.stop import StopChecker
@@ -55,6 +55,7 @@ class Scheduler:
         sc = cfg.scheduler
         self.cache = CacheManager(runner.memory, cfg.cache.page_size, sc.disable_radix_cache)
         self.overlap = sc.use_overlap(runner.device.type)
+        self.mixed_chunk = sc.use_mixed_chunk(runner.device.type)
         self.worker = ForwardWorker(runner, threaded=self.overlap)
         # speculative decoding (the runner built a draft): verify steps and accepted blocks
         self.spec = SpecPolicy(cfg.spec) if runner.draft is not None else None
@@ -70,6 +71,7 @@ class Scheduler:
                       "mixed_steps": 0}
         self.max_req_len = runner.context_len
         self.step_log = StepLog(self.mesh.rank, sc.log_interval_s)
+        self.decodes_since_prefill = 0  # decode steps since the last prefill (prefill_wait_steps)
 
     # ---- intake -----------------------------------------------------------------------------
     def handle(self, msg: GenerateReq | AbortReq | ControlReq | Wake) -> None:
@@ -142,6 +144,8 @@ class Scheduler:
     def _prefill_batch(self) -> ScheduledBatch | None:
         if not self.waiting and self.chunked is None:
             return None
+        if self.chunked is None and self._prefill_may_wait():
+            return None
         riders = self._riders()
         adder = PrefillAdder(self.cache.available() - len(riders),
                              max(self.cfg.scheduler.chunked_prefill_size - len(riders), 1),
@@ -167,11 +171,17 @@ class Scheduler:
             return None
         return self._build_extend(adder, riders)
 
+    def _prefill_may_wait(self) -> bool:
+        sc = self.cfg.scheduler
+        return prefill_may_wait(self.waiting, bool(decodable(self.running, self.max_req_len)),
+                                self.decodes_since_prefill, sc.prefill_wait_steps,
+                                sc.chunked_prefill_size)
+
     def _riders(self) -> list[Req]:
         """Running decodes that ride along with the next prefill step (scheduler.mixed_chunk):
         decoding then goes on while requests prefill. Not while speculating (verify steps have
         their own shape), nor when their slots would not fit."""
-        if not self.cfg.scheduler.mixed_chunk or self.spec is not None:
+        if not self.mixed_chunk or self.spec is not None:
             return []
         reqs = decodable(self.running, self.max_req_len)
         return reqs if len(reqs) < self.cache.available() else []
@@ -207,6 +217,7 @@ class Scheduler:
                                      partial + [False] * len(riders), riders=len(riders))
         self.chunked = adder.chunked
         self.running.extend(r for r, p in zip(adder.added, partial) if not p)
+        self.decodes_since_prefill = 0
         return batch
 
     def _decode_batch(self) -> ScheduledBatch | None:
@@ -223,6 +234,7 @@ class Scheduler:
                 return None
         slots = self.cache.alloc_slots(width * len(reqs))
         self.ratio.step()
+        self.decodes_since_prefill += 1
         mode = ForwardMode.DECODE if width == 1 else ForwardMode.TARGET_VERIFY
         return ScheduledBatch.build(mode, reqs, [width] * len(reqs), slots, [False] * len(reqs))
 
