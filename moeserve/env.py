@@ -24,6 +24,10 @@ class Env:
     disable_march_native: bool  # MOESERVE_DISABLE_MARCH_NATIVE: build them without -march=native
     disable_bf16_head: bool  # MOESERVE_DISABLE_BF16_HEAD: the AVX512-BF16 greedy LM head
     disable_onednn_bf16: bool  # MOESERVE_DISABLE_ONEDNN_BF16: oneDNN's bf16 linear prepack
+    # MOESERVE_TEST_REBALANCE_PAUSE_S=S (tests only, default 0): in a live EPLB rebalance the last
+    # EP rank logs a line and sleeps S seconds after the load all-reduce, before the weight moves
+    # (its peers wait for it in their transfers), so a fault test can kill a rank mid-rebalance
+    test_rebalance_pause_s: float
 
     @classmethod
     def read(cls) -> Env:
@@ -35,7 +39,9 @@ class Env:
                    disable_cpu_kernels=_flag("MOESERVE_DISABLE_CPU_KERNELS"),
                    disable_march_native=_flag("MOESERVE_DISABLE_MARCH_NATIVE"),
                    disable_bf16_head=_flag("MOESERVE_DISABLE_BF16_HEAD"),
-                   disable_onednn_bf16=_flag("MOESERVE_DISABLE_ONEDNN_BF16"))
+                   disable_onednn_bf16=_flag("MOESERVE_DISABLE_ONEDNN_BF16"),
+                   test_rebalance_pause_s=float(
+                       os.environ.get("MOESERVE_TEST_REBALANCE_PAUSE_S") or 0))
 
 
 def _flag(name: str) -> bool:

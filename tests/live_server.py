@@ -25,9 +25,10 @@ def free_port() -> int:
 
 
 class LiveServer:
-    """One server subprocess; its combined output goes to a log file shown on failures."""
+    """One server subprocess; its combined output goes to a log file shown on failures. `env`:
+    extra environment variables of the server (e.g. MOESERVE_* test hooks)."""
 
-    def __init__(self, args: list[str]):
+    def __init__(self, args: list[str], env: dict[str, str] | None = None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.NamedTemporaryFile("w+", prefix="moeserve-e2e-", suffix=".log",
@@ -35,7 +36,8 @@ class LiveServer:
         self.run_dir = tempfile.mkdtemp(prefix="moeserve-run-")  # Hydra's run dir: config + log
         cmd = [sys.executable, "-m", "launch.server", f"server.port={self.port}",
                f"hydra.run.dir={self.run_dir}", *args]
-        self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=self.log, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=self.log, stderr=subprocess.STDOUT,
+                                     env={**os.environ, **(env or {})})
 
     def log_tail(self, chars: int = 4000) -> str:
         with open(self.log.name, errors="replace") as f:

@@ -201,8 +201,8 @@ class DataParallelController:
                     q.put(Wake())
 
     def serve_forever(self) -> None:
-        while True:
-            self.step()
+        while True:  # NOTE: with a timeout, so a stop request (children.py) is taken at once
+            self.step(200)
 
 
 def run_controller_process(cfg: MoeserveConfig, endpoints: Endpoints) -> None:

@@ -8,12 +8,14 @@ free for the transfers and every rank sees the same load and computes the same p
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from moeserve.distributed import ParallelMesh
+from moeserve.env import env
 from moeserve.eplb.algorithm import balancedness, rank_load
 from moeserve.eplb.location import ExpertLocation
 from moeserve.layers.moe import MoEExperts
@@ -49,6 +51,7 @@ def rebalance(experts: dict[int, MoEExperts], loc: ExpertLocation, counts: torch
     """Collective over the mesh: move weights to the EPLB placement for the recorded load and
     update `loc` in place. `experts` maps MoE layer id → this rank's experts module."""
     load = global_logical_load(counts, loc, mesh)  # [L, E]
+    _test_pause(mesh)
     layers = sorted(experts)
     new = ExpertLocation.from_algorithm(load, loc.ep_size, loc.num_nodes,
                                         loc.num_physical - loc.num_logical, num_groups,
@@ -60,6 +63,17 @@ def rebalance(experts: dict[int, MoEExperts], loc: ExpertLocation, counts: torch
     logger.info("EPLB rebalance: balancedness %.3f -> %.3f, %d local slots changed", before,
                 after, moved)
     return RebalanceResult(before, after, moved)
+
+
+def _test_pause(mesh: ParallelMesh) -> None:
+    """MOESERVE_TEST_REBALANCE_PAUSE_S (fault tests): the last EP rank stops here a while."""
+    pause = env().test_rebalance_pause_s
+    if pause > 0 and mesh.ep_rank == mesh.ep_size - 1:
+        logger.warning("MOESERVE_TEST_REBALANCE_PAUSE_S: EP rank %d pauses %.1f s before moving "
+                       "expert weights", mesh.ep_rank, pause)
+        deadline = time.monotonic() + pause
+        while time.monotonic() < deadline:  # short sleeps: a stop request is seen at once
+            time.sleep(0.05)
 
 
 def _move_layer(ex: MoEExperts, old: ExpertLocation, new: ExpertLocation, layer: int,

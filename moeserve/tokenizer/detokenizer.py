@@ -191,5 +191,8 @@ def run_detokenizer_process(model_path: str, endpoints: Any) -> None:
     outbox.put(ReadyMsg(role="detokenizer", info={"pid": os.getpid()}))
     logger.info("detokenizer ready")
     while True:
-        msg = inbox.get()
-        handlers[type(msg)](msg)
+        # NOTE: back in Python every 200 ms, so the launcher's stop request (children.py) is
+        # taken at once, not after its grace period
+        msg = inbox.get(timeout_ms=200)
+        if msg is not None:
+            handlers[type(msg)](msg)

@@ -1,8 +1,10 @@
 """Injected faults against a live server (tiny Llama with a 4k context, so a stream lasts seconds):
 SIGTERM drains (in-flight streams finish, new requests get 503), the drain's time limit, 413 for
 oversized bodies, the API key check, garbage on every ZMQ endpoint, and `kill -9` of the
-detokenizer, of the scheduler and (dp2) of the DP controller and of one rank mid-stream: exit 1
-within 10 s naming the process, and the client's stream fails instead of hanging."""
+detokenizer, of the scheduler and (dp2) of the DP controller and of one rank mid-stream, and of
+one rank during a live EPLB rebalance (tiny DeepSeek-V3, dp2 x ep2): exit 1 within 10 s naming
+the process, the client's stream (or the /rebalance_experts call) fails instead of hanging, and
+no child process is left."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import os
 import pickle
 import re
 import signal
+import threading
 import time
 
 import pytest
@@ -240,3 +243,53 @@ def test_kill_dp_controller_mid_stream(model):
 
 def test_kill_one_rank_of_two_mid_stream(model):
     _kill_mid_stream(model, "scheduler-1", *DP2)
+
+
+# ---- kill -9 during a live EPLB rebalance --------------------------------------------------------
+PAUSED = re.compile(r"\[scheduler-(\d+)\].*MOESERVE_TEST_REBALANCE_PAUSE_S: EP rank \d+ pauses")
+
+
+def test_kill_one_rank_of_two_mid_rebalance(tiny_model):
+    """dp2 x ep2 with redundant experts; the test hook pauses the last EP rank inside the
+    rebalance (after the load all-reduce, before the weight moves), and the other rank, which
+    waits for it in the transfers, is killed."""
+    moe = tiny_model("deepseek_v3")
+    server = LiveServer([f"model.path={moe}", *BASE, *DP2, "eplb.num_redundant_experts=2",
+                         "eplb.record_mode=stat"],
+                        env={"MOESERVE_TEST_REBALANCE_PAUSE_S": "30"}).wait_healthy()
+    try:
+        out = client(server).completions.create(model="m", prompt="hi", max_tokens=4)
+        assert out.usage.completion_tokens == 4  # some expert load recorded
+        pids = role_pids(server)  # asks no rank: those will be busy in the rebalance
+        tree = psutil.Process(server.proc.pid).children(recursive=True)
+        reply: list = []
+
+        def rebalance() -> None:
+            try:
+                reply.append(httpx.post(server.url + "/rebalance_experts", timeout=60))
+            except httpx.HTTPError as e:
+                reply.append(e)
+
+        caller = threading.Thread(target=rebalance, daemon=True)
+        caller.start()
+        deadline = time.monotonic() + 30
+        while not (paused := PAUSED.search(server.log_tail(100_000))):
+            assert time.monotonic() < deadline and server.proc.poll() is None, server.log_tail()
+            time.sleep(0.1)
+        role = f"scheduler-{1 - int(paused.group(1))}"
+        pid = pids[role]
+        t0 = time.monotonic()
+        os.kill(pid, signal.SIGKILL)
+        assert server.proc.wait(10) == 1
+        took = time.monotonic() - t0
+        caller.join(10)
+        assert reply and (isinstance(reply[0], httpx.HTTPError) or reply[0].status_code >= 500), \
+            reply
+        _, alive = psutil.wait_procs(tree, timeout=5)
+        assert not [p for p in alive if not role_gone(p.pid)], alive
+        print(f"kill -9 {role} mid-rebalance: server exit 1 after {took:.2f} s, "
+              f"/rebalance_experts: {reply[0]!r}")
+    finally:
+        log = stop_and_read_log(server)
+    assert re.search(rf"child process '{role}' \(pid {pid}\) died with exit code -9", log), \
+        log[-3000:]
