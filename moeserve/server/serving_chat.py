@@ -1,5 +1,6 @@
 """/v1/chat/completions: chat template (with tools) → sub-requests → one response or a chunk
-stream, the text split into reasoning, content and tool calls (chat_output.py)."""
+stream, the text split into reasoning, content and tool calls (chat_output.py); tool_choice
+required or named constrains the reply with a grammar (tool_choice.py)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from moeserve.server.reasoning import STYLES
 from moeserve.server.serving_common import (ChoiceState, chat_logprobs, check_request,
                                             check_top_logprobs, collect, sampling_params, usage)
 from moeserve.server.tokenizer_manager import GenInput, TokenizerManager, expand_n
+from moeserve.server.tool_choice import forced_calls
 from moeserve.server.tool_parsers import make_parser
 
 
@@ -50,29 +52,36 @@ def message_dict(m: Any) -> dict[str, Any]:
 
 
 def _tools(manager: TokenizerManager, req: ChatCompletionRequest
-           ) -> tuple[list[dict[str, Any]] | None, ChatOutputSpec]:
-    """The tools offered to the template and how replies are parsed, from tools/tool_choice."""
+           ) -> tuple[list[dict[str, Any]] | None, ChatOutputSpec, tuple[str, str] | None]:
+    """The tools offered to the template, how replies are parsed and, for tool_choice required or
+    named, the grammar that forces the calls (tool_choice.py), from tools/tool_choice."""
     choice = req.tool_choice or ("auto" if req.tools else "none")
     style = STYLES.get(manager.cfg.server.reasoning_parser or "") if req.separate_reasoning \
         else None
     if choice == "none" or not req.tools:
         if choice != "none":
             raise APIError("tool_choice needs tools", param="tool_choice")
-        return None, ChatOutputSpec(reasoning=style)
-    tools = req.tools
-    if isinstance(choice, NamedToolChoice):
+        return None, ChatOutputSpec(reasoning=style), None
+    tools, named = req.tools, isinstance(choice, NamedToolChoice)
+    if named:
         tools = [t for t in tools if t.function.name == choice.function.name]
         if not tools:
             raise APIError(f"tool_choice names {choice.function.name!r}, which is not in tools",
                            param="tool_choice")
     parser = make_parser(manager.cfg.server.tool_parser, manager.tokenizer.chat_template)
+    names, offered = frozenset(t.function.name for t in tools), [
+        t.model_dump(exclude_none=True) for t in tools]
+    if named or choice == "required":  # no reasoning: the grammar holds from the first token
+        key = "parameters" if parser is not None and parser.name == "llama3" else "arguments"
+        forced = forced_calls(manager.grammars, tools, named, req.parallel_tool_calls, key)
+        return offered, ChatOutputSpec(None, forced.parser, names, req.parallel_tool_calls), \
+            forced.grammar
     if parser is None:
         raise APIError("tools need a tool-call parser: this model's chat template has no known "
                        "tool format; start the server with server.tool_parser=hermes, "
-                       "deepseek_v3 or llama3", param="tools")
-    names = frozenset(t.function.name for t in tools)
-    return [t.model_dump(exclude_none=True) for t in tools], ChatOutputSpec(
-        style, parser, names, req.parallel_tool_calls)
+                       "deepseek_v3 or llama3 (tool_choice required or named needs none)",
+                       param="tools")
+    return offered, ChatOutputSpec(style, parser, names, req.parallel_tool_calls), None
 
 
 def _messages(manager: TokenizerManager, req: ChatCompletionRequest,
@@ -94,7 +103,7 @@ def prepare_chat(manager: TokenizerManager, req: ChatCompletionRequest) -> ChatJ
     top = check_top_logprobs(req.top_logprobs, "top_logprobs")
     if top and not req.logprobs:
         raise APIError("top_logprobs needs logprobs=true", param="top_logprobs")
-    tools, spec = _tools(manager, req)
+    tools, spec, tool_grammar = _tools(manager, req)
     template_tools = tools if "tools" in (manager.tokenizer.chat_template or "") else None
     ids = manager.apply_chat_template(_messages(manager, req, tools, spec), template_tools,
                                       req.chat_template_kwargs)
@@ -102,7 +111,7 @@ def prepare_chat(manager: TokenizerManager, req: ChatCompletionRequest) -> ChatJ
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None \
         else req.max_tokens
     max_new = manager.resolve_max_tokens(len(ids), max_tokens, "messages")
-    base = GenInput(ids, sampling_params(manager, req, max_new), req.logprobs, top)
+    base = GenInput(ids, sampling_params(manager, req, max_new, tool_grammar), req.logprobs, top)
     return ChatJob(req, expand_n([base], req.n), new_id("chatcmpl"), req.model or
                    manager.served_model_name, spec)
 

@@ -63,8 +63,11 @@ def logit_bias(manager: TokenizerManager, bias: dict[str, float] | None
     return tuple(out)
 
 
-def grammar_spec(manager: TokenizerManager, req: _SamplingRequest) -> tuple[str, str] | None:
-    """response_format / regex / ebnf → (kind, source), compiled here once so a bad one is a 400."""
+def grammar_spec(manager: TokenizerManager, req: _SamplingRequest,
+                 tool_grammar: tuple[str, str] | None = None) -> tuple[str, str] | None:
+    """response_format / regex / ebnf → (kind, source), compiled here once so a bad one is a 400.
+    `tool_grammar` (already compiled) is what tool_choice required or named forces; the request
+    may not constrain its output a second way."""
     fmt = dict(req.response_format or {"type": "text"})
     kind = fmt.get("type", "text")
     specs: list[tuple[str, str, str]] = []  # (param, kind, source)
@@ -81,6 +84,11 @@ def grammar_spec(manager: TokenizerManager, req: _SamplingRequest) -> tuple[str,
         raise APIError(f"response_format type must be text, json_object or json_schema, got "
                        f"{kind!r}", param="response_format")
     specs += [(k, k, v) for k, v in (("regex", req.regex), ("ebnf", req.ebnf)) if v is not None]
+    if tool_grammar is not None:
+        if specs:
+            raise APIError(f"tool_choice required or named constrains the reply to tool calls; "
+                           f"{specs[0][0]} cannot constrain it too", param=specs[0][0])
+        return tool_grammar
     if len(specs) > 1:
         raise APIError(f"only one of {', '.join(p for p, _, _ in specs)} may constrain the output",
                        param=specs[1][0])
@@ -94,8 +102,8 @@ def grammar_spec(manager: TokenizerManager, req: _SamplingRequest) -> tuple[str,
     return kind, source
 
 
-def sampling_params(manager: TokenizerManager, req: _SamplingRequest,
-                    max_new_tokens: int) -> SamplingParams:
+def sampling_params(manager: TokenizerManager, req: _SamplingRequest, max_new_tokens: int,
+                    tool_grammar: tuple[str, str] | None = None) -> SamplingParams:
     """OpenAI defaults: temperature 1, top_p 1; top_k 0 or -1 both mean disabled."""
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     try:
@@ -109,7 +117,8 @@ def sampling_params(manager: TokenizerManager, req: _SamplingRequest,
             frequency_penalty=req.frequency_penalty or 0.0,
             presence_penalty=req.presence_penalty or 0.0,
             repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
-            logit_bias=logit_bias(manager, req.logit_bias), grammar=grammar_spec(manager, req))
+            logit_bias=logit_bias(manager, req.logit_bias),
+            grammar=grammar_spec(manager, req, tool_grammar))
     except ValueError as e:
         param = str(e).split(" ", 1)[0]
         raise APIError(str(e), param=param if param in type(req).model_fields else None) from e

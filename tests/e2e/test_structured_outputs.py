@@ -1,6 +1,7 @@
 """Structured outputs (issue 18) through the official `openai` client on one live server (embedded
 SmolLM2): json_schema outputs validate with `jsonschema`, json_object parses, regex/ebnf extras
-hold on the completions and native routes, and an invalid schema is a 400 naming the problem."""
+hold on the completions and native routes, and an invalid schema is a 400 naming the problem;
+tool_choice required and named are constrained by the tools' schemas (no tool parser needed)."""
 
 from __future__ import annotations
 
@@ -131,3 +132,69 @@ def test_invalid_schema_is_400(client):
                                            max_tokens=5)
         err = e.value.body
         assert word in err["message"] and err["param"] == "response_format", err
+
+
+def _tools() -> list[dict]:
+    """Three tools: a nested object, enums, bounded integers, required and optional fields."""
+    s = lambda n: {"type": "string", "maxLength": n}  # noqa: E731
+    fn = lambda name, props, req: {"type": "function", "function": {  # noqa: E731
+        "name": name, "parameters": {"type": "object", "properties": props, "required": req}}}
+    date = {"type": "object", "required": ["month", "day"], "properties": {
+        "month": {"type": "integer", "minimum": 1, "maximum": 12},
+        "day": {"type": "integer", "minimum": 1, "maximum": 31}}}
+    return [fn("book_flight", {"origin": s(16), "destination": s(16), "date": date,
+                               "passengers": {"type": "integer", "minimum": 1, "maximum": 9},
+                               "cabin": {"enum": ["economy", "business", "first"]}},
+               ["origin", "destination", "date", "passengers", "cabin"]),
+            fn("get_weather", {"city": s(20), "unit": {"enum": ["celsius", "fahrenheit"]}},
+               ["city", "unit"]),
+            fn("set_timer", {"minutes": {"type": "integer", "minimum": 1, "maximum": 120},
+                             "label": s(20)}, ["minutes"])]
+
+
+FLIGHT_ASK = [{"role": "user", "content": "Book a flight from Paris to Rome for 2 people in "
+               "business class on May 3."}]
+
+
+@pytest.mark.parametrize("choice", ["named", "required"])
+def test_forced_tool_calls_validate(client, choice):
+    """tool_choice named / required (parallel_tool_calls false) on a server without a tool parser:
+    the grammar ends the reply, and each call's arguments validate, whole and streamed alike."""
+    tools = _tools()
+    params = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
+    tool_choice = {"type": "function", "function": {"name": "book_flight"}} \
+        if choice == "named" else "required"
+    kw = dict(model=MODEL, messages=FLIGHT_ASK, tools=tools, tool_choice=tool_choice,
+              parallel_tool_calls=choice == "named", temperature=0, max_tokens=120)
+    out = client.chat.completions.create(**kw).choices[0]
+    assert out.finish_reason == "tool_calls" and out.message.content is None
+    (call,) = out.message.tool_calls  # exactly one: named, or required without parallel calls
+    assert call.id.startswith("call_") and (choice == "required" or call.function.name ==
+                                            "book_flight")
+    jsonschema.validate(json.loads(call.function.arguments), params[call.function.name])
+    chunks = list(client.chat.completions.create(stream=True, **kw))
+    deltas = [d for c in chunks for d in c.choices[0].delta.tool_calls or []]
+    assert [(d.index, d.function.name, d.function.arguments) for d in deltas] == [
+        (0, call.function.name, call.function.arguments)]  # one chunk per call, whole
+    assert deltas[0].id.startswith("call_") and deltas[0].type == "function"
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    assert not any(c.choices[0].delta.content for c in chunks)
+
+
+def test_forced_tool_choice_errors(client):
+    import openai
+
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    bogus = {"type": "function", "function": {"name": "broken", "parameters": {"type": "bogus"}}}
+    cases = [({"tool_choice": "required", "response_format": {"type": "json_object"}},
+              "response_format", "response_format"),
+             ({"tool_choice": named, "extra_body": {"regex": "a+"}}, "regex", "regex"),
+             ({"tool_choice": {"type": "function", "function": {"name": "nope"}}},
+              "tool_choice", "'nope'"),
+             ({"tool_choice": "required", "tools": _tools() + [bogus]}, "tools", "'broken'")]
+    for kw, param, word in cases:
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(**{"model": MODEL, "messages": FLIGHT_ASK,
+                                              "tools": _tools(), "max_tokens": 5, **kw})
+        err = e.value.body
+        assert err["param"] == param and word in err["message"], err
