@@ -86,7 +86,7 @@ class SchedulerConfig:
     mixed_chunk: bool | None = None
     # While requests decode, new arrivals wait up to this many decode steps so that one prefill
     # step serves several of them; a full chunk of waiting prompt tokens starts it at once.
-    # 0: prefill at once. (H200, the same run with mixed steps: 3024 tok/s at 2, 3538 at 4.)
+    # 0: prefill at once. (H200, with mixed steps, a second run: 3024 tok/s at 2, 3538 at 4.)
     prefill_wait_steps: int = 0
     log_interval_s: float = 10.0  # per-rank step statistics in the log (0: off)
     # CPU: OpenMP threads of each rank's forward. None: the rank's share of the cores, but 1 for a

@@ -144,9 +144,10 @@ class Scheduler:
     def _prefill_batch(self) -> ScheduledBatch | None:
         if not self.waiting and self.chunked is None:
             return None
-        if self.chunked is None and self._prefill_may_wait():
+        decoding = decodable(self.running, self.max_req_len)  # once: both policies read it
+        if self.chunked is None and self._prefill_may_wait(bool(decoding)):
             return None
-        riders = self._riders()
+        riders = self._riders(decoding)
         adder = PrefillAdder(self.cache.available() - len(riders),
                              max(self.cfg.scheduler.chunked_prefill_size - len(riders), 1),
                              self.ratio.value, self.running, self.cfg.cache.page_size)
@@ -171,20 +172,18 @@ class Scheduler:
             return None
         return self._build_extend(adder, riders)
 
-    def _prefill_may_wait(self) -> bool:
+    def _prefill_may_wait(self, decoding: bool) -> bool:
         sc = self.cfg.scheduler
-        return prefill_may_wait(self.waiting, bool(decodable(self.running, self.max_req_len)),
-                                self.decodes_since_prefill, sc.prefill_wait_steps,
-                                sc.chunked_prefill_size)
+        return prefill_may_wait(self.waiting, decoding, self.decodes_since_prefill,
+                                sc.prefill_wait_steps, sc.chunked_prefill_size)
 
-    def _riders(self) -> list[Req]:
+    def _riders(self, decoding: list[Req]) -> list[Req]:
         """Running decodes that ride along with the next prefill step (scheduler.mixed_chunk):
         decoding then goes on while requests prefill. Not while speculating (verify steps have
         their own shape), nor when their slots would not fit."""
         if not self.mixed_chunk or self.spec is not None:
             return []
-        reqs = decodable(self.running, self.max_req_len)
-        return reqs if len(reqs) < self.cache.available() else []
+        return decoding if len(decoding) < self.cache.available() else []
 
     def _ordered_waiting(self) -> list[Req]:
         if self.cfg.scheduler.policy == "lpm" and len(self.waiting) <= 128:
