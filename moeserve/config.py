@@ -179,10 +179,14 @@ class MoEConfig:
 
 @dataclass(frozen=True)
 class CudaGraphConfig:
-    """Decode steps replayed from CUDA graphs captured at start-up, one per batch-size bucket."""
+    """Decode steps replayed from CUDA graphs captured at start-up, one per batch-size bucket;
+    extend (prefill and MIXED) steps from graphs per token-count bucket."""
 
     enabled: bool | None = None  # None: on CUDA devices; true with device=cpu is refused
     max_bs: int = 256  # largest captured batch; larger decode batches run eager
+    # largest captured extend step in tokens; None: scheduler.chunked_prefill_size; 0: extend
+    # steps run eager. Longer steps, TBO steps and DP/EP deployments run eager.
+    max_extend_tokens: int | None = None
 
 
 @dataclass(frozen=True)
@@ -309,6 +313,8 @@ def validate(cfg: MoeserveConfig) -> MoeserveConfig:
     _check_choice("device", cfg.device, DEVICES)
     _check_choice("moe.backend", cfg.moe.backend, MOE_BACKENDS)
     _check_positive("cuda_graph.max_bs", cfg.cuda_graph.max_bs, False)
+    if (cfg.cuda_graph.max_extend_tokens or 0) < 0:
+        raise ConfigError("cuda_graph.max_extend_tokens", "must be >= 0 (0: extend runs eager)")
     if cfg.cuda_graph.enabled and cfg.device == "cpu":
         raise ConfigError("cuda_graph.enabled", "CUDA graphs need a CUDA device (device=cpu)")
     _check_positive("model.context_length", cfg.model.context_length)

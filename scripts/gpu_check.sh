@@ -14,6 +14,8 @@
 #   spec: MTP speculation's round (draft chain + verify + draft extend) against one plain decode
 #   step (eager and CUDA graph) at batch 1/16/64: DeepSeek-V3 shape cut to 3 dense + 2 MoE layers
 #   with its MTP layer, and Llama-3-8B with a random NextN head (SPEC_ACCEPT: accept lengths).
+#   extend: MIXED/prefill step times, extend CUDA graphs vs eager, on the full Qwen3-30B-A3B shape
+#   (EXTEND_ARGS add bench.extend_step arguments).
 # The image lacks some pure-Python deps: they travel as wheels in .whl/ (not committed).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -90,6 +92,14 @@ if [[ $what == spec ]]; then
       --override $2 --override cache.max_total_tokens=80000 2>&1 \
       | grep -v -E "Warning|warn|capturing" | tee -a "$OUT/spec_step.log" | tail -8
   done
+fi
+
+if [[ $what == extend || $what == all ]]; then
+  python3 -m moeserve.tools.make_random --shape qwen3_30b_a3b --config-only --out /tmp/q3moe_full \
+    >/dev/null
+  timeout 300 python3 -m moeserve.bench.extend_step --model /tmp/q3moe_full ${EXTEND_ARGS:-} \
+    -o model.load_format=dummy -o device=cuda -o cache.max_total_tokens=150000 2>&1 \
+    | grep -v -E "Warning|warn|capturing" | tee -a "$OUT/extend_step.log"
 fi
 
 if [[ $what == profile ]]; then

@@ -9,14 +9,26 @@ import torch
 from moeserve.attention.base import AttentionBackend, AttentionSpec
 from moeserve.forward_batch import ForwardBatch
 from moeserve.kernels.triton_attention import decode_attention, store_kv
-from moeserve.kernels.triton_attention_extend import extend_attention
+from moeserve.kernels.triton_attention_extend import (extend_attention, extend_block_m,
+                                                       extend_blocks)
+from moeserve.kvcache.pool import KVPool, MLAKVPool
 
 
 @dataclass
-class _ExtendMetadata:
-    qo_start: torch.Tensor  # [B + 1] int32: request i's new tokens are rows qo_start[i]:[i + 1]
-    prefix_lens: torch.Tensor  # [B] int32 tokens already cached
-    max_new: int  # largest new-token count (sizes the extend grid)
+class ExtendMetadata:
+    """The extend kernel's index tensors (int32), built from the host-side lengths, or views of
+    the static buffers a CUDA graph of extend steps reads (runtime/extend_graph.py)."""
+
+    qo_start: torch.Tensor  # [B + 1]: request i's new tokens are rows qo_start[i]:[i + 1]
+    prefix_lens: torch.Tensor  # [B] tokens already cached
+    blk_req: torch.Tensor  # [NB] request of each query block (kernels: extend_blocks)
+    blk_m: torch.Tensor  # [NB] its block index within the request's new tokens
+
+
+def extend_block_m_of(pool: KVPool) -> int:
+    """The extend block table's granularity for a pool's key width (the kernel's BLOCK_M)."""
+    main = pool.kv_lora_rank if isinstance(pool, MLAKVPool) else pool.key_buffer(0).shape[-1]
+    return extend_block_m(main)
 
 
 class TritonAttentionBackend(AttentionBackend):
@@ -24,12 +36,14 @@ class TritonAttentionBackend(AttentionBackend):
 
     Decode is flash-decoding with a KV split count that depends on the batch size only, so a decode step launches
     the same grids whatever the sequence lengths and reads only fb's device tensors: it can be
-    captured in a CUDA graph and replayed with new contents. Extend runs eager and sizes its grid
-    from the host-side lengths. MLA (an MLAKVPool, v None) attends the latent in absorbed form:
+    captured in a CUDA graph and replayed with new contents. Extend's grid is a block table of
+    the new tokens' query blocks, built here from the host-side lengths (eager) or padded to a
+    token bucket by the extend graphs (`extend_graph_safe`). MLA (an MLAKVPool, v None) attends the latent in absorbed form:
     key = [R main | r rope] channels, value = the main R.
     """
 
     graph_safe = True
+    extend_graph_safe = True  # extend reads only ExtendMetadata tensors (static in a graph)
 
     def __init__(self, num_kv_splits: int | None = None):
         self.num_kv_splits = num_kv_splits  # None: by batch size (`kv_splits`)
@@ -47,15 +61,17 @@ class TritonAttentionBackend(AttentionBackend):
         if fb.forward_mode.is_decode():
             fb.attn_metadata = None  # decode needs nothing beyond fb's device tensors
             return
-        device = fb.req_pool_indices.device
+        lens = fb.extend_seq_lens_cpu
+        b = len(lens)
         starts = [0]
-        for n in fb.extend_seq_lens_cpu:
+        for n in lens:
             starts.append(starts[-1] + n)
-        fb.attn_metadata = _ExtendMetadata(
-            qo_start=torch.tensor(starts, dtype=torch.int32, device=device),
-            prefix_lens=torch.tensor(fb.extend_prefix_lens_cpu, dtype=torch.int32, device=device),
-            max_new=max(fb.extend_seq_lens_cpu, default=0),
-        )
+        reqs, blocks = extend_blocks(lens, extend_block_m_of(fb.kv_pool))
+        host = torch.tensor(starts + fb.extend_prefix_lens_cpu + reqs + blocks, dtype=torch.int32)
+        dev = host.to(fb.req_pool_indices.device)  # one copy
+        nb = len(reqs)
+        fb.attn_metadata = ExtendMetadata(dev[: b + 1], dev[b + 1: 2 * b + 1],
+                                          dev[2 * b + 1: 2 * b + 1 + nb], dev[2 * b + 1 + nb:])
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None,
                 spec: AttentionSpec, fb: ForwardBatch) -> torch.Tensor:
@@ -81,9 +97,10 @@ class TritonAttentionBackend(AttentionBackend):
             decode_attention(q, k_buf, v_buf, table, fb.req_pool_indices, fb.seq_lens,
                              spec.scaling, dk, spec.v_head_dim, out, part_out, part_lse)
             return out
-        meta: _ExtendMetadata = fb.attn_metadata
+        meta: ExtendMetadata = fb.attn_metadata
         extend_attention(q, k_buf, v_buf, table, fb.req_pool_indices, meta.qo_start,
-                         meta.prefix_lens, meta.max_new, spec.scaling, dk, spec.v_head_dim, out)
+                         meta.prefix_lens, meta.blk_req, meta.blk_m, spec.scaling, dk,
+                         spec.v_head_dim, out)
         return out
 
 

@@ -117,8 +117,10 @@ def reference_path(runner: ModelRunner):
     # experts and FP8 linears: their torch paths (FP8: dequantize, then matmul)
     experts = [m for m in runner.model.modules() if isinstance(m, (MoEExperts, Fp8Linear))]
     ops = [m for m in runner.model.modules() if getattr(m, "gpu_ops", None) is not None]
-    saved = runner.attn_backend, runner.graph_runner, [e.backend for e in experts]
+    saved = (runner.attn_backend, runner.graph_runner, [e.backend for e in experts],
+             runner.extend_graphs)
     runner.attn_backend, runner.graph_runner = TorchAttentionBackend(), None
+    runner.extend_graphs = None
     for m in experts:
         m.backend = "torch"
     for m in ops:
@@ -127,6 +129,7 @@ def reference_path(runner: ModelRunner):
         yield
     finally:
         runner.attn_backend, runner.graph_runner = saved[0], saved[1]
+        runner.extend_graphs = saved[3]
         for m, b in zip(experts, saved[2]):
             m.backend = b
         for m in ops:

@@ -18,31 +18,56 @@ if triton is not None:
     from moeserve.kernels.triton_attention import attend_kv_block, load_query
 
 
+PAD_BLOCK, NO_BLOCK = -1, -2  # block-table request entries: zero-fill padding rows | nothing
+
+
+def extend_block_m(dk: int) -> int:
+    """Query rows per program: 32 for wide keys (MLA's 512-channel latent) so the tiles fit in
+    registers, else 64."""
+    return 32 if dk > 128 else 64
+
+
+def extend_blocks(extend_lens: list[int], block_m: int) -> tuple[list[int], list[int]]:
+    """The extend grid's block table: (request of each block, its query block within that
+    request's new tokens), one entry per `block_m` new tokens of each request in order."""
+    reqs: list[int] = []
+    blocks: list[int] = []
+    for i, n in enumerate(extend_lens):
+        nb = -(-n // block_m)
+        reqs += [i] * nb
+        blocks += range(nb)
+    return reqs, blocks
+
+
 def extend_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor | None,
                      req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
-                     qo_start: torch.Tensor, prefix_lens: torch.Tensor, max_new: int,
-                     scale: float, dk: int, dv: int, out: torch.Tensor) -> None:
+                     qo_start: torch.Tensor, prefix_lens: torch.Tensor, blk_req: torch.Tensor,
+                     blk_m: torch.Tensor, scale: float, dk: int, dv: int,
+                     out: torch.Tensor) -> None:
     """Causal attention of each request's new tokens over its pool KV.
 
     q: [T, H, Dq] (Dq = dk + dpe; token-major, request i owns rows qo_start[i]:qo_start[i+1]),
     k_buf/v_buf as in `decode_attention` (v_buf None: MLA), prefix_lens: [B] cached tokens,
-    max_new: the largest new-token count (host int: sizes the grid), out: [T, H, dv].
+    out: [T, H, dv]. The grid is (blocks, heads) over the block table (`extend_blocks`, block
+    size `extend_block_m(dk)`): entry j is query block blk_m[j] of request blk_req[j]; a
+    PAD_BLOCK entry zero-fills rows [blk_m[j], blk_m[j] + block) of out (a CUDA graph's padding
+    tokens) and a NO_BLOCK entry does nothing. Every size is a tensor shape, so a graph can
+    capture it and replay it with other contents.
     """
     t, h, dq = q.shape
-    b = req_pool_indices.shape[0]
-    if t == 0 or b == 0 or max_new == 0:
+    nb = blk_req.shape[0]
+    if t == 0 or nb == 0:
         return
     hkv = k_buf.shape[1]
     dpe = dq - dk
     v_is_k = v_buf is None
     assert not v_is_k or dv == dk, "MLA: the value is the main part of the key"
     v_buf = k_buf if v_is_k else v_buf
-    big = dk > 128
-    block_m, block_n, warps = (32, 32, 8) if big else (64, 64, 4)
-    grid = (b, triton.cdiv(max_new, block_m), h)
-    _extend_kernel[grid](
+    block_m = extend_block_m(dk)
+    block_n, warps = (32, 8) if block_m == 32 else (64, 4)
+    _extend_kernel[(nb, h)](
         q, k_buf, v_buf, out, req_to_token, req_pool_indices, qo_start, prefix_lens,
-        scale * LOG2E, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        blk_req, blk_m, t, scale * LOG2E, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1),
         req_to_token.stride(0), h // hkv, dk, dpe, dv,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_dim(dk), BLOCK_DPE=block_dim(max(dpe, 1)),
@@ -55,17 +80,26 @@ if triton is not None:
     @triton.jit
     def _extend_kernel(
         q_ptr, k_buf, v_buf, out_ptr, req_to_token, req_pool_indices, qo_start, prefix_lens,
-        scale_log2, stride_qt, stride_qh, stride_ot, stride_oh,
+        blk_req, blk_m, num_rows, scale_log2, stride_qt, stride_qh, stride_ot, stride_oh,
         stride_kt, stride_kh, stride_vt, stride_vh, stride_rt, group, dk, dpe, dv,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
         BLOCK_DPE: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_PE: tl.constexpr,
         V_IS_K: tl.constexpr,
     ):
-        """Program (request, query block, head): BLOCK_M new tokens of one head over KV positions
+        """Program (block-table entry, head): BLOCK_M new tokens of one head over KV positions
         [0, prefix + last token of the block], causally masked; float32 online softmax."""
-        i = tl.program_id(0)
-        m_blk = tl.program_id(1)
-        h = tl.program_id(2)
+        j = tl.program_id(0)
+        h = tl.program_id(1)
+        i = tl.load(blk_req + j)
+        m_blk = tl.load(blk_m + j)
+        offs_dv = tl.arange(0, BLOCK_DV)
+        if i < 0:  # PAD_BLOCK: zeros in padding rows [m_blk, m_blk + BLOCK_M); NO_BLOCK: none
+            rows = m_blk + tl.arange(0, BLOCK_M)
+            ok = rows < tl.where(i == -1, num_rows, 0)
+            zero = tl.zeros([BLOCK_M, BLOCK_DV], dtype=out_ptr.dtype.element_ty)
+            tl.store(out_ptr + rows[:, None].to(tl.int64) * stride_ot + h * stride_oh
+                     + offs_dv[None, :], zero, mask=ok[:, None] & (offs_dv[None, :] < dv))
+            return
         q0 = tl.load(qo_start + i).to(tl.int64)
         n_new = (tl.load(qo_start + i + 1) - q0).to(tl.int32)
         if m_blk * BLOCK_M >= n_new:  # past this request's new tokens (or it has none)
@@ -79,7 +113,6 @@ if triton is not None:
         q_pos = prefix + offs_m  # [BLOCK_M] absolute positions
         q_rows = q_ptr + (q0 + offs_m)[:, None] * stride_qt + h * stride_qh
         q, q_pe = load_query(q_rows, mask_m, dk, dpe, BLOCK_D, BLOCK_DPE, HAS_PE)
-        offs_dv = tl.arange(0, BLOCK_DV)
 
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)

@@ -102,6 +102,7 @@ class ModelRunner:
         self.gpu_ops = self._gpu_ops()
         self.attn_backend = self._attention_backend()
         self.greedy_head = self._greedy_head()
+        self.extend_graphs = None  # runtime/extend_graph.py: prefill/MIXED steps by token bucket
         self.graph_runner = self._cuda_graphs()
         # two-batch overlap applies (the scheduler votes with it in the DP sync)
         self.tbo_active = tbo_active(cfg.tbo, bool(self.moe_parallel.experts_by_layer),
@@ -188,6 +189,10 @@ class ModelRunner:
         width = self.cfg.spec.num_steps + 1 if self.draft is not None else 1
         graphs = CudaGraphRunner(self, min(self.cfg.cuda_graph.max_bs,
                                            width * self.cfg.cache.max_running_requests))
+        self.extend_graphs = self._extend_graphs()
+        if self.extend_graphs is not None:  # the largest graphs first, in the shared pool
+            self.extend_graphs.capture()
+            graphs.pool = self.extend_graphs.pool
         graphs.capture()
         if self.draft is not None:
             from moeserve.spec_mtp.draft_graphs import DraftGraphRunner
@@ -195,6 +200,22 @@ class ModelRunner:
             self.draft_graphs = DraftGraphRunner(self, self.draft, graphs.max_bs)
             self.draft_graphs.capture()
         return graphs
+
+    def _extend_graphs(self):
+        """Extend-step graphs up to cuda_graph.max_extend_tokens (default: the prefill chunk), on
+        one rank with a backend whose extend is graph-safe; None (logged) otherwise."""
+        limit = self.cfg.cuda_graph.max_extend_tokens
+        limit = self.cfg.scheduler.chunked_prefill_size if limit is None else limit
+        why = ("cuda_graph.max_extend_tokens=0" if limit == 0 else
+               f"{self.mesh.world_size} ranks (DP/EP collectives)" if self.mesh.distributed else
+               "the attention backend's extend is not graph-safe"
+               if not getattr(self.attn_backend, "extend_graph_safe", False) else "")
+        if why:
+            logger.info("extend steps run eager: %s", why)
+            return None
+        from moeserve.runtime.extend_graph import ExtendGraphRunner
+
+        return ExtendGraphRunner(self, limit, self.cfg.cache.max_running_requests)
 
     def _model_kwargs(self, cls: type) -> dict:
         kwargs = {"parallel": self.moe_parallel}
@@ -380,8 +401,15 @@ class ModelRunner:
             hidden = forward_two_batches(self.model.model, fb, timeline if timeline is not None
                                          and timeline.recording else None)
         else:
-            self.attn_backend.init_forward_metadata(fb)
-            hidden = self.model(fb)
+            graphs = self.extend_graphs
+            bucket = graphs.bucket_of_step(fb) if graphs is not None else None
+            if bucket is not None:
+                hidden = graphs.run(fb, bucket)  # [T, H], a view of the graph's output
+                if fb.return_all_logits:
+                    hidden = hidden.clone()  # callers keep it past the next replay
+            else:
+                self.attn_backend.init_forward_metadata(fb)
+                hidden = self.model(fb)
         if self.recorder is not None:
             self.recorder.step()
         if fb.forward_mode.is_decode():

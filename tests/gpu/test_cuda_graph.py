@@ -1,8 +1,11 @@
-"""CUDA-graph decode against eager decode on one GPU, for every architecture (bf16).
+"""CUDA graphs against eager steps on one GPU, for every architecture (bf16): decode graphs, and
+extend (prefill) graphs.
 
 Both runs use the same kernels (Triton attention, fused MoE, Triton norms), and every decode batch
 here is a captured bucket size (all requests run together to the same length), so each GEMM sees
-the same shapes with graphs on and off: greedy outputs must be identical token for token.
+the same shapes with graphs on and off: greedy outputs must be identical token for token. The
+extend-graph runs use prompts whose total length is a token bucket (no padding, the same shapes);
+a padded extend step is compared by its logits.
 """
 
 from __future__ import annotations
@@ -34,8 +37,58 @@ def test_graph_decode_is_token_identical_to_eager(tiny_model, arch, num_prompts)
     path = tiny_model(arch)
     prompts = prompts_of_lengths([5, 17, 9, 30, 3, 12, 21, 8][:num_prompts], 30000, seed=3)
     eager = _generate(path, prompts, ["cuda_graph.enabled=false"])
-    graphs = _generate(path, prompts, ["cuda_graph.enabled=true", "cuda_graph.max_bs=16"])
+    graphs = _generate(path, prompts, ["cuda_graph.enabled=true", "cuda_graph.max_bs=16",
+                                       "cuda_graph.max_extend_tokens=0"])
     assert graphs == eager
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("lengths", [[32], [5, 17, 9, 30, 3, 12, 21, 31]])  # 32 and 128 tokens
+def test_extend_graphs_are_token_identical_to_eager(tiny_model, arch, lengths):
+    path = tiny_model(arch)
+    prompts = prompts_of_lengths(lengths, 30000, seed=5)
+    common = ["cuda_graph.enabled=true", "cuda_graph.max_bs=16"]
+    eager = _generate(path, prompts, common + ["cuda_graph.max_extend_tokens=0"])
+    graphs = _generate(path, prompts, common + ["cuda_graph.max_extend_tokens=256"])
+    assert graphs == eager
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3"])
+def test_padded_extend_graph_matches_eager(tiny_model, arch):
+    """37 tokens over 3 requests (one on a cached prefix) replay the 64-token graph: the logits
+    match the eager forward's, and the padding writes no live slot."""
+    from moeserve.core import ForwardMode
+
+    runner = ModelRunner(compose(BF16_CUDA + ["cuda_graph.max_extend_tokens=128"]),
+                         tiny_model(arch))
+    g = runner.extend_graphs
+    assert g is not None and 64 in g.buckets
+    mem = runner.memory
+    rows = mem.req_to_token.alloc(3)
+    slots = mem.allocator.alloc(3 * 32).view(3, 32).cuda()
+    for r, s in zip(rows, slots):
+        mem.req_to_token.write(r, 0, s)
+    prompts = prompts_of_lengths([10, 16, 15, 6], runner.hf_config.vocab_size, seed=7)
+    runner.forward(runner.make_batch(ForwardMode.EXTEND, prompts[0], list(range(10)),
+                                     slots[0, :10], rows[:1], [0], [10]))
+    lens = [6, 16, 15]  # request 0 continues at 10 (a prefix hit), 1 and 2 are new
+    ids = prompts[3] + prompts[1] + prompts[2]  # 37 tokens
+    pos = list(range(10, 16)) + list(range(16)) + list(range(15))
+    loc = torch.cat([slots[0, 10:16], slots[1, :16], slots[2, :15]])
+    victim = mem.pool.key_buffer(0)[slots[2, 20]].clone()
+
+    def step():
+        return runner.make_batch(ForwardMode.EXTEND, ids, pos, loc, rows, [10, 0, 0], lens)
+
+    assert g.bucket_of_step(step()) == 64
+    with_graph = runner.forward(step())
+    assert torch.equal(mem.pool.key_buffer(0)[slots[2, 20]], victim)
+    saved, runner.extend_graphs = runner.extend_graphs, None
+    eager = runner.forward(step())
+    runner.extend_graphs = saved
+    assert with_graph.shape == eager.shape == (3, runner.hf_config.vocab_size)
+    assert torch.isfinite(with_graph).all()
+    torch.testing.assert_close(with_graph, eager, rtol=2e-2, atol=2e-2)
 
 
 def test_graph_runner_buckets_and_padding(tiny_model):

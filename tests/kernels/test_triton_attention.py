@@ -211,8 +211,8 @@ def test_extend_writes_every_element(shape):
     meta = fb.attn_metadata
     extend_attention(q, w.pool.key_buffer(LAYER),
                      None if w.rope else w.pool.value_buffer(LAYER), w.table.req_to_token,
-                     fb.req_pool_indices, meta.qo_start, meta.prefix_lens, meta.max_new,
-                     w.spec.scaling, w.d, w.dv, out)
+                     fb.req_pool_indices, meta.qo_start, meta.prefix_lens, meta.blk_req,
+                     meta.blk_m, w.spec.scaling, w.d, w.dv, out)
     assert out[37].isnan().all() and not out[:37].isnan().any()
     torch.testing.assert_close(out[:37], w._oracle(q, [1, 4, 2], [20, 0, 3], [7, 0, 30]))
 
