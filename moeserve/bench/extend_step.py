@@ -70,6 +70,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--peak-tflops", type=float, default=790.0, help="bf16 matmul, measured")
+    p.add_argument("--profile", action="store_true",
+                   help="profiler tables of the largest step, eager (device time per kernel)")
     p.add_argument("-o", "--override", action="append", default=[])
     args = p.parse_args(argv)
     runner = ModelRunner(compose([*args.override, f"model.path='{args.model}'"]), args.model)
@@ -106,6 +108,13 @@ def main(argv: list[str] | None = None) -> None:
         print(f"| {t} | {riders} | {gs} | {e * 1e3:.2f} | "
               f"{(e / g if g else 1):.2f}x | {floor * 1e3:.2f} | "
               f"{(floor / g * 100 if g else 0):.1f}% |", flush=True)
+        if args.profile and t == args.tokens[-1]:
+            from moeserve.bench.profiling import profile_table
+
+            runner.extend_graphs = None
+            profile_table(f"eager extend step, {t} tokens", lambda: runner.forward_greedy(fb),
+                          dev, rows=30)
+            runner.extend_graphs = graphs
         runner.memory.allocator.free(slots)
         runner.memory.req_to_token.free(rows)
 
