@@ -22,8 +22,9 @@ from moeserve.kernels.fused_moe_small import SMALL_MAX_PAIRS, fused_moe_small
 from moeserve.kernels.moe_config import get_moe_config
 
 # Up to this many pairs one single-program kernel sorts them (one launch for decode); above it
-# the torch ops (argsort, cumsum, scatter: ~15 launches) are cheaper than its serial loop.
+# three parallel kernels count, lay out and scatter them (`_align_parallel`).
 TRITON_ALIGN_MAX_PAIRS = 1024
+ALIGN_CHUNK = 256  # pairs per program of the parallel align kernels
 
 
 def max_padded_pairs(num_pairs: int, num_local: int, block_m: int) -> int:
@@ -51,7 +52,79 @@ def moe_align_block_size(topk_ids: torch.Tensor, block_m: int, first_expert: int
         return _align_one_token(topk_ids, block_m, first_expert, num_local)
     if n <= TRITON_ALIGN_MAX_PAIRS:
         return _align_triton(topk_ids, block_m, first_expert, num_local, p)
-    return _align_torch(topk_ids, block_m, first_expert, num_local, p)
+    return _align_parallel(topk_ids, block_m, first_expert, num_local, p)
+
+
+def _align_parallel(topk_ids, block_m, first_expert, num_local, p):
+    """Count (per-program histograms, one atomic per expert), lay the runs out (one program:
+    offsets, block owners, padding), scatter (an atomic cursor per expert): 3 launches where the
+    torch ops took ~20 (an extend step of 2048 tokens spent ~110 µs a layer in them). Within an
+    expert the pairs land in any order: each GEMM row depends on its own pair only, so the
+    results are the same."""
+    n, dev = topk_ids.numel(), topk_ids.device
+    sorted_ids = torch.empty(p, dtype=torch.int32, device=dev)
+    expert_ids = torch.empty(p // block_m, dtype=torch.int32, device=dev)
+    num_post = torch.empty(1, dtype=torch.int32, device=dev)
+    counts = torch.zeros(num_local, dtype=torch.int32, device=dev)
+    cursor = torch.empty(num_local, dtype=torch.int32, device=dev)
+    block_e = max(16, triton.next_power_of_2(num_local))
+    grid = (triton.cdiv(n, ALIGN_CHUNK),)
+    _align_count_kernel[grid](topk_ids, counts, n, first_expert, num_local, BLOCK_E=block_e,
+                              CHUNK=ALIGN_CHUNK)
+    _align_layout_kernel[(1,)](counts, cursor, sorted_ids, expert_ids, num_post, n, num_local,
+                               p // block_m, BLOCK_M=block_m, BLOCK_E=block_e,
+                               CHUNK_B=max(16, 2048 // block_m))
+    _align_scatter_kernel[grid](topk_ids, cursor, sorted_ids, n, first_expert, num_local,
+                                CHUNK=ALIGN_CHUNK)
+    return sorted_ids, expert_ids, num_post
+
+
+@triton.jit(do_not_specialize=["num_pairs"])
+def _align_count_kernel(ids_ptr, counts_ptr, num_pairs, first_expert, num_local,
+                        BLOCK_E: tl.constexpr, CHUNK: tl.constexpr):
+    pairs = tl.program_id(0) * CHUNK + tl.arange(0, CHUNK)
+    experts = tl.arange(0, BLOCK_E)
+    hot = _local_one_hot(ids_ptr, pairs, num_pairs, first_expert, num_local, experts)
+    tl.atomic_add(counts_ptr + experts, tl.sum(hot, axis=1), mask=experts < num_local)
+
+
+@triton.jit(do_not_specialize=["num_pairs", "num_blocks"])
+def _align_layout_kernel(counts_ptr, cursor_ptr, sorted_ptr, expert_ptr, num_post_ptr, num_pairs,
+                         num_local, num_blocks, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr,
+                         CHUNK_B: tl.constexpr):
+    """Runs padded to whole blocks; cursor = each run's start (the scatter advances it); every
+    slot no pair takes (run padding, unused blocks) gets num_pairs, as in `_align_kernel`."""
+    experts = tl.arange(0, BLOCK_E)
+    local = experts < num_local
+    counts = tl.load(counts_ptr + experts, mask=local, other=0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, axis=0)
+    starts = ends - padded
+    total = tl.sum(padded, axis=0)
+    tl.store(num_post_ptr, total)
+    tl.store(cursor_ptr + experts, starts, mask=local)
+    rows = tl.arange(0, BLOCK_M)
+    pos = (starts + counts)[:, None] + rows[None, :]
+    tl.store(sorted_ptr + pos, num_pairs, mask=pos < ends[:, None])
+    for b0 in range(0, num_blocks, CHUNK_B):
+        blocks = b0 + tl.arange(0, CHUNK_B)
+        first_row = blocks * BLOCK_M
+        before = (ends[None, :] <= first_row[:, None]) & local[None, :]
+        owner = tl.where(first_row < total, tl.sum(before.to(tl.int32), axis=1), -1)
+        tl.store(expert_ptr + blocks, owner, mask=blocks < num_blocks)
+        unused = (owner < 0) & (blocks < num_blocks)
+        tl.store(sorted_ptr + first_row[:, None] + rows[None, :], num_pairs, mask=unused[:, None])
+
+
+@triton.jit(do_not_specialize=["num_pairs"])
+def _align_scatter_kernel(ids_ptr, cursor_ptr, sorted_ptr, num_pairs, first_expert, num_local,
+                          CHUNK: tl.constexpr):
+    pairs = tl.program_id(0) * CHUNK + tl.arange(0, CHUNK)
+    ok = pairs < num_pairs
+    local = tl.load(ids_ptr + pairs, mask=ok, other=0) - first_expert
+    ok = ok & (local >= 0) & (local < num_local)
+    dest = tl.atomic_add(cursor_ptr + local, 1, mask=ok)
+    tl.store(sorted_ptr + dest, pairs, mask=ok)
 
 
 def _align_triton(topk_ids, block_m, first_expert, num_local, p):

@@ -19,6 +19,7 @@ if triton is not None:
 
 
 PAD_BLOCK, NO_BLOCK = -1, -2  # block-table request entries: zero-fill padding rows | nothing
+ONE_TOKEN = -1  # block-table block entry: a one-token request, its heads packed into the rows
 
 
 def extend_block_m(dk: int) -> int:
@@ -29,14 +30,30 @@ def extend_block_m(dk: int) -> int:
 
 def extend_blocks(extend_lens: list[int], block_m: int) -> tuple[list[int], list[int]]:
     """The extend grid's block table: (request of each block, its query block within that
-    request's new tokens), one entry per `block_m` new tokens of each request in order."""
+    request's new tokens), one entry per `block_m` new tokens of each request in order; a
+    one-token request (a decode riding in a MIXED step) is one ONE_TOKEN entry, whose programs
+    take the query heads of one KV head together, so its K/V is read once per KV head rather
+    than once per query head."""
     reqs: list[int] = []
     blocks: list[int] = []
     for i, n in enumerate(extend_lens):
+        if n == 1:
+            reqs.append(i)
+            blocks.append(ONE_TOKEN)
+            continue
         nb = -(-n // block_m)
         reqs += [i] * nb
         blocks += range(nb)
     return reqs, blocks
+
+
+def heads_per_packed_program(group: int, block_m: int) -> int:
+    """Query heads a ONE_TOKEN program takes: its KV head's whole group when that fits the
+    block's rows, else the largest divisor of the group that does (every head of one program
+    shares the KV head)."""
+    if group <= block_m:
+        return group
+    return max(d for d in range(1, block_m + 1) if group % d == 0)
 
 
 def extend_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor | None,
@@ -51,7 +68,8 @@ def extend_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor |
     out: [T, H, dv]. The grid is (blocks, heads) over the block table (`extend_blocks`, block
     size `extend_block_m(dk)`): entry j is query block blk_m[j] of request blk_req[j]; a
     PAD_BLOCK entry zero-fills rows [blk_m[j], blk_m[j] + block) of out (a CUDA graph's padding
-    tokens) and a NO_BLOCK entry does nothing. Every size is a tensor shape, so a graph can
+    tokens) and a NO_BLOCK entry does nothing. Heads are the grid's fast axis, so the programs
+    of one query block run together and share its K/V through L2. Every size is a tensor shape, so a graph can
     capture it and replay it with other contents.
     """
     t, h, dq = q.shape
@@ -65,9 +83,9 @@ def extend_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor |
     v_buf = k_buf if v_is_k else v_buf
     block_m = extend_block_m(dk)
     block_n, warps = (32, 8) if block_m == 32 else (64, 4)
-    _extend_kernel[(nb, h)](
+    _extend_kernel[(h, nb)](
         q, k_buf, v_buf, out, req_to_token, req_pool_indices, qo_start, prefix_lens,
-        blk_req, blk_m, t, scale * LOG2E, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        blk_req, blk_m, t, h, heads_per_packed_program(h // hkv, block_m), scale * LOG2E, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1),
         req_to_token.stride(0), h // hkv, dk, dpe, dv,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_dim(dk), BLOCK_DPE=block_dim(max(dpe, 1)),
@@ -80,21 +98,24 @@ if triton is not None:
     @triton.jit
     def _extend_kernel(
         q_ptr, k_buf, v_buf, out_ptr, req_to_token, req_pool_indices, qo_start, prefix_lens,
-        blk_req, blk_m, num_rows, scale_log2, stride_qt, stride_qh, stride_ot, stride_oh,
+        blk_req, blk_m, num_rows, num_heads, heads_packed, scale_log2, stride_qt, stride_qh, stride_ot, stride_oh,
         stride_kt, stride_kh, stride_vt, stride_vh, stride_rt, group, dk, dpe, dv,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
         BLOCK_DPE: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_PE: tl.constexpr,
         V_IS_K: tl.constexpr,
     ):
-        """Program (block-table entry, head): BLOCK_M new tokens of one head over KV positions
-        [0, prefix + last token of the block], causally masked; float32 online softmax."""
-        j = tl.program_id(0)
-        h = tl.program_id(1)
+        """Program (head, block-table entry): BLOCK_M new tokens of one head over KV positions
+        [0, prefix + last token of the block], causally masked; float32 online softmax. A
+        ONE_TOKEN entry's program h takes heads [h * heads_packed, + heads_packed) of its one
+        token instead (rows = heads), and programs past the heads return."""
+        h = tl.program_id(0)
+        j = tl.program_id(1)
         i = tl.load(blk_req + j)
         m_blk = tl.load(blk_m + j)
         offs_dv = tl.arange(0, BLOCK_DV)
+        r = tl.arange(0, BLOCK_M)
         if i < 0:  # PAD_BLOCK: zeros in padding rows [m_blk, m_blk + BLOCK_M); NO_BLOCK: none
-            rows = m_blk + tl.arange(0, BLOCK_M)
+            rows = m_blk + r
             ok = rows < tl.where(i == -1, num_rows, 0)
             zero = tl.zeros([BLOCK_M, BLOCK_DV], dtype=out_ptr.dtype.element_ty)
             tl.store(out_ptr + rows[:, None].to(tl.int64) * stride_ot + h * stride_oh
@@ -102,22 +123,28 @@ if triton is not None:
             return
         q0 = tl.load(qo_start + i).to(tl.int64)
         n_new = (tl.load(qo_start + i + 1) - q0).to(tl.int32)
-        if m_blk * BLOCK_M >= n_new:  # past this request's new tokens (or it has none)
+        packed = m_blk < 0
+        head0 = h * heads_packed
+        # past the heads (packed), or past this request's new tokens (or it has none)
+        if tl.where(packed, head0 >= num_heads, m_blk * BLOCK_M >= n_new):
             return
         prefix = tl.load(prefix_lens + i).to(tl.int32)
         row = tl.load(req_pool_indices + i).to(tl.int64)
-        kv_head = h // group
+        kv_head = tl.where(packed, head0, h) // group
 
-        offs_m = m_blk * BLOCK_M + tl.arange(0, BLOCK_M)
-        mask_m = offs_m < n_new
+        # rows: (token, head) pairs; BLOCK_M tokens of head h, or one token's packed heads
+        offs_m = tl.where(packed, 0, m_blk * BLOCK_M + r)  # token within the new ones
+        heads = tl.where(packed, head0 + r, h)
+        mask_m = tl.where(packed, (r < heads_packed) & (heads < num_heads), offs_m < n_new)
         q_pos = prefix + offs_m  # [BLOCK_M] absolute positions
-        q_rows = q_ptr + (q0 + offs_m)[:, None] * stride_qt + h * stride_qh
+        q_rows = q_ptr + (q0 + offs_m)[:, None] * stride_qt + heads[:, None] * stride_qh
         q, q_pe = load_query(q_rows, mask_m, dk, dpe, BLOCK_D, BLOCK_DPE, HAS_PE)
 
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
-        kv_end = prefix + tl.minimum((m_blk + 1) * BLOCK_M, n_new)  # past the block's last token
+        # past the block's last token
+        kv_end = prefix + tl.where(packed, 1, tl.minimum((m_blk + 1) * BLOCK_M, n_new))
         for n0 in range(0, kv_end, BLOCK_N):
             offs_n = n0 + tl.arange(0, BLOCK_N)
             mask_n = offs_n < kv_end
@@ -130,6 +157,6 @@ if triton is not None:
                 BLOCK_DPE, BLOCK_DV, HAS_PE, V_IS_K)
 
         res = acc / l_i[:, None]
-        o_rows = out_ptr + (q0 + offs_m)[:, None] * stride_ot + h * stride_oh
+        o_rows = out_ptr + (q0 + offs_m)[:, None] * stride_ot + heads[:, None] * stride_oh
         tl.store(o_rows + offs_dv[None, :], res.to(out_ptr.dtype.element_ty),
                  mask=mask_m[:, None] & (offs_dv[None, :] < dv))

@@ -111,9 +111,10 @@ def test_zero_tokens(small_path):
     assert out.shape == (0, 32) and out.dtype == DTYPE
 
 
-@pytest.mark.parametrize("path", ["_align_triton", "_align_torch"])
+@pytest.mark.parametrize("path", ["_align_triton", "_align_torch", "_align_parallel"])
 @pytest.mark.parametrize("t,k,e,block_m,first,num_local", [
-    (1, 1, 8, 16, 0, 8), (13, 3, 12, 16, 2, 6), (50, 8, 256, 16, 0, 256), (40, 2, 8, 64, 1, 5)])
+    (1, 1, 8, 16, 0, 8), (13, 3, 12, 16, 2, 6), (50, 8, 256, 16, 0, 256), (40, 2, 8, 64, 1, 5),
+    (300, 8, 128, 64, 32, 64)])
 def test_align_block_size_layout(path, t, k, e, block_m, first, num_local, monkeypatch):
     orig = torch.empty
     monkeypatch.setattr(torch, "empty", lambda *a, **kw: orig(*a, **kw).fill_(-7))  # poison
@@ -157,6 +158,22 @@ def test_align_paths_agree():
     a = fm._align_triton(ids, 32, 4, 20, p)
     b = fm._align_torch(ids, 32, 4, 20, p)
     assert all(torch.equal(u, v) for u, v in zip(a, b))
+    # the parallel kernels place an expert's pairs in any order: the same runs, sorted equal
+    c = fm._align_parallel(ids, 32, 4, 20, p)
+    assert torch.equal(c[1], b[1]) and torch.equal(c[2], b[2])
+    runs_b, runs_c = b[0].view(-1, 32), c[0].view(-1, 32)
+    for e in range(20):
+        mine = b[1] == e
+        assert torch.equal(runs_b[mine].flatten().sort().values,
+                           runs_c[mine].flatten().sort().values)
+
+
+def test_fused_moe_many_pairs_equals_loop():
+    """Past TRITON_ALIGN_MAX_PAIRS (the parallel align), EP-local masking."""
+    x, w13, w2, ids, w = _inputs(160, 32, 24, 16, 8, seed=11, num_local=10)
+    assert ids.numel() > fm.TRITON_ALIGN_MAX_PAIRS
+    out = fm.fused_moe(x, w13, w2, ids, w, 3, 10, small_path=False)
+    _check(out, x, w13, w2, ids, w, 3)
 
 
 def test_layer_backend_triton_equals_loop():

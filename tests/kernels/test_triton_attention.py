@@ -30,6 +30,8 @@ DEVICES = [pytest.param("cpu", torch.float32, 1e-5, marks=CPU_ONLY),
 SHAPES = {
     "mha": (2, 2, 16, 16, 0), "gqa2": (4, 2, 32, 16, 0), "gqa4": (8, 2, 16, 16, 0),
     "gqa8": (8, 1, 16, 16, 0), "mla": (4, 1, 32, 32, 16), "mla_odd": (20, 1, 24, 24, 8),
+    # 40 heads on one latent wider than 128: blocks of 32 rows, one-token programs of 20 heads
+    "mla_wide": (40, 1, 160, 160, 16),
 }
 LAYER = 1  # of 2: the backend must address the right layer's buffers
 
@@ -156,6 +158,16 @@ def test_extend_then_decode(shape, device, dtype, tol):
     w.step([3, 0, 5], [9, 0, 1], tol=tol)
     w.step([5, 3], tol=tol, splits=8)
     w.step([0, 3], tol=tol, splits=16)
+
+
+@pytest.mark.parametrize("device,dtype,tol", DEVICES)
+@pytest.mark.parametrize("shape", ["gqa4", "gqa8", "mla_odd", "mla_wide"])
+def test_mixed_step_one_token_requests(shape, device, dtype, tol):
+    """A MIXED-shaped extend: one-token requests (decodes riding along, their heads packed into
+    one program per KV head) between prompt chunks, on cached prefixes of odd lengths."""
+    w = _World(shape, device, dtype, seed=6)
+    w.step([0, 1, 2, 3], [3, 70, 1, 33], tol=tol)
+    w.step([0, 1, 4, 2, 3], [1, 1, 40, 1, 1], tol=tol)
 
 
 @pytest.mark.parametrize("device,dtype,tol", DEVICES)
