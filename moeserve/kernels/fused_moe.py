@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from moeserve.kernels.fused_moe_small import SMALL_MAX_PAIRS, fused_moe_small
-from moeserve.kernels.moe_config import get_moe_config
+from moeserve.kernels.moe_config import down_config, get_moe_config
 
 # Up to this many pairs one single-program kernel sorts them (one launch for decode); above it
 # three parallel kernels count, lay out and scatter them (`_align_parallel`).
@@ -367,7 +367,8 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: to
     e = ids[t,k] - first_expert is in [0, num_local): [T, H] in x.dtype (fp32 accumulation).
 
     x [T, H]; w13 [E_local, 2I, H] as [gate | up]; w2 [E_local, H, I]; topk_ids [T, K] global ids;
-    topk_weights [T, K]. `config`: launch config (default: `get_moe_config` for this shape).
+    topk_weights [T, K]. `config`: launch config (default: `get_moe_config` for this shape; its
+    optional `down` entry retiles the down GEMM).
     FP8 experts: w13/w2 float8_e4m3fn with (bn, bk) = `block` scales w13_scale
     [E, 2 * ceil(I/bn), ceil(H/bk)] (gate and up blocked separately, as checkpoints store them) and
     w2_scale [E, ceil(H/bn), ceil(I/bk)]; activations are quantized per token and bk channels.
@@ -396,7 +397,8 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: to
     y = x.new_empty((t * k, h))  # [T*K, H] weighted by pair
     if w13_scale is None:
         _grouped_gemm(x, w13, inter, None, sorted_ids, expert_ids, num_post, k, True, cfg)
-        _grouped_gemm(inter, w2, y, weights, sorted_ids, expert_ids, num_post, 1, False, cfg)
+        _grouped_gemm(inter, w2, y, weights, sorted_ids, expert_ids, num_post, 1, False,
+                      down_config(cfg))
     else:
         from moeserve.kernels.fp8 import quant_fp8_per_token_group
 
@@ -405,8 +407,8 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: to
                       x_s, w13_scale, block)
         # NOTE: rows of non-local pairs hold garbage; their scales too, and nothing reads them
         i_q, i_s = quant_fp8_per_token_group(inter, block[1])
-        _grouped_gemm(i_q, w2, y, weights, sorted_ids, expert_ids, num_post, 1, False, cfg,
-                      i_s, w2_scale, block)
+        _grouped_gemm(i_q, w2, y, weights, sorted_ids, expert_ids, num_post, 1, False,
+                      down_config(cfg), i_s, w2_scale, block)
     out = x.new_empty((t, h))
     block_h = min(1024, triton.next_power_of_2(h))
     _sum_local_pairs_kernel[(t, triton.cdiv(h, block_h))](y, ids, out, first_expert, num_local,

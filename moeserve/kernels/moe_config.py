@@ -3,6 +3,9 @@
 A table `E=<experts>,N=<intermediate>,H=<hidden>,dtype=<dtype>,device=<GPU name>.json` (written by
 `python -m moeserve.tools.tune_moe`) maps token counts (strings) to configs; a call takes the entry
 whose token count is nearest. Lookups are cached: the layer asks on every forward.
+
+A config may carry a `down` entry: the down GEMM's own tile (DOWN_KEYS), since its shape (N = H,
+K = I) differs from the gate/up GEMM's; BLOCK_SIZE_M is shared because both walk one sorted layout.
 """
 
 from __future__ import annotations
@@ -15,6 +18,12 @@ import torch
 
 SHIPPED_DIR = Path(__file__).parent / "moe_configs"
 KEYS = ("BLOCK_SIZE_M", "BLOCK_SIZE_N", "BLOCK_SIZE_K", "GROUP_SIZE_M", "num_warps", "num_stages")
+DOWN_KEYS = KEYS[1:]
+
+
+def down_config(cfg: dict) -> dict:
+    """The down GEMM's launch config: cfg with its `down` entry (if any) laid over it."""
+    return {k: v for k, v in cfg.items() if k != "down"} | cfg.get("down", {})
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -47,7 +56,13 @@ def load_table(path: str) -> dict[int, dict] | None:
         missing = [k for k in KEYS if k not in cfg]
         if missing:
             raise ValueError(f"{path}: config for {tokens} tokens lacks {missing}")
-        table[int(tokens)] = {k: int(cfg[k]) for k in KEYS}
+        entry = {k: int(cfg[k]) for k in KEYS}
+        if "down" in cfg:
+            bad = sorted(set(cfg["down"]) - set(DOWN_KEYS))
+            if bad:
+                raise ValueError(f"{path}: down config for {tokens} tokens has unknown keys {bad}")
+            entry["down"] = {k: int(v) for k, v in cfg["down"].items()}
+        table[int(tokens)] = entry
     return table or None
 
 
@@ -91,5 +106,6 @@ def get_moe_config(num_experts: int, hidden: int, intermediate: int, topk: int,
                    dtype: torch.dtype, num_tokens: int, config_dir: str | None = None) -> dict:
     """Launch config for T=num_tokens: the nearest entry of the tuned table in config_dir, else
     the shipped one (moe_configs/), else `default_config`. num_experts: experts on this rank."""
-    return dict(_lookup(num_experts, hidden, intermediate, topk, dtype, num_tokens,
-                        None if config_dir is None else str(config_dir)))
+    cfg = _lookup(num_experts, hidden, intermediate, topk, dtype, num_tokens,
+                  None if config_dir is None else str(config_dir))
+    return {k: dict(v) if isinstance(v, dict) else v for k, v in cfg.items()}

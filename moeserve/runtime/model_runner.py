@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from dataclasses import dataclass
 
 import torch
 
@@ -13,26 +12,24 @@ from moeserve.attention.registry import create_attention_backend
 from moeserve.config import MoeserveConfig, loads_mtp_layer
 from moeserve.core import ForwardMode
 from moeserve.forward_batch import ForwardBatch
-from moeserve.kvcache.allocator import TokenToKVPoolAllocator
-from moeserve.kvcache.pool import KVPool, MHAKVPool, MLAKVPool
 from moeserve.distributed import ParallelMesh, single_rank_mesh
-from moeserve.kvcache.table import ReqToTokenPool
 from moeserve.kernels.cpu_ops import CpuKernels, attach_cpu_kernels, load_cpu_kernels, supports
 from moeserve.env import env
 from moeserve.layers.linear import pack_linears
-from moeserve.layers.moe import ExpertRecorder, MoEParallel
+from moeserve.layers.moe import ExpertRecorder
 from moeserve.models.loader import WeightLoadError
 from moeserve.models.quantization import resolve_quant_plan
 from moeserve.models.registry import model_class
 from moeserve.runtime.kernel_choice import (attention_backend_name, moe_backend_name,
                                             use_cuda_graphs)
+from moeserve.runtime.kv_memory import init_kv_memory, kv_layout
+from moeserve.runtime.moe_setup import build_moe_parallel, num_logical_experts
 from moeserve.runtime.sampler import greedy
 from moeserve.tbo.operations import Timeline
 from moeserve.tbo.strategy import forward_two_batches, tbo_active
 
 logger = logging.getLogger(__name__)
 
-CPU_DEFAULT_KV_TOKENS = 16384
 GREEDY_HEAD_MAX_HIDDEN = 256  # measured: fused greedy head faster up to 256, even at 512
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -72,15 +69,6 @@ def load_hf_config(path: str):
     return AutoConfig.from_pretrained(path)
 
 
-@dataclass
-class KVMemory:
-    """The per-rank KV memory: request table, slot allocator and the per-layer pool."""
-
-    req_to_token: ReqToTokenPool
-    allocator: TokenToKVPoolAllocator
-    pool: KVPool
-
-
 class ModelRunner:
     def __init__(self, cfg: MoeserveConfig, model_path: str, mesh: ParallelMesh | None = None,
                  recorder: ExpertRecorder | None = None):
@@ -89,13 +77,21 @@ class ModelRunner:
         self.device = self.mesh.device
         self.hf_config = load_hf_config(model_path)
         self.dtype = resolve_dtype(cfg.model.dtype, self.hf_config, self.device)
-        self.recorder = None  # an ExpertDistributionRecorder for MoE models
-        self.moe_parallel = self._moe_parallel(recorder)
+        self.moe_parallel = build_moe_parallel(
+            cfg, self.mesh, self.hf_config, self.dtype,
+            moe_backend_name(cfg, self.device, env().triton_interpret), recorder)
+        # the ExpertDistributionRecorder this runner made and steps (None: dense, or given one)
+        self.recorder = (self.moe_parallel.recorder
+                         if recorder is None and num_logical_experts(self.hf_config) else None)
         self.draft = None  # spec_mtp.draft.Draft with spec.algorithm=nextn
         self.draft_graphs = None  # its decode-shaped passes' CUDA graphs (spec_mtp/draft_graphs)
         self.model = self._build_model(model_path)
         self.context_len = cfg.model.context_length or self.hf_config.max_position_embeddings
-        self.memory = self._init_memory()
+        layout = kv_layout(self.model, self.hf_config, self.draft)
+        # a verify step reads and writes num_steps + 1 positions past a request's last token
+        spare = cfg.spec.num_steps + 1 if self.draft is not None else 0
+        self.memory, self.context_len = init_kv_memory(cfg, layout, self.context_len, self.dtype,
+                                                       self.device, spare)
         self.cpu_kernels = self._cpu_kernels()
         if self.cpu_kernels is not None:
             attach_cpu_kernels(self.model, self.cpu_kernels)
@@ -223,98 +219,6 @@ class ModelRunner:
             kwargs["load_mtp"] = loads_mtp_layer(self.cfg)
         return kwargs
 
-    def _moe_parallel(self, recorder: ExpertRecorder | None) -> MoEParallel:
-        mesh, c = self.mesh, self.hf_config
-        par = MoEParallel(ep_rank=mesh.ep_rank, ep_size=mesh.ep_size,
-                          moe_backend=moe_backend_name(self.cfg, self.device,
-                                                       env().triton_interpret),
-                          moe_config_dir=self.cfg.moe.config_dir)
-        num_logical = (getattr(c, "n_routed_experts", None) or getattr(c, "num_experts", None)
-                       or getattr(c, "num_local_experts", None))
-        if not num_logical:
-            return par  # a dense model
-        par.location = self._expert_location(num_logical)
-        par.recorder = recorder or self._make_recorder(par, num_logical)
-        if mesh.ep_size > 1:
-            from moeserve.ep.dispatcher import create_dispatcher
-
-            par.dispatcher = create_dispatcher(
-                self.cfg.parallel.a2a_backend, mesh, par.num_physical(num_logical), c.hidden_size,
-                self.dtype, deepep_mode=self.cfg.parallel.deepep_mode,
-                max_tokens_per_rank=max(self.cfg.scheduler.chunked_prefill_size,
-                                        self.cfg.cache.max_running_requests))
-        return par
-
-    def _make_recorder(self, par: MoEParallel, num_logical: int):
-        """Per-physical-expert token counts on the device; records only once started (at load
-        when eplb.record_mode is set, else through the expert_record_* control ops)."""
-        from moeserve.eplb.recorder import ExpertDistributionRecorder
-
-        e = self.cfg.eplb
-        layers = self.hf_config.num_hidden_layers + int(loads_mtp_layer(self.cfg))
-        rec = ExpertDistributionRecorder(
-            layers, par.num_physical(num_logical), "stat" if e.record_mode == "off" else
-            e.record_mode, e.record_window, par.location, device=self.device)
-        if e.record_mode != "off":
-            rec.start()
-        self.recorder = rec
-        return rec
-
-    def _expert_location(self, num_logical: int):
-        """The expert placement (None = identity: no redundant experts, no placement file)."""
-        e = self.cfg.eplb
-        if e.num_redundant_experts == 0 and e.init_placement is None:
-            return None
-        from moeserve.eplb.location import ExpertLocation
-        from moeserve.eplb.recorder import load_init_placement
-
-        layers = self.hf_config.num_hidden_layers + int(loads_mtp_layer(self.cfg))
-        nodes, rank = self.cfg.parallel.nnodes, self.mesh.ep_rank
-        if e.init_placement is not None:
-            loc = load_init_placement(e.init_placement, self.mesh.ep_size, num_nodes=nodes,
-                                      num_redundant=e.num_redundant_experts, ep_rank=rank,
-                                      device=self.device)
-        else:
-            loc = ExpertLocation.trivial(layers, num_logical, self.mesh.ep_size,
-                                         e.num_redundant_experts, nodes, rank, self.device)
-        return _check_location(loc, layers, num_logical)
-
-    def _init_memory(self) -> KVMemory:
-        layout = self.model.kv_layout() if hasattr(self.model, "kv_layout") else self._mha_layout()
-        size = self.cfg.cache.max_total_tokens or self._auto_kv_tokens(layout)
-        self.context_len = min(self.context_len, size)
-        # a verify step reads and writes num_steps + 1 positions past a request's last token
-        spare = self.cfg.spec.num_steps + 1 if self.draft is not None else 0
-        table = ReqToTokenPool(self.cfg.cache.max_running_requests + 1, self.context_len + spare,
-                               self.device)
-        allocator = TokenToKVPoolAllocator(size)
-        if layout["kind"] == "mla":
-            pool = MLAKVPool(size, layout["layers"], layout["kv_lora_rank"], layout["rope_dim"],
-                             self.dtype, self.device)
-        else:
-            pool = MHAKVPool(size, layout["layers"], layout["kv_heads"], layout["head_dim"],
-                             layout["v_head_dim"], self.dtype, self.device)
-        logger.info("KV pool: %d tokens (%s)", size, layout["kind"])
-        return KVMemory(table, allocator, pool)
-
-    def _mha_layout(self) -> dict:
-        c = self.hf_config
-        head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-        extra = self.draft.extra_kv_layers if self.draft is not None else 0  # a NextN head's
-        return {"kind": "mha", "layers": c.num_hidden_layers + extra,
-                "kv_heads": c.num_key_value_heads,
-                "head_dim": head_dim, "v_head_dim": head_dim}
-
-    def _auto_kv_tokens(self, layout: dict) -> int:
-        if self.device.type == "cpu":
-            return CPU_DEFAULT_KV_TOKENS
-        width = (layout["kv_lora_rank"] + layout["rope_dim"] if layout["kind"] == "mla"
-                 else layout["kv_heads"] * (layout["head_dim"] + layout["v_head_dim"]))
-        per_token = KVPool.bytes_per_token(layout["layers"], width, self.dtype)
-        free, total = torch.cuda.mem_get_info(self.device)
-        budget = free - total * (1.0 - self.cfg.cache.mem_fraction_static)
-        return max(int(budget // per_token), 1024)
-
     # ---- execution ----------------------------------------------------------------------------
     def make_batch(self, mode: ForwardMode, input_ids: torch.Tensor | list[int],
                    positions: torch.Tensor | list[int], out_cache_loc: torch.Tensor,
@@ -417,13 +321,6 @@ class ModelRunner:
         if not fb.return_all_logits:
             return hidden[fb.last_token_indices()]
         return hidden
-
-
-def _check_location(loc, layers: int, num_logical: int):
-    if loc.num_layers < layers or loc.num_logical != num_logical:
-        raise ValueError(f"eplb.init_placement: placement has {loc.num_layers} layers x "
-                         f"{loc.num_logical} experts, the model needs {layers} x {num_logical}")
-    return loc
 
 
 @contextlib.contextmanager

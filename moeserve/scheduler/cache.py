@@ -12,7 +12,7 @@ import torch
 
 from moeserve.core import Req
 from moeserve.kvcache.radix import NoRadixCache, RadixCache
-from moeserve.runtime.model_runner import KVMemory
+from moeserve.runtime.kv_memory import KVMemory
 
 
 class CacheManager:

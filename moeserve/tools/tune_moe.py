@@ -3,10 +3,11 @@
     python -m moeserve.tools.tune_moe --experts 128 --hidden 2048 --intermediate 768 --topk 8 \\
         --dtype bfloat16 --tokens 1 2 4 8 16 32 64 128 256 512 1024 2048 4096 8192 --out DIR
 
-Times the whole `fused_moe` call (align + both GEMMs + the top-k sum) with triton.testing.do_bench
-(L2 flushed between calls, as in a real layer whose weights are cold) on random inputs, prints one
-row per token count and writes `E=..,N=..,H=..,dtype=..,device=...json` with the fastest config
-of each: the table `moe_config.get_moe_config` reads.
+Times the whole `fused_moe` call (align + both GEMMs + the top-k sum) replayed in a CUDA graph
+(`--timer eager`: do_bench with the L2 flushed) on random inputs, then retiles the down GEMM
+alone (its `down` entry; `--no-down` skips that), prints one row per token count with the touched
+experts' bytes per second, and writes `E=..,N=..,H=..,dtype=..,device=...json` with the fastest
+config of each: the table `moe_config.get_moe_config` reads.
 
 The search space is hand-picked rather than a grid, since compiling dominates (two kernels per
 config, ~1-2 s each): BLOCK_SIZE_M 16 configs vary tile width (N 32-128) and pipeline depth (K
@@ -23,7 +24,8 @@ from pathlib import Path
 
 import torch
 
-from moeserve.kernels.moe_config import KEYS, SHIPPED_DIR, config_file_name, default_config
+from moeserve.kernels.moe_config import (DOWN_KEYS, KEYS, SHIPPED_DIR, config_file_name,
+                                         default_config)
 
 # (BLOCK_SIZE_M, BLOCK_SIZE_N, BLOCK_SIZE_K, GROUP_SIZE_M, num_warps, num_stages)
 SPACE = [
@@ -38,8 +40,17 @@ SPACE = [
     (128, 64, 64, 8, 4, 4), (128, 64, 64, 8, 8, 3), (128, 128, 64, 8, 8, 3),
     (128, 128, 64, 8, 8, 4), (128, 128, 128, 8, 8, 3), (128, 64, 64, 1, 4, 4),
     (128, 64, 128, 8, 8, 3), (128, 128, 64, 16, 8, 3),
+    (32, 128, 128, 8, 4, 3), (64, 128, 128, 8, 4, 3), (64, 256, 64, 8, 8, 4),
+    (64, 64, 64, 16, 4, 4), (128, 256, 64, 8, 8, 3),
 ]
 QUICK = [SPACE[j] for j in (1, 2, 4, 6, 8, 14, 15, 18, 21, 22, 28, 30)]
+# the down GEMM's own tile (BLOCK_SIZE_N, BLOCK_SIZE_K, GROUP_SIZE_M, num_warps, num_stages):
+# N = hidden is wide and K = intermediate short, so wider N tiles and shallower K pipelines
+DOWN_SPACE = [
+    (32, 128, 1, 4, 4), (64, 64, 1, 4, 4), (64, 128, 1, 4, 3), (64, 128, 8, 4, 4),
+    (128, 64, 8, 4, 4), (128, 64, 8, 8, 3), (128, 128, 8, 8, 3), (256, 64, 8, 8, 3),
+    (64, 64, 8, 4, 5), (128, 32, 8, 4, 4),
+]
 
 
 def as_config(row: tuple[int, ...]) -> dict:
@@ -65,8 +76,11 @@ def candidates(space: list[tuple[int, ...]], t: int, k: int, e: int) -> list[dic
     return [as_config(r) for r in space if r[0] <= cap]
 
 
-def time_config(fn, cfg: dict, ref: torch.Tensor) -> float | None:
-    """Median µs of fn(cfg), or None if it does not compile/launch or disagrees with ref."""
+def time_config(fn, cfg: dict, ref: torch.Tensor, timer: str) -> float | None:
+    """Median µs of fn(cfg), or None if it does not compile/launch or disagrees with ref.
+    timer "graph": replayed in a CUDA graph, as decode and extend steps run (outside one, a
+    Triton launch costs more host time than a mid-size GEMM takes, so eager timing would rank
+    configs by noise); "eager": do_bench with the L2 flushed between calls."""
     import triton.testing
 
     try:
@@ -78,30 +92,56 @@ def time_config(fn, cfg: dict, ref: torch.Tensor) -> float | None:
     if not torch.allclose(out.float(), ref.float(), rtol=5e-2, atol=5e-2):
         print(f"  skip {cfg}: wrong result")
         return None
+    if timer == "graph":
+        return triton.testing.do_bench_cudagraph(lambda: fn(cfg), rep=20,
+                                                 return_mode="median") * 1e3
     return triton.testing.do_bench(lambda: fn(cfg), warmup=5, rep=25, return_mode="median") * 1e3
 
 
+def touched_bytes(ids: torch.Tensor, e: int, h: int, i: int, dtype: torch.dtype) -> int:
+    """Bytes of the experts the step routes to (each read once at best): the bandwidth floor."""
+    return int(torch.unique(ids).numel()) * 3 * h * i * torch.finfo(dtype).bits // 8
+
+
 def tune(e: int, h: int, i: int, k: int, dtype: torch.dtype, tokens: list[int],
-         space: list[tuple[int, ...]]) -> dict[str, dict]:
+         space: list[tuple[int, ...]], timer: str = "graph", tune_down: bool = True,
+         out: Path | None = None) -> dict[str, dict]:
+    """Per token count: the fastest whole-call config over `space`, then (tune_down) the down
+    GEMM's own tile over DOWN_SPACE with that BLOCK_SIZE_M. `out`: the JSON, rewritten after
+    every token count so that a run cut short keeps what it measured; entries it holds for
+    other token counts are kept."""
     from moeserve.kernels.fused_moe import fused_moe
 
-    best: dict[str, dict] = {}
-    print(f"{'tokens':>7} {'best µs':>9} {'default µs':>10}  best config")
+    kept = out is not None and out.is_file()
+    best: dict[str, dict] = json.loads(out.read_text()) if kept else {}
+    print(f"{'tokens':>7} {'best µs':>9} {'default µs':>10} {'GB/s':>6}  best config")
     for t in tokens:
         x, w13, w2, ids, w = random_inputs(t, e, h, i, k, dtype, seed=t)
         # the sorted path's configs (small T*K would otherwise take the GEMV path, untuned)
         fn = lambda cfg: fused_moe(x, w13, w2, ids, w, config=cfg, small_path=False)  # noqa: E731
         dflt = default_config(e, h, i, k, dtype, t)
         ref = fn(dflt)
-        base = time_config(fn, dflt, ref)
+        base = time_config(fn, dflt, ref, timer)
         timed = [(us, cfg) for cfg in candidates(space, t, k, e)
-                 if (us := time_config(fn, cfg, ref)) is not None]
+                 if (us := time_config(fn, cfg, ref, timer)) is not None]
         if base is not None:
             timed.append((base, dflt))
         us, cfg = min(timed, key=lambda p: p[0])
+        if tune_down:
+            downs = [(d_us, c) for d in DOWN_SPACE
+                     if (c := cfg | {"down": dict(zip(DOWN_KEYS, d))})
+                     and (d_us := time_config(fn, c, ref, timer)) is not None]
+            if downs and min(downs, key=lambda p: p[0])[0] < us:
+                us, cfg = min(downs, key=lambda p: p[0])
         best[str(t)] = cfg
-        print(f"{t:>7} {us:>9.1f} {base or float('nan'):>10.1f}  "
-              + " ".join(f"{key}={cfg[key]}" for key in KEYS), flush=True)
+        if out is not None:
+            out.write_text(json.dumps(best, indent=1) + "\n")
+        gbps = touched_bytes(ids, e, h, i, dtype) / (us * 1e3)
+        down = cfg.get("down")
+        print(f"{t:>7} {us:>9.1f} {base or float('nan'):>10.1f} {gbps:>6.0f}  "
+              + " ".join(f"{key}={cfg[key]}" for key in KEYS)
+              + (" down: " + " ".join(f"{key}={down[key]}" for key in DOWN_KEYS) if down else ""),
+              flush=True)
     return best
 
 
@@ -116,15 +156,17 @@ def main(argv: list[str] | None = None) -> None:
                    default=[1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192])
     p.add_argument("--out", default=str(SHIPPED_DIR), help="folder of the JSON (moe.config_dir)")
     p.add_argument("--quick", action="store_true", help=f"{len(QUICK)} configs, not {len(SPACE)}")
+    p.add_argument("--timer", default="graph", choices=["graph", "eager"],
+                   help="time replays of a CUDA graph (as served) or eager calls")
+    p.add_argument("--no-down", action="store_true", help="one tile for both GEMMs")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("tune_moe needs a CUDA GPU: it times the compiled Triton kernels")
     dtype = getattr(torch, args.dtype)
-    best = tune(args.experts, args.hidden, args.intermediate, args.topk, dtype,
-                sorted(args.tokens), QUICK if args.quick else SPACE)
     out = Path(args.out) / config_file_name(args.experts, args.hidden, args.intermediate, dtype)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(best, indent=1) + "\n")
+    tune(args.experts, args.hidden, args.intermediate, args.topk, dtype, sorted(args.tokens),
+         QUICK if args.quick else SPACE, args.timer, not args.no_down, out)
     print(f"wrote {out}")
 
 

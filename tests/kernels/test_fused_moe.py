@@ -199,6 +199,27 @@ def test_config_table_nearest_entry(tmp_path):
     assert set(other) == set(moe_config.KEYS)  # no table for this shape: the heuristic
 
 
+def test_down_config_retiles_the_down_gemm(tmp_path):
+    """A `down` entry changes only the second GEMM's tile; results stay the reference's, and the
+    table validates its keys."""
+    x, w13, w2, ids, w = _inputs(37, 64, 48, 8, 2, seed=9)
+    down = dict(BLOCK_SIZE_N=16, BLOCK_SIZE_K=16, GROUP_SIZE_M=1, num_warps=2, num_stages=1)
+    cfg = dict(SMALL, down=down)
+    assert moe_config.down_config(cfg) == dict(SMALL, **down)
+    _check(fm.fused_moe(x, w13, w2, ids, w, config=cfg, small_path=False), x, w13, w2, ids, w)
+    name = moe_config.config_file_name(8, 64, 48, torch.float32)
+    (tmp_path / name).write_text(json.dumps({"32": cfg}))
+    got = moe_config.get_moe_config(8, 64, 48, 2, torch.float32, 30, str(tmp_path))
+    assert got == cfg
+    got["down"]["BLOCK_SIZE_N"] = 999  # a copy, nested entries included
+    assert moe_config.get_moe_config(8, 64, 48, 2, torch.float32, 30, str(tmp_path)) == cfg
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / name).write_text(json.dumps({"32": dict(SMALL, down=dict(BLOCK_SIZE_M=32))}))
+    with pytest.raises(ValueError, match="unknown keys"):
+        moe_config.get_moe_config(8, 64, 48, 2, torch.float32, 30, str(bad))
+
+
 def test_default_config_small_blocks_for_decode():
     get = lambda t: moe_config.default_config(128, 2048, 768, 8, torch.bfloat16, t)  # noqa: E731
     assert get(1)["BLOCK_SIZE_M"] == 16 and get(8192)["BLOCK_SIZE_M"] >= 64
