@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from moeserve.core import ForwardMode
+from moeserve.host_copy import to_device
 
 if TYPE_CHECKING:
     from moeserve.attention.base import AttentionBackend
@@ -54,4 +55,4 @@ class ForwardBatch:
     def last_token_indices(self) -> torch.Tensor:
         """Index of each request's last new token in the token-major tensors: [B]."""
         ends = torch.tensor(self.extend_seq_lens_cpu, dtype=torch.int64).cumsum(0) - 1
-        return ends.to(self.input_ids.device)
+        return to_device(ends, self.input_ids.device)

@@ -8,6 +8,7 @@ import torch
 
 from moeserve.attention.base import AttentionBackend, AttentionSpec
 from moeserve.forward_batch import ForwardBatch
+from moeserve.host_copy import to_device
 from moeserve.kernels.triton_attention import decode_attention, store_kv
 from moeserve.kernels.triton_attention_extend import (extend_attention, extend_block_m,
                                                        extend_blocks)
@@ -68,7 +69,7 @@ class TritonAttentionBackend(AttentionBackend):
             starts.append(starts[-1] + n)
         reqs, blocks = extend_blocks(lens, extend_block_m_of(fb.kv_pool))
         host = torch.tensor(starts + fb.extend_prefix_lens_cpu + reqs + blocks, dtype=torch.int32)
-        dev = host.to(fb.req_pool_indices.device)  # one copy
+        dev = to_device(host, fb.req_pool_indices.device)  # one copy, not waiting for the stream
         nb = len(reqs)
         fb.attn_metadata = ExtendMetadata(dev[: b + 1], dev[b + 1: 2 * b + 1],
                                           dev[2 * b + 1: 2 * b + 1 + nb], dev[2 * b + 1 + nb:])

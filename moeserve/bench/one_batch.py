@@ -19,6 +19,7 @@ from moeserve.config import compose
 from moeserve.bench.roofline import measure_copy_bandwidth, step_bytes
 from moeserve.core import ForwardMode
 from moeserve.forward_batch import ForwardBatch
+from moeserve.host_copy import PendingHost
 from moeserve.models.weight_bytes import weight_bytes
 from moeserve.runtime.model_runner import ModelRunner
 
@@ -40,11 +41,14 @@ class DecodeRun:
 
 
 def bench_moeserve(runner: ModelRunner, batch: int, input_len: int, output_len: int,
-                   seed: int = 0, profile: bool = False, count_experts: bool = False) -> DecodeRun:
+                   seed: int = 0, profile: bool = False, count_experts: bool = False,
+                   pipelined: bool = True) -> DecodeRun:
     """Prefill then greedy decode of one batch as the server decodes
-    (`ModelRunner.forward_greedy`); memory is returned afterwards. `profile`: also print the
-    profiler tables of 3 decode steps. `count_experts`: record which experts one more decode
-    step routes to (eager, through the EPLB recorder)."""
+    (`ModelRunner.forward_greedy`); memory is returned afterwards. `pipelined` (CUDA): as the
+    server's forward worker, each step's tokens are read on the host after the next step is
+    launched (host_copy.PendingHost); else every step waits for its own tokens. `profile`: also
+    print the profiler tables of 3 decode steps. `count_experts`: record which experts one more
+    decode step routes to (eager, through the EPLB recorder)."""
     mem, vocab, dev = runner.memory, runner.hf_config.vocab_size, runner.device
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, vocab, (batch, input_len), generator=gen).tolist()
@@ -71,10 +75,21 @@ def bench_moeserve(runner: ModelRunner, batch: int, input_len: int, output_len: 
         return runner.make_batch(ForwardMode.DECODE, next_ids, [pos] * batch,
                                  per_req[:, pos], rows_dev, [pos] * batch, [1] * batch)
 
+    pipelined = pipelined and dev.type == "cuda"
+    pending = None
     t0 = time.perf_counter()
     for step in range(output_len - 1):
         next_ids = runner.forward_greedy(decode_batch(input_len + step))
-        next_ids.tolist()  # the host needs the tokens every step, as the server does
+        # the host needs the tokens of every step, as the server does
+        if pipelined:
+            started = PendingHost.start(next_ids)
+            if pending is not None:
+                pending.wait()
+            pending = started
+        else:
+            next_ids.tolist()
+    if pending is not None:
+        pending.wait()
     _sync(dev)
     decode = time.perf_counter() - t0
     last = input_len + output_len - 1
@@ -187,16 +202,18 @@ def _bench_runner(runner: ModelRunner, args, bw: float | None, label: str
     gb: dict[int, float] = {}
     decode: dict[int, float] = {}
     for b in args.batch:
-        paths = [(label, contextlib.nullcontext)]
+        paths = [(label, contextlib.nullcontext, True)]
+        if args.compare_sync:
+            paths.append(("sync steps", contextlib.nullcontext, False))
         if args.compare_reference:
-            paths.append(("reference", lambda: reference_path(runner)))
-        for name, ctx in paths:
+            paths.append(("reference", lambda: reference_path(runner), True))
+        for name, ctx, pipelined in paths:
             with ctx():
                 for _ in range(args.warmup):
                     bench_moeserve(runner, b, args.input_len, min(args.output_len, 4))
                 run = bench_moeserve(runner, b, args.input_len, args.output_len,
                                      profile=args.profile and b == args.batch[-1],
-                                     count_experts=name == label)
+                                     count_experts=name == label, pipelined=pipelined)
             if run.touched is not None or b not in gb:
                 sb = step_bytes(runner, b, run.mean_seq_len, run.touched)
                 gb[b] = sb.total / 1e9
@@ -242,6 +259,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--compare-hf", action="store_true", help="add transformers generate rows")
     p.add_argument("--compare-reference", action="store_true",
                    help="add rows of the pre-fast-path run (torch attention/experts, no graphs)")
+    p.add_argument("--compare-sync", action="store_true",
+                   help="add rows where each step waits for its own tokens before the next")
     p.add_argument("--compare-quantization", action="store_true",
                    help="run as configured (e.g. FP8 from model.quantization=auto|fp8), then "
                         "again with model.quantization=none (bf16), and print the decode speedup")

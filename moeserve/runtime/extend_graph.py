@@ -30,6 +30,7 @@ import torch
 from moeserve.attention.triton_backend import ExtendMetadata, extend_block_m_of
 from moeserve.core import ForwardMode
 from moeserve.forward_batch import ForwardBatch
+from moeserve.host_copy import to_device
 from moeserve.kernels.triton_attention_extend import NO_BLOCK, PAD_BLOCK, extend_blocks
 
 if TYPE_CHECKING:
@@ -115,13 +116,14 @@ class StaticExtendInputs:
         assert rest >= 0, f"{len(blk_req)} blocks exceed the bucket's {blocks}"
         blk_req += [NO_BLOCK] * rest
         blk_m += [0] * rest
-        host = torch.tensor(starts + prefix, dtype=torch.int32)
-        r, nb0 = self.max_reqs, 2 * self.max_reqs + 1
-        self.meta[: reqs + 1].copy_(host[: reqs + 1])  # qo_start
-        self.meta[r + 1: r + 1 + reqs].copy_(host[reqs + 1:])
-        table = torch.tensor([blk_req, blk_m], dtype=torch.int32).to(self.meta.device)
-        self.meta[nb0: nb0 + blocks].copy_(table[0])
-        self.meta[nb0 + self.max_blocks: nb0 + self.max_blocks + blocks].copy_(table[1])
+        # one copy that does not wait for the stream (host_copy), then device-side placement
+        dev = to_device(torch.tensor(starts + prefix + blk_req + blk_m, dtype=torch.int32),
+                        self.meta.device)
+        r, nb0, n = self.max_reqs, 2 * self.max_reqs + 1, 2 * reqs + 1
+        self.meta[: reqs + 1].copy_(dev[: reqs + 1])  # qo_start
+        self.meta[r + 1: r + 1 + reqs].copy_(dev[reqs + 1: n])
+        self.meta[nb0: nb0 + blocks].copy_(dev[n: n + blocks])
+        self.meta[nb0 + self.max_blocks: nb0 + self.max_blocks + blocks].copy_(dev[n + blocks:])
 
 
 class ExtendGraphRunner:

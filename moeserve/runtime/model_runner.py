@@ -12,6 +12,7 @@ from moeserve.attention.registry import create_attention_backend
 from moeserve.config import MoeserveConfig, loads_mtp_layer
 from moeserve.core import ForwardMode
 from moeserve.forward_batch import ForwardBatch
+from moeserve.host_copy import to_device
 from moeserve.distributed import ParallelMesh, single_rank_mesh
 from moeserve.kernels.cpu_ops import CpuKernels, attach_cpu_kernels, load_cpu_kernels, supports
 from moeserve.env import env
@@ -234,11 +235,11 @@ class ModelRunner:
         seq_lens = [p + n for p, n in zip(prefix_lens, extend_lens)]
 
         def ints(x) -> torch.Tensor:
-            return torch.as_tensor(x, dtype=torch.int64).to(dev)
+            return to_device(torch.as_tensor(x, dtype=torch.int64), dev)
 
         return ForwardBatch(
             forward_mode=mode, input_ids=ints(input_ids), positions=ints(positions),
-            out_cache_loc=out_cache_loc.to(dev).contiguous(), req_pool_indices=ints(req_pool_indices),
+            out_cache_loc=to_device(out_cache_loc, dev).contiguous(), req_pool_indices=ints(req_pool_indices),
             seq_lens=ints(seq_lens) if seq_lens_dev is None else seq_lens_dev,
             seq_lens_cpu=seq_lens,
             extend_prefix_lens_cpu=list(prefix_lens), extend_seq_lens_cpu=list(extend_lens),

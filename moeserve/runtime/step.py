@@ -56,7 +56,7 @@ class ForwardInput:
 
 @dataclass
 class ForwardOutput:
-    next_token_ids: list[int]  # [B]
+    next_token_ids: list[int]  # [B]; filled by `resolved()` while `pending`
     logprobs: list[float] | None = None  # of the sampled tokens (raw distribution)
     top_logprobs: list[list[tuple[int, float]]] | None = None
     logits: torch.Tensor | None = None  # only with return_all_logits
@@ -65,3 +65,12 @@ class ForwardOutput:
     spec_tokens: list[list[int]] | None = None
     spec_logprobs: list[list[float]] | None = None
     spec_top_logprobs: list[list[list[tuple[int, float]]]] | None = None
+    # the sampled ids still on their way to the host (host_copy.PendingHost): the worker is free
+    # to launch the next step before this one's tokens are read
+    pending: object | None = None
+
+    def resolved(self) -> ForwardOutput:
+        """This output with next_token_ids on the host (waits for the step's copy)."""
+        if self.pending is not None:
+            self.next_token_ids, self.pending = self.pending.wait(), None
+        return self

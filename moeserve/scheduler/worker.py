@@ -10,13 +10,23 @@ from __future__ import annotations
 from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
-from moeserve.core import ForwardMode
 from moeserve.forward_batch import ForwardBatch
+from moeserve.host_copy import PendingHost, to_device
 from moeserve.runtime.grammar import accept_tokens, apply_grammars, constrained_rows
 from moeserve.runtime.model_runner import ModelRunner
 from moeserve.runtime.penalties import LogitEdits, edit_logits
 from moeserve.runtime.sampler import greedy, logprobs_of, sample
 from moeserve.runtime.step import ForwardInput, ForwardOutput
+
+
+class SubmittedStep:
+    """A queued step: result() is its ForwardOutput once its tokens are on the host."""
+
+    def __init__(self, future: Future):
+        self._future = future
+
+    def result(self) -> ForwardOutput:
+        return self._future.result().resolved()
 
 
 class ForwardWorker:
@@ -39,13 +49,13 @@ class ForwardWorker:
         if self._cuda_index is not None:
             torch.cuda.set_device(self._cuda_index)
 
-    def submit(self, fi: ForwardInput) -> Future:
-        """Queue a step; its result is a ForwardOutput."""
+    def submit(self, fi: ForwardInput) -> SubmittedStep:
+        """Queue a step; its result() is a ForwardOutput with the tokens on the host."""
         if self._pool is not None:
-            return self._pool.submit(self.run, fi)
+            return SubmittedStep(self._pool.submit(self.run, fi))
         fut: Future = Future()
         fut.set_result(self.run(fi))
-        return fut
+        return SubmittedStep(fut)
 
     def shutdown(self) -> None:
         if self._pool is not None:
@@ -57,14 +67,14 @@ class ForwardWorker:
             return self.spec.run(fi)
         fb = self._prepare(fi)
         if fi.greedy_only():
-            return self.finish_step(fi, fb, self.runner.forward_greedy(fb), None)  # [B]
+            return self.finish_step(fi, fb, self.runner.forward_greedy(fb), None, defer=True)
         logits = self.runner.forward(fb, float_logits=fi.return_all_logits)  # sampling upcasts
-        return self.sample_step(fi, fb, logits)
+        return self.sample_step(fi, fb, logits, defer=True)
 
-    def sample_step(self, fi: ForwardInput, fb: ForwardBatch,
-                    logits: torch.Tensor) -> ForwardOutput:
+    def sample_step(self, fi: ForwardInput, fb: ForwardBatch, logits: torch.Tensor,
+                    defer: bool = False) -> ForwardOutput:
         """Next tokens from the step's logits (each request's last token, or every token with
-        return_all_logits): edits, grammars, sampling, then `finish_step`."""
+        return_all_logits): edits, grammars, sampling, then `finish_step` (`defer`: see there)."""
         last = logits if not fi.return_all_logits else logits[fb.last_token_indices()]
         rows = []
         if fi.greedy_only():
@@ -74,21 +84,26 @@ class ForwardWorker:
             if rows:
                 edited = apply_grammars(edited, fi.grammars, rows)
             next_ids = sample(edited, fi.sampling, fi.generators)  # [B]
-        out = self.finish_step(fi, fb, next_ids, last, rows)
+        out = self.finish_step(fi, fb, next_ids, last, rows, defer)
         if fi.return_all_logits:
             out.logits = logits
         return out
 
     def finish_step(self, fi: ForwardInput, fb: ForwardBatch, next_ids: torch.Tensor,
-                    last: torch.Tensor | None, grammar_rows: list[int] | None = None
-                    ) -> ForwardOutput:
+                    last: torch.Tensor | None, grammar_rows: list[int] | None = None,
+                    defer: bool = False) -> ForwardOutput:
         """Write the sampled tokens into the token table (the next step reads them there) and
-        describe them for the scheduler."""
+        describe them for the scheduler. `defer` (CUDA; no grammar or logprobs to serve): the
+        tokens' copy to the host is only started, so this thread can launch the next step before
+        the GPU finishes this one; SubmittedStep.result() waits for it."""
         self.runner.memory.req_to_token.token_ids[fb.req_pool_indices, fb.seq_lens] = next_ids
+        wants_logprobs = last is not None and any(n >= 0 for n in fi.top_logprobs_nums)
+        if defer and self._cuda_index is not None and not grammar_rows and not wants_logprobs:
+            return ForwardOutput([], pending=PendingHost.start(next_ids))
         out = ForwardOutput(next_ids.tolist())
         if grammar_rows:
             accept_tokens(fi.grammars, grammar_rows, out.next_token_ids)
-        if last is not None and any(n >= 0 for n in fi.top_logprobs_nums):
+        if wants_logprobs:
             out.logprobs, out.top_logprobs = logprobs_of(last, next_ids, fi.top_logprobs_nums)
         return out
 
@@ -132,11 +147,11 @@ class ForwardWorker:
         row_of_tok = torch.repeat_interleave(torch.tensor(fi.rows, dtype=torch.int64), lens)
         starts = torch.tensor(fi.prefix_lens, dtype=torch.int64) - (lens.cumsum(0) - lens)
         positions = torch.arange(int(lens.sum())) + torch.repeat_interleave(starts, lens)  # [T]
-        row_of_tok, positions = row_of_tok.to(dev), positions.to(dev)
-        mem.req_to_token.req_to_token[row_of_tok, positions] = fi.out_cache_loc.to(dev)
+        row_of_tok, positions = to_device(row_of_tok, dev), to_device(positions, dev)
+        mem.req_to_token.req_to_token[row_of_tok, positions] = to_device(fi.out_cache_loc, dev)
         if fi.new_token_ids:  # the leading tokens; a MIXED step's decode riders are on the device
             n = len(fi.new_token_ids)
-            ids = torch.tensor(fi.new_token_ids, dtype=torch.int64, device=dev)
+            ids = to_device(torch.tensor(fi.new_token_ids, dtype=torch.int64), dev)
             mem.req_to_token.token_ids[row_of_tok[:n], positions[:n]] = ids
         input_ids = mem.req_to_token.token_ids[row_of_tok, positions]
         return self.runner.make_batch(fi.mode, input_ids, positions, fi.out_cache_loc, fi.rows,
@@ -154,7 +169,7 @@ class ForwardWorker:
         host[1] = torch.tensor(fi.prefix_lens, dtype=torch.int64)
         torch.add(host[1], 1, out=host[2])
         host[3] = fi.out_cache_loc
-        rows, positions, seq_lens, loc = host.to(self.runner.device).unbind(0)
+        rows, positions, seq_lens, loc = to_device(host, self.runner.device).unbind(0)
         mem.req_to_token.req_to_token[rows, positions] = loc
         input_ids = mem.req_to_token.token_ids[rows, positions]
         return self.runner.make_batch(fi.mode, input_ids, positions, loc, rows, fi.prefix_lens,
