@@ -48,6 +48,8 @@ if [[ $what == tune ]]; then
     --dtype bfloat16 ${TUNE_ARGS:-} --out "$OUT/moe_configs" 2>&1 | tee -a "$OUT/tune.log" | tail -20
   python3 -m moeserve.tools.tune_moe --experts 64 --hidden 2048 --intermediate 1408 --topk 6 \
     --dtype bfloat16 ${TUNE_ARGS:-} --out "$OUT/moe_configs" 2>&1 | tee -a "$OUT/tune.log" | tail -20
+  # the tables' names hold ',' and '=', which the device tool does not bring back: one archive
+  tar czf "$OUT/moe_configs.tgz" -C "$OUT" moe_configs
 fi
 
 if [[ $what == one_batch || $what == all ]]; then
