@@ -76,6 +76,25 @@ class StaticDecodeInputs:
         torch.lt(self.arange, n, out=self.row_mask)
 
 
+def capture_buckets(runner: ModelRunner, buckets: list[int], capture_one, what: str) -> None:
+    """capture_one(size, side stream, EPLB recorder) for every bucket, largest first (smaller
+    graphs then reuse the pool's blocks), with a progress bar; the recorder's capture mask is
+    cleared afterwards even when a capture fails."""
+    from tqdm import tqdm
+
+    rec = runner.recorder
+    stream = torch.cuda.Stream(runner.device)
+    try:
+        for size in tqdm(sorted(buckets, reverse=True), desc=f"capturing CUDA graphs ({what})",
+                         unit="graph", leave=False):
+            capture_one(size, stream, rec)
+    finally:
+        if rec is not None:
+            rec.capture_rows = None
+    torch.cuda.synchronize(runner.device)
+    logger.info("CUDA graphs captured for %s %s", what, buckets)
+
+
 class CudaGraphRunner:
     """Captured decode forwards (hidden → logits) by bucket; `replay` returns the real rows'
     logits [n, V] in the model dtype."""
@@ -109,19 +128,7 @@ class CudaGraphRunner:
 
     @torch.inference_mode()
     def capture(self) -> None:
-        from tqdm import tqdm
-
-        rec = self.runner.recorder
-        stream = torch.cuda.Stream(self.runner.device)
-        try:
-            for bs in tqdm(sorted(self.buckets, reverse=True), desc=f"capturing {self.label} CUDA graphs",
-                           unit="graph", leave=False):
-                self._capture_one(bs, stream, rec)
-        finally:
-            if rec is not None:
-                rec.capture_rows = None
-        torch.cuda.synchronize(self.runner.device)
-        logger.info("CUDA graphs captured for %s batch sizes %s", self.label, self.buckets)
+        capture_buckets(self.runner, self.buckets, self._capture_one, f"{self.label} batch sizes")
 
     def _capture_one(self, bs: int, stream: torch.cuda.Stream, rec) -> None:
         fb = self._static_batch(bs)

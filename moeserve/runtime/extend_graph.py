@@ -164,20 +164,10 @@ class ExtendGraphRunner:
     @torch.inference_mode()
     def capture(self, pool=None) -> None:
         """Capture every bucket, largest first, into `pool` (shared with the decode graphs)."""
-        from tqdm import tqdm
+        from moeserve.runtime.cuda_graph import capture_buckets
 
         self.pool = pool
-        rec = self.runner.recorder
-        stream = torch.cuda.Stream(self.runner.device)
-        try:
-            for t in tqdm(sorted(self.buckets, reverse=True), desc="capturing extend CUDA graphs",
-                          unit="graph", leave=False):
-                self._capture_one(t, stream, rec)
-        finally:
-            if rec is not None:
-                rec.capture_rows = None
-        torch.cuda.synchronize(self.runner.device)
-        logger.info("CUDA graphs captured for extend token counts %s", self.buckets)
+        capture_buckets(self.runner, self.buckets, self._capture_one, "extend token counts")
 
     def _capture_one(self, tokens: int, stream: torch.cuda.Stream, rec) -> None:
         fb = self._static_batch(tokens)
