@@ -2,15 +2,21 @@
 on DeepSeek-V3's linear shapes, on one CUDA GPU.
 
 Rows: M tokens x (K -> N). Columns: bf16 x @ w^T; the FP8 linear as the model runs it (an
-`Fp8Linear`: its path by M, layers/fp8_linear.py, is the `path` column: `fused` = one Triton
-launch quantizing x inside the GEMM, `scaled_mm` = the quantization kernel + torch._scaled_mm,
-`triton` = the quantization kernel + the Triton GEMM); the Triton GEMM alone on pre-quantized
-activations; `torch._scaled_mm` alone with the same 1x128 / 128x128 scales where this torch
-supports them ("-" otherwise); the FP8 linear's speedup over bf16; and, for the fastest FP8
-column, the weight read rate as a share of the copy bandwidth (what bounds small M). The bf16
-peak is measured on an 8192^3 matmul. Times are do_bench medians (L2 flushed between runs: a
-layer's weights are cold). `--sweep` also tries a few launch configs per shape (of the fused
-kernel at M <= 16, of the GEMM above) and prints the best.
+`Fp8Linear`: its path by M, layers/fp8_linear.py, is the `path` column: `gemv` = the weight-only
+FP8 GEMV at one row (x not quantized), `fused` = one Triton launch quantizing x inside the GEMM,
+`scaled_mm` = the quantization kernel + torch._scaled_mm, `triton` = the quantization kernel +
+the Triton GEMM); the Triton GEMM alone on pre-quantized activations; `torch._scaled_mm` alone
+with the same 1x128 / 128x128 scales where this torch supports them ("-" otherwise); the FP8
+linear's speedup over bf16; and, for the fastest FP8 column, the weight read rate as a share of
+the copy bandwidth (what bounds small M). The bf16 peak is measured on an 8192^3 matmul. Times
+are do_bench medians (L2 flushed between runs: a layer's weights are cold). `--sweep` also tries
+a few launch configs per shape (of the fused kernel at M <= 16, of the GEMM above) and prints the
+best.
+
+A second table, at M = 1 (decode batch 1): µs and weight GB/s (weight + scale bytes over the
+time) of bf16 `x @ w^T` (cuBLAS), the bf16 GEMV (kernels/gemv.py), the fused FP8 kernel
+(activation quantization + tl.dot, the M <= 16 path) and the W8A16 GEMV (`gemv_fp8`, what
+Fp8Linear runs at M = 1), with the W8A16 GEMV's speedup over bf16 and over the fused kernel.
 """
 
 from __future__ import annotations
@@ -22,10 +28,14 @@ import torch
 from moeserve.kernels.fp8 import (GemmConfig, fp8_block_matmul, fp8_quant_matmul, fused_config,
                                   gemm_config, quant_fp8_per_token_group)
 from moeserve.kernels.fp8_format import dequantize_fp8_blocks, quantize_fp8_blocks
+from moeserve.kernels.gemv import gemv, gemv_fp8
 from moeserve.layers.fp8_linear import FUSED_MAX_M, Fp8Linear, fp8_gemm_path, scaled_mm_layout
 
 # (K, N) of DeepSeek-V3: dense MLP up (gate or up), q_a, q_b, kv_a, o_proj, dense MLP down
 SHAPES = [(7168, 18432), (7168, 1536), (1536, 24576), (7168, 576), (16384, 7168), (18432, 7168)]
+# the M = 1 table: SHAPES plus the shared expert (gate_up 7168 -> 4096, down 2048 -> 7168) and
+# kv_b (512 -> 32768)
+GEMV_SHAPES = [*SHAPES, (7168, 4096), (2048, 7168), (512, 32768)]
 TOKENS = (1, 16, 64, 256, 4096)
 SWEEP = [GemmConfig(16, 64), GemmConfig(16, 128, num_stages=4), GemmConfig(32, 128),
          GemmConfig(64, 128, num_warps=8), GemmConfig(128, 128, num_warps=8, num_stages=4),
@@ -117,11 +127,32 @@ def _sweep(m: int, k: int, n: int, x: torch.Tensor, x_q: torch.Tensor, x_s: torc
     return f"best {flops / t / 1e6:.1f} TFLOP/s at {c} (default {default}{mine})"
 
 
+def bench_gemv_shape(k: int, n: int) -> str:
+    """One row of the M = 1 table: µs and weight GB/s per kernel, then the W8A16 speedups."""
+    g = torch.Generator(device="cuda").manual_seed(k + n)
+    x = torch.randn(1, k, device="cuda", generator=g).to(torch.bfloat16)
+    w = (torch.randn(n, k, device="cuda", generator=g) * k**-0.5).to(torch.bfloat16)
+    w_q, w_s = quantize_fp8_blocks(w)
+    fp8_bytes, bf16_bytes = n * k + w_s.numel() * 4, 2 * n * k
+    times = [(_us(lambda: x @ w.t()), bf16_bytes), (_us(lambda: gemv(x, w)), bf16_bytes),
+             (_us(lambda: fp8_quant_matmul(x, w_q, w_s)), fp8_bytes),
+             (_us(lambda: gemv_fp8(x, w_q, w_s)), fp8_bytes)]
+    cells = [f"{k:>5} -> {n:<5}"]
+    cells += [f"{t:>7.2f} {b / (t * 1e-6) / 1e9:>5.0f}" for t, b in times]
+    w8a16 = times[3][0]
+    cells += [f"{times[0][0] / w8a16:>6.2f}x", f"{times[2][0] / w8a16:>7.2f}x"]
+    return "| " + " | ".join(cells) + " |"
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tokens", type=int, nargs="+", default=list(TOKENS))
     p.add_argument("--sweep", action="store_true", help="also try a few launch configs")
+    p.add_argument("--no-gemv", action="store_true", help="skip the M = 1 GEMV table")
     args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("fp8_gemm benchmarks CUDA kernels (FP8 GEMMs, the W8A16 GEMV): "
+                         "no CUDA device here; run it on a GPU machine")
     peak, bw = bf16_peak_tflops(), copy_bandwidth()
     print(f"{torch.cuda.get_device_name()}: bf16 matmul peak {peak:.0f} TFLOP/s (8192^3), copy "
           f"bandwidth {bw / 1e12:.2f} TB/s (read+write); TFLOP/s below")
@@ -131,6 +162,13 @@ def main(argv: list[str] | None = None) -> None:
     for m in args.tokens:
         for k, n in SHAPES:
             print(bench_shape(m, k, n, bw, args.sweep), flush=True)
+    if not args.no_gemv:
+        print(f"\nM = 1, µs and weight GB/s (the copy moved {bw / 1e9:.0f} GB/s, read+write):")
+        heads = ["bf16 mm", "bf16 gemv", "fp8 fused", "w8a16 gemv"]
+        print(f"| {'K -> N':<14} | " + " | ".join(f"{h:>13}" for h in heads)
+              + f" | {'x bf16':>7} | {'x fused':>8} |")
+        for k, n in GEMV_SHAPES:
+            print(bench_gemv_shape(k, n), flush=True)
 
 
 if __name__ == "__main__":

@@ -8,8 +8,9 @@ expert by expert, each expert padded to whole blocks of BLOCK_SIZE_M rows, so ev
 the GEMMs reads one expert's weights. Everything is sized from T*K, E_local and BLOCK_SIZE_M and
 never waits on the host, so the whole call can be captured in a CUDA graph.
 
-Up to SMALL_MAX_PAIRS pairs of float experts (decode), `fused_moe` runs two GEMV kernels instead:
-fused_moe_small.py, no align step and no sum pass.
+Up to SMALL_MAX_PAIRS pairs (decode), `fused_moe` runs two GEMV kernels instead:
+fused_moe_small.py, no align step and no sum pass (FP8 experts there: weight-only, the
+activations stay in x.dtype).
 """
 
 from __future__ import annotations
@@ -371,9 +372,10 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: to
     optional `down` entry retiles the down GEMM).
     FP8 experts: w13/w2 float8_e4m3fn with (bn, bk) = `block` scales w13_scale
     [E, 2 * ceil(I/bn), ceil(H/bk)] (gate and up blocked separately, as checkpoints store them) and
-    w2_scale [E, ceil(H/bn), ceil(I/bk)]; activations are quantized per token and bk channels.
-    `small_path`: the GEMV kernels of fused_moe_small (True; float experts only) or the sorted
-    grouped GEMMs (False); None picks GEMV for T*K <= SMALL_MAX_PAIRS float pairs."""
+    w2_scale [E, ceil(H/bn), ceil(I/bk)]; the sorted path quantizes activations per token and bk
+    channels, the small one does not (W8A16).
+    `small_path`: the GEMV kernels of fused_moe_small (True) or the sorted grouped GEMMs
+    (False); None picks GEMV for T*K <= SMALL_MAX_PAIRS pairs. `config` is the sorted path's."""
     t, h = x.shape
     e_local, two_i, _ = w13.shape
     inter_size, k = two_i // 2, topk_ids.shape[1]
@@ -383,11 +385,12 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: to
     if t == 0:
         return x.new_empty((0, h))
     if small_path is None:
-        small_path = t * k <= SMALL_MAX_PAIRS and w13_scale is None
+        small_path = t * k <= SMALL_MAX_PAIRS
     if small_path:
-        if w13_scale is not None:
-            raise ValueError("fused_moe: the small (GEMV) path has no FP8 experts")
-        return fused_moe_small(x, w13, w2, topk_ids, topk_weights, first_expert, num_local)
+        if w13_scale is None:
+            return fused_moe_small(x, w13, w2, topk_ids, topk_weights, first_expert, num_local)
+        return fused_moe_small(x, w13, w2, topk_ids, topk_weights, first_expert, num_local,
+                               w13_scale=w13_scale, w2_scale=w2_scale, block=tuple(block))
     cfg = config or get_moe_config(e_local, h, inter_size, k, x.dtype, t)
     ids = topk_ids.contiguous()
     sorted_ids, expert_ids, num_post = moe_align_block_size(ids, cfg["BLOCK_SIZE_M"],

@@ -14,6 +14,14 @@ Each weight byte of a touched expert is read once per pair that chose it: pairs 
 are adjacent programs (the pair is the fastest grid axis), so repeats mostly hit L2. That repeat
 is also why the path stops at SMALL_MAX_PAIRS (fused_moe picks it). Graph-safe: two launches
 sized from T, K, H and I, no host sync.
+
+FP8 experts (weight-only, W8A16): e4m3 w13/w2 with DeepSeek's block scales, x and inter kept in
+x.dtype (the sorted path quantizes both). Why: at decode the sorted FP8 path adds two
+quantization launches to the align / GEMM / sum ones, while here the weight bytes halve and the
+launches stay two. As in gemv.py, a program's rows share one scale row (block_n divides bn) and
+each K step's scales are folded into the activation slice; gate_up's step holds twice the
+elements (the bytes in flight of the 16-bit step), down's the same (its fp32 accumulator per
+element is what bounds it).
 """
 
 from __future__ import annotations
@@ -24,14 +32,16 @@ import torch
 import triton
 import triton.language as tl
 
-from moeserve.kernels.gemv import (MIN_BLOCK_K, TILE_ELEMS, GemvConfig, block_k_for,
-                                   block_n_for, interpreter_block)
+from moeserve.kernels.fp8_format import FP8, Block, scale_shape
+from moeserve.kernels.gemv import (FP8_TILE_ELEMS, MIN_BLOCK_K, TILE_ELEMS, GemvConfig,
+                                   block_k_for, block_n_for, interpreter_block)
 
 # T*K up to this: the GEMV path (fused_moe's auto choice), decode at batch <= 4 for K = 8. H200,
 # bf16, CUDA graph, L2 flushed (bench.moe_kernels), Qwen3-30B-A3B experts, GEMV vs sorted µs:
 # T=1 34.0 vs 38.5, T=2 60.1 vs 67.6, T=4 94.5 vs 101.2, T=8 157.2 vs 151.9 (0.97x). Beyond it
 # pairs share experts more often (E = 128, 32 pairs: ~12% repeat one), which the GEMV reads again
-# per pair while the sorted GEMM reads it once per 16 rows.
+# per pair while the sorted GEMM reads it once per 16 rows. FP8 experts take the same bound (not
+# measured apart: their sorted path adds two quantization launches, which favours the GEMV).
 SMALL_MAX_PAIRS = 32
 # The down kernel: each step loads [next_pow2(K), block_n, block_k] of w2, 16K elements, over at
 # least DOWN_PROGRAMS programs (two per SM: each streams K experts' rows). DeepSeek-V2-Lite at
@@ -46,54 +56,92 @@ class SmallMoeConfig(NamedTuple):
     down: GemvConfig
 
 
-def small_moe_config(t: int, k: int, h: int, i: int, device: torch.device) -> SmallMoeConfig:
+def small_moe_config(t: int, k: int, h: int, i: int, device: torch.device,
+                     fp8_block: Block | None = None) -> SmallMoeConfig:
     """gate_up: grid (T*K, I / block_n) of gate + up tiles; down: grid (T, H / block_n), each step
     a [next_pow2(K), block_n, block_k] tile. gate_up aims at TARGET_PROGRAMS programs (gemv.py),
-    down at DOWN_PROGRAMS; not on CUDA, the fewest programs (`interpreter_block`)."""
+    down at DOWN_PROGRAMS; not on CUDA, the fewest programs (`interpreter_block`). `fp8_block`
+    (bn, bk) of e4m3 experts: block_n at most bn, gate_up steps of FP8_TILE_ELEMS."""
+    bn = 64 if fp8_block is None else min(64, fp8_block[0])
     if device.type != "cuda":
-        return SmallMoeConfig(GemvConfig(interpreter_block(i, 64), interpreter_block(h, 1024)),
-                              GemvConfig(interpreter_block(h, 64), interpreter_block(i, 1024)))
-    gu_n = block_n_for(i, t * k)
+        return SmallMoeConfig(GemvConfig(interpreter_block(i, bn), interpreter_block(h, 1024)),
+                              GemvConfig(interpreter_block(h, bn), interpreter_block(i, 1024)))
+    gu_n = block_n_for(i, t * k, min(16, bn))
     top = triton.next_power_of_2(k)
-    most = max(1, min(8, DOWN_TILE_ELEMS // (top * MIN_BLOCK_K)))
+    most = max(1, min(8, bn, DOWN_TILE_ELEMS // (top * MIN_BLOCK_K)))
     dn_n = block_n_for(h, t, most, DOWN_PROGRAMS)
-    return SmallMoeConfig(GemvConfig(gu_n, block_k_for(h, 2 * gu_n)),
+    gu_tile = TILE_ELEMS if fp8_block is None else FP8_TILE_ELEMS
+    return SmallMoeConfig(GemvConfig(gu_n, block_k_for(h, 2 * gu_n, gu_tile)),
                           GemvConfig(dn_n, block_k_for(i, top * dn_n, DOWN_TILE_ELEMS)))
 
 
 def fused_moe_small(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
                     topk_weights: torch.Tensor, first_expert: int, num_local: int,
-                    config: SmallMoeConfig | None = None) -> torch.Tensor:
-    """`fused_moe`'s result (same arguments, float experts only) by the two GEMV kernels:
-    out [T, H] in x.dtype, inter rows rounded to x.dtype as the sorted path rounds them."""
+                    config: SmallMoeConfig | None = None, w13_scale: torch.Tensor | None = None,
+                    w2_scale: torch.Tensor | None = None,
+                    block: Block = (128, 128)) -> torch.Tensor:
+    """`fused_moe`'s result (same arguments) by the two GEMV kernels: out [T, H] in x.dtype,
+    inter rows rounded to x.dtype as the bf16 sorted path rounds them. FP8 experts (w13_scale
+    and w2_scale in fused_moe's layout): weight-only, x and inter are not quantized."""
     t, h = x.shape
     inter_size, k = w13.shape[1] // 2, topk_ids.shape[1]
     assert w13.stride(2) == 1 and w2.stride(2) == 1 and w2.shape[1:] == (h, inter_size)
+    fp8 = w13_scale is not None
+    if fp8:
+        _check_fp8(w13, w2, w13_scale, w2_scale, block)
     x = x if x.stride(1) == 1 else x.contiguous()
     ids = topk_ids.contiguous()
     weights = topk_weights.to(torch.float32).contiguous()
-    cfg = config or small_moe_config(t, k, h, inter_size, x.device)
+    cfg = config or small_moe_config(t, k, h, inter_size, x.device, block if fp8 else None)
     gu, dn = cfg
+    if fp8 and (block[0] % gu.block_n or block[0] % dn.block_n):
+        raise ValueError(f"fused_moe_small: block_n {gu.block_n}/{dn.block_n} must divide the "
+                         f"scale block {block[0]}")
+    s13, s2 = (w13_scale, w2_scale) if fp8 else (x, x)
+    s13_strides = (s13.stride(0), s13.stride(1)) if fp8 else (0, 0)
+    s2_strides = (s2.stride(0), s2.stride(1)) if fp8 else (0, 0)
     inter = x.new_empty((t * k, inter_size))  # [T*K, I] by pair; non-local rows never written
     _gate_up_kernel[(t * k, triton.cdiv(inter_size, gu.block_n))](
-        x, w13, ids, inter, first_expert, num_local, h, inter_size, x.stride(0), w13.stride(0),
-        w13.stride(1), TOP_K=k, BLOCK_N=gu.block_n, BLOCK_K=gu.block_k,
-        EVEN_K=h % gu.block_k == 0, num_warps=gu.num_warps)
+        x, w13, s13, ids, inter, first_expert, num_local, h, inter_size, x.stride(0),
+        w13.stride(0), w13.stride(1), *s13_strides, triton.cdiv(inter_size, block[0]),
+        TOP_K=k, BLOCK_N=gu.block_n, BLOCK_K=gu.block_k, EVEN_K=h % gu.block_k == 0, FP8=fp8,
+        SCALE_BN=block[0], SCALE_BK=block[1], num_warps=gu.num_warps)
     out = x.new_empty((t, h))
     _down_kernel[(t, triton.cdiv(h, dn.block_n))](
-        inter, w2, ids, weights, out, first_expert, num_local, h, inter_size, w2.stride(0),
-        w2.stride(1), TOP_K=k, BLOCK_TOPK=triton.next_power_of_2(k), BLOCK_N=dn.block_n,
-        BLOCK_K=dn.block_k, EVEN_K=inter_size % dn.block_k == 0, num_warps=dn.num_warps)
+        inter, w2, s2, ids, weights, out, first_expert, num_local, h, inter_size, w2.stride(0),
+        w2.stride(1), *s2_strides, TOP_K=k, BLOCK_TOPK=triton.next_power_of_2(k),
+        BLOCK_N=dn.block_n, BLOCK_K=dn.block_k, EVEN_K=inter_size % dn.block_k == 0, FP8=fp8,
+        SCALE_BN=block[0], SCALE_BK=block[1], num_warps=dn.num_warps)
     return out
 
 
+def _check_fp8(w13, w2, w13_scale, w2_scale, block: Block) -> None:
+    """e4m3 experts with fused_moe's scale layout (gate's block rows, then up's), unit
+    column stride and float32."""
+    e, two_i, h = w13.shape
+    gate_rows, h_blocks = scale_shape(two_i // 2, h, block)
+    want = {"w13_scale": (e, 2 * gate_rows, h_blocks),
+            "w2_scale": (e, *scale_shape(h, two_i // 2, block))}
+    for name, scale in (("w13_scale", w13_scale), ("w2_scale", w2_scale)):
+        if scale is None or tuple(scale.shape) != want[name]:
+            raise ValueError(f"fused_moe_small: {name} "
+                             f"{None if scale is None else tuple(scale.shape)}, expected "
+                             f"{want[name]} for blocks {list(block)}")
+        assert scale.stride(2) == 1 and scale.dtype == torch.float32
+    if w13.dtype != FP8 or w2.dtype != FP8:
+        raise ValueError(f"fused_moe_small: scales given with {w13.dtype} / {w2.dtype} experts")
+
+
 @triton.jit
-def _gate_up_kernel(x_ptr, w_ptr, ids_ptr, inter_ptr, first_expert, num_local, hidden, inter_size,
-                    stride_xm, stride_we, stride_wn, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+def _gate_up_kernel(x_ptr, w_ptr, s_ptr, ids_ptr, inter_ptr, first_expert, num_local, hidden,
+                    inter_size, stride_xm, stride_we, stride_wn, stride_se, stride_sn,
+                    up_scale_rows, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, FP8: tl.constexpr,
+                    SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr):
     """Program (pair, n-block): inter[pair, n] = silu(x[t] . gate_e[n]) * (x[t] . up_e[n]).
     Products accumulate per lane in [BLOCK_N, BLOCK_K] float32 and are reduced once at the end
-    (no cross-thread reduction inside the loop)."""
+    (no cross-thread reduction inside the loop). FP8: s [E, 2 * up_scale_rows, K blocks], gate's
+    scale rows then up's; the program's rows share one of each."""
     pair = tl.program_id(0)
     local = tl.load(ids_ptr + pair) - first_expert
     if (local < 0) | (local >= num_local):
@@ -105,6 +153,10 @@ def _gate_up_kernel(x_ptr, w_ptr, ids_ptr, inter_ptr, first_expert, num_local, h
                  + offs_k[None, :])  # [BN, BK]
     up_shift = inter_size * stride_wn
     x_ptrs = x_ptr + (pair // TOP_K).to(tl.int64) * stride_xm + offs_k
+    if FP8:
+        s_gate = (s_ptr + local.to(tl.int64) * stride_se
+                  + (tl.program_id(1) * BLOCK_N // SCALE_BN) * stride_sn)
+        s_up = s_gate + up_scale_rows * stride_sn
     acc_g = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     for k0 in range(0, hidden, BLOCK_K):
@@ -118,8 +170,16 @@ def _gate_up_kernel(x_ptr, w_ptr, ids_ptr, inter_ptr, first_expert, num_local, h
             u = tl.load(gate_ptrs + up_shift, mask=k_ok[None, :], other=0.0)
             xk = tl.load(x_ptrs, mask=k_ok, other=0.0)
         xk = xk.to(tl.float32)[None, :]
-        acc_g += g.to(tl.float32) * xk
-        acc_u += u.to(tl.float32) * xk
+        if FP8:  # [BK] block scales per column, folded into x
+            kg = (k0 + offs_k) // SCALE_BK
+            k_in = offs_k < hidden - k0
+            sg = tl.load(s_gate + kg, mask=k_in, other=0.0)
+            su = tl.load(s_up + kg, mask=k_in, other=0.0)
+            acc_g += g.to(tl.float32) * (xk * sg[None, :])
+            acc_u += u.to(tl.float32) * (xk * su[None, :])
+        else:
+            acc_g += g.to(tl.float32) * xk
+            acc_u += u.to(tl.float32) * xk
         gate_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
     gate = tl.sum(acc_g, axis=1)
@@ -129,14 +189,16 @@ def _gate_up_kernel(x_ptr, w_ptr, ids_ptr, inter_ptr, first_expert, num_local, h
 
 
 @triton.jit
-def _down_kernel(inter_ptr, w_ptr, ids_ptr, weights_ptr, out_ptr, first_expert, num_local,
-                 hidden, inter_size, stride_we, stride_wn, TOP_K: tl.constexpr,
-                 BLOCK_TOPK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 EVEN_K: tl.constexpr):
+def _down_kernel(inter_ptr, w_ptr, s_ptr, ids_ptr, weights_ptr, out_ptr, first_expert, num_local,
+                 hidden, inter_size, stride_we, stride_wn, stride_se, stride_sn,
+                 TOP_K: tl.constexpr, BLOCK_TOPK: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, FP8: tl.constexpr,
+                 SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr):
     """Program (token, n-block): out[t, n] = sum over t's local pairs of
     weight[t, k] * (inter[t*K + k] . w2_e[n]). The K pairs are one axis of each step's
     [BLOCK_TOPK, BLOCK_N, BLOCK_K] tile: every expert's rows are requested at once, and a
-    non-local (or padding) pair's loads are masked off, so it reads nothing."""
+    non-local (or padding) pair's loads are masked off, so it reads nothing. FP8: s [E, H
+    blocks, I blocks]; each pair's expert has one scale row for the program's rows."""
     t = tl.program_id(0)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     kk = tl.arange(0, BLOCK_TOPK)
@@ -149,6 +211,9 @@ def _down_kernel(inter_ptr, w_ptr, ids_ptr, weights_ptr, out_ptr, first_expert, 
     w_ptrs = (w_ptr + tl.where(ok, local, 0).to(tl.int64)[:, None, None] * stride_we
               + rows[None, :, None] * stride_wn + offs_k[None, None, :])  # [BT, BN, BK]
     a_ptrs = inter_ptr + pairs.to(tl.int64)[:, None] * inter_size + offs_k[None, :]  # [BT, BK]
+    if FP8:
+        s_rows = (s_ptr + tl.where(ok, local, 0).to(tl.int64)[:, None] * stride_se
+                  + (tl.program_id(1) * BLOCK_N // SCALE_BN) * stride_sn)  # [BT, 1]
     acc = tl.zeros([BLOCK_TOPK, BLOCK_N, BLOCK_K], dtype=tl.float32)
     for k0 in range(0, inter_size, BLOCK_K):
         if EVEN_K:
@@ -156,6 +221,9 @@ def _down_kernel(inter_ptr, w_ptr, ids_ptr, weights_ptr, out_ptr, first_expert, 
         else:
             mask = ok[:, None] & (offs_k < inter_size - k0)[None, :]
         a = tl.load(a_ptrs, mask=mask, other=0.0).to(tl.float32)
+        if FP8:  # [BT, BK] block scales per pair and column, folded into the inter rows
+            k_in = ok[:, None] & (offs_k < inter_size - k0)[None, :]
+            a *= tl.load(s_rows + ((k0 + offs_k) // SCALE_BK)[None, :], mask=k_in, other=0.0)
         w = tl.load(w_ptrs, mask=mask[:, None, :], other=0.0).to(tl.float32)
         acc += w * a[:, None, :]
         w_ptrs += BLOCK_K

@@ -19,6 +19,14 @@ Launch geometry from N and K only, never M, so a row's result is the same at eve
 No split-K: a small N with a large K (2048->128) still gets N programs with the whole row in one
 or two tiles, so every weight byte is requested at once; splitting would add an fp32 pass.
 
+Weight-only FP8 (W8A16, `gemv_fp8`): the same kernel on an e4m3 weight with DeepSeek's block
+scales, the activations as they are (not quantized). Why: the FP8 GEMMs (kernels/fp8.py) quantize
+x and run tl.dot on 16-row tiles, far from the weight stream's bandwidth at one row, while here
+the weight bytes halve and nothing else changes. A program's rows share one scale row (BLOCK_N
+divides the block's bn), so each K step loads BLOCK_K scales (one per column's block) and folds
+them into the x slice: BLOCK_K products per row of x rather than BLOCK_N x BLOCK_K on the tile.
+FP8_TILE_ELEMS keeps the bytes in flight per step those of the 16-bit tile.
+
 Graph-safe: one launch, shapes from static sizes, no host sync.
 """
 
@@ -30,10 +38,13 @@ import torch
 import triton
 import triton.language as tl
 
+from moeserve.kernels.fp8_format import FP8, FP8_BLOCK, Block, as_block, scale_shape
+
 GEMV_MAX_M = 8  # rows the kernel takes: each weight element costs M fp32 FMAs
 LINEAR_MAX_M = 1  # rows at which it beats cuBLAS (H200, module docstring): Linear's limit
 TARGET_PROGRAMS = 512  # ~4 programs per SM on a 132-SM H200: enough loads in flight for HBM
 TILE_ELEMS = 4096  # weight elements a program loads per K step (8 KB in 16-bit)
+FP8_TILE_ELEMS = 2 * TILE_ELEMS  # the same 8 KB in e4m3
 MIN_BLOCK_K = 128  # a warp's 16-byte loads cover 256 (fp32: 512) contiguous bytes at least
 GEMV_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -70,6 +81,15 @@ def gemv_config(n: int, k: int, device: torch.device) -> GemvConfig:
     return GemvConfig(block_n, block_k_for(k, block_n))
 
 
+def gemv_fp8_config(n: int, k: int, block: Block, device: torch.device) -> GemvConfig:
+    """`gemv_config` for e4m3 weights: BLOCK_N also at most the block's bn (rows of a program
+    share a scale row), K steps of FP8_TILE_ELEMS / BLOCK_N elements."""
+    if device.type != "cuda":
+        return GemvConfig(interpreter_block(n, min(64, block[0])), interpreter_block(k, 1024))
+    block_n = block_n_for(n, most=min(16, block[0]))
+    return GemvConfig(block_n, block_k_for(k, block_n, FP8_TILE_ELEMS))
+
+
 def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
          config: GemvConfig | None = None) -> torch.Tensor:
     """x [M, K] (unit column stride) @ w [N, K]^T (unit column stride) + bias [N] → [M, N] in
@@ -77,31 +97,76 @@ def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
     `gemv_config`)."""
     m, k = x.shape
     n = w.shape[0]
-    if m > GEMV_MAX_M or w.shape[1] != k:
-        raise ValueError(f"gemv: x {tuple(x.shape)}, w {tuple(w.shape)} (M <= {GEMV_MAX_M})")
-    assert x.stride(1) == 1 and w.stride(1) == 1 and (bias is None or bias.is_contiguous())
+    _check_shapes("gemv", x, w, bias)
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return out
     cfg = config or gemv_config(n, k, x.device)
-    _gemv_kernel[(triton.cdiv(n, cfg.block_n),)](
-        x, w, out if bias is None else bias, out, n, k, x.stride(0), w.stride(0), out.stride(0),
-        M=m, BLOCK_M=triton.next_power_of_2(m), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        EVEN_K=k % cfg.block_k == 0, HAS_BIAS=bias is not None, num_warps=cfg.num_warps)
+    _launch(x, w, None, bias, out, cfg, (1, 1))
     return out
 
 
+def gemv_fp8(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
+             bias: torch.Tensor | None = None, block: int | Block = FP8_BLOCK,
+             config: GemvConfig | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Weight-only FP8: x [M, K] (bf16/fp16/fp32 as it is, unit column stride) @ (w * w_scale)^T
+    + bias [N] → [M, N] in x.dtype, float32 accumulation; M <= GEMV_MAX_M. w [N, K] e4m3 (unit
+    column stride), w_scale [ceil(N/bn), ceil(K/bk)] float32 (real = stored * scale, partial
+    edge blocks allowed). `out`: write into this [M, N] view (unit column stride)."""
+    m, k = x.shape
+    n = w.shape[0]
+    bn, bk = as_block(block)
+    _check_shapes("gemv_fp8", x, w, bias)
+    if w.dtype != FP8 or tuple(w_scale.shape) != scale_shape(n, k, (bn, bk)):
+        raise ValueError(f"gemv_fp8: w {tuple(w.shape)} {w.dtype}, scale "
+                         f"{tuple(w_scale.shape)} for blocks {[bn, bk]}")
+    assert w_scale.stride(1) == 1 and w_scale.dtype == torch.float32
+    if out is None:
+        out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    assert out.shape == (m, n) and out.stride(1) == 1
+    if m == 0 or n == 0:
+        return out
+    cfg = config or gemv_fp8_config(n, k, (bn, bk), x.device)
+    if bn % cfg.block_n:
+        raise ValueError(f"gemv_fp8: block_n {cfg.block_n} must divide the scale block {bn}")
+    _launch(x, w, w_scale, bias, out, cfg, (bn, bk))
+    return out
+
+
+def _check_shapes(name: str, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None):
+    if x.shape[0] > GEMV_MAX_M or w.shape[1] != x.shape[1]:
+        raise ValueError(f"{name}: x {tuple(x.shape)}, w {tuple(w.shape)} (M <= {GEMV_MAX_M})")
+    assert x.stride(1) == 1 and w.stride(1) == 1 and (bias is None or bias.is_contiguous())
+
+
+def _launch(x, w, w_scale, bias, out, cfg: GemvConfig, block: Block) -> None:
+    """One launch over cdiv(N, block_n) programs; w_scale None: a float weight."""
+    (m, k), n = x.shape, w.shape[0]
+    fp8 = w_scale is not None
+    _gemv_kernel[(triton.cdiv(n, cfg.block_n),)](
+        x, w, w_scale if fp8 else out, out if bias is None else bias, out, n, k, x.stride(0),
+        w.stride(0), w_scale.stride(0) if fp8 else 0, out.stride(0), M=m,
+        BLOCK_M=triton.next_power_of_2(m), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        EVEN_K=k % cfg.block_k == 0, HAS_BIAS=bias is not None, FP8=fp8, SCALE_BN=block[0],
+        SCALE_BK=block[1], num_warps=cfg.num_warps)
+
+
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, N, K, stride_xm, stride_wn, stride_om,
-                 M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr):
+def _gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, N, K, stride_xm, stride_wn, stride_sn,
+                 stride_om, M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr,
+                 FP8: tl.constexpr, SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr):
     """Program n-block: each [BLOCK_N, BLOCK_K] tile of w is loaded once and dotted with the M
-    rows of x (statically unrolled), partial sums per step added into acc [BLOCK_M, BLOCK_N]."""
+    rows of x (statically unrolled), partial sums per step added into acc [BLOCK_M, BLOCK_N].
+    FP8: w is e4m3 and s [ceil(N/SCALE_BN), ceil(K/SCALE_BK)] its block scales; this program's
+    scale row is the one of its first row (BLOCK_N divides SCALE_BN)."""
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     rows = tl.arange(0, BLOCK_M)
     # rows past N wrap to valid ones (no mask along N); their results are never stored
     w_ptrs = w_ptr + (offs_n % N).to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
+    if FP8:
+        s_row = s_ptr + (tl.program_id(0) * BLOCK_N // SCALE_BN) * stride_sn
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         if EVEN_K:
@@ -109,12 +174,17 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, N, K, stride_xm, stride_wn, strid
         else:
             k_ok = offs_k < K - k0
             w = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0).to(tl.float32)
+        if FP8:  # [BK]: each column's block scale
+            s = tl.load(s_row + (k0 + offs_k) // SCALE_BK, mask=offs_k < K - k0, other=0.0)
         for m in tl.static_range(M):
             if EVEN_K:
                 xm = tl.load(x_ptr + m * stride_xm + k0 + offs_k)
             else:
                 xm = tl.load(x_ptr + m * stride_xm + k0 + offs_k, mask=k_ok, other=0.0)
-            part = tl.sum(w * xm.to(tl.float32)[None, :], axis=1)  # [BN]
+            if FP8:  # the scales folded into x: (w * s) . x = w . (s * x)
+                part = tl.sum(w * (xm.to(tl.float32) * s)[None, :], axis=1)  # [BN]
+            else:
+                part = tl.sum(w * xm.to(tl.float32)[None, :], axis=1)  # [BN]
             acc = tl.where(rows[:, None] == m, acc + part[None, :], acc)
         w_ptrs += BLOCK_K
     n_ok = offs_n < N

@@ -4,11 +4,15 @@
 as in the checkpoints, so FP8 tensors load by name; a float tensor loaded into them is quantized
 into the same blocks (kernels/fp8_format.py, `model.quantization=fp8`). Two forward paths:
 - "triton": activations quantized per token and group of bk channels, then a block-scaled FP8
-  GEMM with fp32 accumulation; `fp8_linear` picks the GEMM by the input's token count M;
+  GEMM with fp32 accumulation (at one row: weight-only, x as it is); `fp8_linear` picks the
+  kernel by the input's token count M;
 - "torch": the reference, dequantize the weight and matmul in the activation dtype (no activation
   quantization); CPU runs it, and it is selectable anywhere by setting `backend`.
 
 `fp8_linear`'s choice, from static shapes only (no host sync, so CUDA graphs capture it):
+- M <= W8A16_MAX_M (decode at batch 1), bf16/fp16/fp32 activations: the weight-only FP8 GEMV
+  (kernels/gemv.py `gemv_fp8`), x not quantized, the e4m3 tiles dequantized in registers: a
+  weight stream, where the fused kernel's 16-row tl.dot tiles hold one real row;
 - M <= FUSED_MAX_M (decode): one Triton launch that quantizes x inside the GEMM, K split over
   enough programs to stream the weights (kernels/fp8.py);
 - M >= SCALED_MM_MIN_M: torch._scaled_mm with 1x128 activation / 128x128 weight scales, where a
@@ -33,6 +37,8 @@ from moeserve.kernels.fp8_format import (FP8, FP8_BLOCK, Block, as_block, check_
 logger = logging.getLogger(__name__)
 
 FP8_BACKENDS = ("triton", "torch")
+W8A16_MAX_M = 1  # M <= this: the W8A16 GEMV (as `Linear` takes the bf16 GEMV: LINEAR_MAX_M)
+W8A16_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # kernels/gemv.py GEMV_DTYPES
 FUSED_MAX_M = 16  # M <= this: activation quantization fused into the GEMM (one launch)
 SCALED_MM_MIN_M = 17  # M >= this: torch._scaled_mm where the probe accepted it
 
@@ -128,8 +134,10 @@ def scaled_mm_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
 
 def fp8_gemm_path(m: int, n: int, k: int, block: Block, dtype: torch.dtype,
                   device: torch.device) -> str:
-    """"fused" | "scaled_mm" | "triton" for [M, K] x [N, K]^T: static shapes and the cached
-    probe only (the probe runs at the first eligible call)."""
+    """"gemv" | "fused" | "scaled_mm" | "triton" for [M, K] x [N, K]^T: static shapes and the
+    cached probe only (the probe runs at the first eligible call)."""
+    if m <= W8A16_MAX_M and dtype in W8A16_DTYPES:
+        return "gemv"
     if m <= FUSED_MAX_M:
         return "fused"
     if m >= SCALED_MM_MIN_M and block == (128, 128) and k % 512 == 0 and n % 16 == 0:
@@ -150,7 +158,12 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
     path = fp8_gemm_path(x2.shape[0], w.shape[0], x2.shape[1], block, x.dtype, x.device)
     if path == "scaled_mm" and not (w.is_contiguous() and w_scale.is_contiguous()):
         path = "triton"  # torch._scaled_mm reads w.t() as column-major [K, N]
-    if path == "fused":
+    if path == "gemv":
+        from moeserve.kernels.gemv import gemv_fp8
+
+        x2 = x2 if x2.stride(1) == 1 else x2.contiguous()
+        out = gemv_fp8(x2, w, w_scale, bias, block)
+    elif path == "fused":
         out = kernels.fp8_quant_matmul(x2, w, w_scale, block, bias=bias)
     elif path == "scaled_mm":
         out = scaled_mm_linear(x2, w, w_scale, scaled_mm_layout(x.device))
@@ -253,16 +266,22 @@ class Fp8MergedLinear(Fp8Linear):
         if self.backend == "torch" or self.aligned:
             return super().forward(x)
         from moeserve.kernels import fp8 as kernels  # imports Triton
+        from moeserve.kernels.gemv import gemv_fp8
 
         x2 = x.reshape(-1, x.shape[-1])  # [T, K]
         out = torch.empty((x2.shape[0], self.out_features), dtype=x.dtype, device=x.device)
+        gemv = x2.shape[0] <= W8A16_MAX_M and x.dtype in W8A16_DTYPES  # fp8_gemm_path's rules
         fused = x2.shape[0] <= FUSED_MAX_M  # else quantized once for all shards
+        if gemv and x2.stride(1) != 1:
+            x2 = x2.contiguous()
         if not fused:
             x_q, x_s = kernels.quant_fp8_per_token_group(x2, self.block[1])
         for (start, size, _, _), (w, s) in zip(self.shards.values(), self._shard_views()):
             cols = out[:, start : start + size]
             bias = None if self.bias is None else self.bias[start : start + size]
-            if fused:
+            if gemv:
+                gemv_fp8(x2, w, s, bias, self.block, out=cols)
+            elif fused:
                 kernels.fp8_quant_matmul(x2, w, s, self.block, out=cols, bias=bias)
             else:
                 kernels.fp8_block_matmul(x_q, x_s, w, s, block=self.block, out=cols, bias=bias)

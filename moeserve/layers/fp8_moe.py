@@ -6,7 +6,9 @@
 Gate and up are blocked separately (each checkpoint tensor has its own `weight_scale_inv`), so a
 partial last block of gate never shares a scale with up's first rows. Forward: the fused-MoE
 Triton kernels' FP8 variant (activations quantized per token and bk channels, EP-local masking as
-in bf16), or the torch reference that dequantizes the experts that received tokens.
+in bf16; at <= SMALL_MAX_PAIRS pairs fused_moe's GEMV kernels, weight-only: x and the
+intermediate stay in x.dtype), or the torch reference that dequantizes the experts that received
+tokens.
 """
 
 from __future__ import annotations

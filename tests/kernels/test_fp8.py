@@ -218,7 +218,8 @@ def test_fp8_fused_moe_equals_float64_on_dequantized_weights(t, k, first, num_lo
     dtype = torch.float32 if DEVICE == "cpu" else torch.bfloat16
     cfg = dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=32, BLOCK_SIZE_K=64, GROUP_SIZE_M=1, num_warps=4,
                num_stages=2)
-    out = fused_moe(x.to(dtype), w13_q, w2_q, ids, w, first, num_local, cfg, w13_s, w2_s)
+    out = fused_moe(x.to(dtype), w13_q, w2_q, ids, w, first, num_local, cfg, w13_s, w2_s,
+                    small_path=False)  # the sorted path (test_fused_moe_small: the GEMV one)
     # reference: the same activation quantization, float64 products on dequantized weights
     x_q, x_s = quant_fp8_per_token_group(x.to(dtype))
     xd = _dequant_rows(x_q, x_s).cpu()

@@ -1,9 +1,11 @@
 """FP8-resident layers (layers/fp8_linear.py, layers/fp8_moe.py) on their Triton path (Triton's
 interpreter on CPU) against float64 references on the dequantized weights and the quantized
-activations; their torch reference path against float64 on the dequantized weights. Dims are not
-multiples of 128; the experts are an EP-local slice of the global ids. The FP8 linear's GEMM
-choice by M (fused Triton / torch._scaled_mm / Triton) with the scaled_mm probe forced either way
-(a torch stand-in for torch._scaled_mm on CPU); on CUDA the real one, and CUDA graph replay."""
+activations (at one row, and at <= SMALL_MAX_PAIRS expert pairs, the weight-only GEMVs: the
+activations as they are); their torch reference path against float64 on the dequantized weights.
+Dims are not multiples of 128; the experts are an EP-local slice of the global ids. The FP8
+linear's GEMM choice by M (W8A16 GEMV / fused Triton / torch._scaled_mm / Triton) with the
+scaled_mm probe forced either way (a torch stand-in for torch._scaled_mm on CPU); on CUDA the
+real one, and CUDA graph replay."""
 
 from __future__ import annotations
 
@@ -12,10 +14,14 @@ import torch
 import torch.nn.functional as F
 
 from moeserve.kernels import fp8 as kernels
+from moeserve.kernels import fused_moe as fm
+from moeserve.kernels import gemv as gemv_kernels
 from moeserve.kernels.fp8 import quant_fp8_per_token_group
 from moeserve.kernels.fp8_format import FP8, dequantize_fp8_blocks, quantize_fp8_blocks
 from moeserve.layers import fp8_linear as lin
-from moeserve.layers.fp8_linear import Fp8Linear, Fp8MergedLinear, ScaledMMLayout, fp8_gemm_path
+from moeserve.kernels.fused_moe_small import SMALL_MAX_PAIRS
+from moeserve.layers.fp8_linear import (W8A16_MAX_M, Fp8Linear, Fp8MergedLinear, ScaledMMLayout,
+                                        fp8_gemm_path)
 from moeserve.layers.fp8_moe import Fp8MoEExperts
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -27,6 +33,12 @@ def _quantized_rows(x: torch.Tensor) -> torch.Tensor:
     """x [T, K] as the Triton path sees it: per-token groups of 128 in e4m3 → float64."""
     x_q, x_s = quant_fp8_per_token_group(x)
     return x_q.double() * x_s.double().repeat_interleave(128, 1)[:, : x.shape[1]]
+
+
+def _activations(x: torch.Tensor) -> torch.Tensor:
+    """x [T, K] as fp8_linear's kernel reads it: unquantized at W8A16_MAX_M rows, else
+    quantized."""
+    return x.double().cpu() if x.shape[0] <= W8A16_MAX_M else _quantized_rows(x).cpu()
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -49,7 +61,7 @@ def test_fp8_linear_triton_equals_float64_reference(t):
     x = torch.randn(t, 300, generator=g).to(DEVICE, DTYPE)
     out = layer(x[None])[0]  # leading dims are kept
     w = layer.dequantized().double()
-    ref = _quantized_rows(x).cpu() @ w.cpu().T + layer.bias.double().cpu()
+    ref = _activations(x) @ w.cpu().T + layer.bias.double().cpu()
     assert out.shape == (t, 200) and out.dtype == DTYPE and _rel(out, ref) < TOL
     layer.backend = "torch"  # reference: dequantized weight, activations as they are
     assert _rel(layer(x), x.double().cpu() @ w.cpu().T + layer.bias.double().cpu()) < TOL
@@ -115,8 +127,9 @@ def test_gemm_path_by_static_m(monkeypatch):
     layout = ScaledMMLayout(True, False, dtype=torch.bfloat16)
     monkeypatch.setattr(lin, "scaled_mm_layout", lambda device: layout)
     bf16, cuda = torch.bfloat16, torch.device("cuda", 0)
-    assert [fp8_gemm_path(m, 576, 7168, (128, 128), bf16, cuda) for m in (1, 16, 17, 4096)] == \
-        ["fused", "fused", "scaled_mm", "scaled_mm"]
+    assert [fp8_gemm_path(m, 576, 7168, (128, 128), bf16, cuda)
+            for m in (1, 2, 16, 17, 4096)] == ["gemv", "fused", "fused", "scaled_mm", "scaled_mm"]
+    assert fp8_gemm_path(1, 576, 7168, (128, 128), torch.float64, cuda) == "fused"
     for n, k, block, dtype in [(576, 300, (128, 128), bf16),  # K not a multiple of 512
                                (200, 7168, (128, 128), bf16),  # N not a multiple of 16
                                (576, 7168, (64, 64), bf16),  # other blocks
@@ -150,6 +163,46 @@ def test_fp8_linear_dispatch_with_the_probe_forced_both_ways(monkeypatch):
     x = torch.randn(37, 512, generator=g).to(DEVICE, DTYPE)
     assert _rel(layer(x), _quantized_rows(x).cpu() @ w.T + bias) < TOL
     assert len(calls) == 1 and ran[-1] == "fp8_block_matmul"
+
+
+@pytest.mark.parametrize("lead", [(1,), (1, 1)])
+def test_fp8_linear_at_one_row_runs_the_w8a16_gemv(lead, monkeypatch):
+    """M = 1 (leading dims kept): one gemv_fp8 launch, no activation quantization, float64 on
+    the dequantized weight and x as it is, bias added; M = 2 is back on the fused kernel."""
+    g = torch.Generator().manual_seed(11)
+    layer = Fp8Linear(300, 200, bias=True, backend="triton", bias_dtype=DTYPE, device=DEVICE)
+    _fill(layer, (torch.randn(200, 300, generator=g) * 0.05).to(DEVICE))
+    layer.bias.data.copy_(torch.randn(200, generator=g))
+    w, bias = layer.dequantized().double().cpu(), layer.bias.double().cpu()
+    gemv = _record_calls(monkeypatch, gemv_kernels, ("gemv_fp8",))
+    fp8 = _record_calls(monkeypatch, kernels, ("fp8_quant_matmul", "quant_fp8_per_token_group"))
+    x = torch.randn(*lead, 300, generator=g).to(DEVICE, DTYPE)
+    out = layer(x)
+    assert out.shape == (*lead, 200) and out.dtype == DTYPE
+    assert gemv == ["gemv_fp8"] and fp8 == []
+    assert _rel(out.reshape(1, 200), x.reshape(1, 300).double().cpu() @ w.T + bias) < TOL
+    layer(torch.randn(2, 300, generator=g).to(DEVICE, DTYPE))
+    assert gemv == ["gemv_fp8"] and fp8 == ["fp8_quant_matmul"]
+
+
+@pytest.mark.parametrize("sizes", [[72, 100], [128, 72]])
+def test_fp8_merged_linear_at_one_row_runs_a_gemv_per_shard(sizes, monkeypatch):
+    """Unaligned shards: one gemv_fp8 into each shard's columns (with its bias slice); aligned:
+    one over the whole weight."""
+    names = [f"s{j}" for j in range(len(sizes))]
+    g = torch.Generator().manual_seed(sum(sizes))
+    layer = Fp8MergedLinear(200, sizes, names, bias=True, backend="triton", bias_dtype=DTYPE,
+                            device=DEVICE)
+    for name, n in zip(names, sizes):
+        q, s = quantize_fp8_blocks((torch.randn(n, 200, generator=g) * 0.05).to(DEVICE))
+        layer.weight_loader(layer.weight, q, name)
+        layer.weight_loader(layer.weight_scale_inv, s, name)
+        layer.weight_loader(layer.bias, torch.randn(n, generator=g).to(DEVICE, DTYPE), name)
+    ran = _record_calls(monkeypatch, gemv_kernels, ("gemv_fp8",))
+    x = torch.randn(1, 200, generator=g).to(DEVICE, DTYPE)
+    ref = x.double().cpu() @ layer.dequantized().double().cpu().T + layer.bias.double().cpu()
+    assert _rel(layer(x), ref) < TOL
+    assert ran == ["gemv_fp8"] * (1 if layer.aligned else len(sizes))
 
 
 def test_probe_takes_the_first_layout_that_runs_and_matches(monkeypatch):
@@ -217,7 +270,7 @@ def test_fp8_linear_cuda_graph_replay_equals_eager(m):
         static.copy_(torch.randn(m, 7168, generator=g).to(torch.bfloat16))
         graph.replay()
         assert torch.equal(out, layer(static))
-    ref = _quantized_rows(static).cpu() @ layer.dequantized().double().cpu().T
+    ref = _activations(static) @ layer.dequantized().double().cpu().T
     assert _rel(out, ref) < 1e-2
 
 
@@ -265,7 +318,8 @@ def _moe_reference(x, ids, weights, w13, w2, first, quantize: bool) -> torch.Ten
 @pytest.mark.parametrize("t,first,num_local", [(1, 0, 10), (12, 3, 4), (33, 6, 4)])
 def test_fp8_experts_triton_and_reference_equal_float64(t, first, num_local):
     """H 200 and I 72 (partial blocks), 10 global experts of which [first, first + num_local)
-    are local: the other ids contribute nothing."""
+    are local: the other ids contribute nothing. T = 1 (3 pairs) runs the weight-only GEMVs
+    (activations not quantized), more pairs the sorted path."""
     h, i, e_global, k = 200, 72, 10, 3
     m, w13, w2 = _experts(first, num_local, e_global, h, i, seed=t)
     assert m.w13.dtype == FP8 and m.w13_scale_inv.shape == (num_local, 2, 2)
@@ -274,7 +328,8 @@ def test_fp8_experts_triton_and_reference_equal_float64(t, first, num_local):
     ids = torch.rand(t, e_global, generator=g).argsort(1)[:, :k].to(DEVICE)
     weights = torch.rand(t, k, generator=g).to(DEVICE)
     out = m(x, ids, weights)
-    ref = _moe_reference(x, ids.cpu(), weights.cpu(), w13, w2, first, quantize=True)
+    ref = _moe_reference(x, ids.cpu(), weights.cpu(), w13, w2, first,
+                         quantize=t * k > SMALL_MAX_PAIRS)
     assert out.shape == (t, h) and out.dtype == DTYPE
     assert _rel(out, ref) < (1e-4 if DTYPE == torch.float32 else 5e-2)  # intermediate rounding
     m.backend = "torch"
@@ -297,16 +352,56 @@ def test_fp8_experts_fill_redundant_replicas_and_check_shapes():
         m.weight_loader(m.w2_scale_inv, torch.ones(2, 2), 1, "down")
 
 
-def test_fp8_experts_low_latency_layout_through_the_fused_kernel():
+@pytest.mark.parametrize("rows", [5, 12])
+def test_fp8_experts_low_latency_layout_through_the_fused_kernel(rows):
     """[E_local, M, H] (DeepEP low-latency format): each row through its block's expert,
-    unweighted; the Triton path against float64 with quantized activations."""
+    unweighted; the Triton path against float64, activations quantized on the sorted path
+    (3 x 12 = 36 pairs) and not on the GEMV one (15)."""
     m, w13, w2 = _experts(4, 3, 8, 200, 72, seed=5)
-    x = torch.randn(3, 5, 200, generator=torch.Generator().manual_seed(6)).to(DEVICE, DTYPE)
+    x = torch.randn(3, rows, 200, generator=torch.Generator().manual_seed(6)).to(DEVICE, DTYPE)
     out = m.forward_per_expert(x)
-    assert out.shape == (3, 5, 200) and out.dtype == DTYPE
-    ids = torch.arange(4, 7).repeat_interleave(5)[:, None]
-    ref = _moe_reference(x.reshape(15, 200), ids, torch.ones(15, 1), w13, w2, 4, quantize=True)
-    assert _rel(out.reshape(15, 200), ref) < (1e-4 if DTYPE == torch.float32 else 5e-2)
+    assert out.shape == (3, rows, 200) and out.dtype == DTYPE
+    n = 3 * rows
+    ids = torch.arange(4, 7).repeat_interleave(rows)[:, None]
+    ref = _moe_reference(x.reshape(n, 200), ids, torch.ones(n, 1), w13, w2, 4,
+                         quantize=n > SMALL_MAX_PAIRS)
+    assert _rel(out.reshape(n, 200), ref) < (1e-4 if DTYPE == torch.float32 else 5e-2)
     m.backend = "torch"
-    ref = _moe_reference(x.reshape(15, 200), ids, torch.ones(15, 1), w13, w2, 4, quantize=False)
-    assert _rel(m.forward_per_expert(x).reshape(15, 200), ref) < TOL
+    ref = _moe_reference(x.reshape(n, 200), ids, torch.ones(n, 1), w13, w2, 4, quantize=False)
+    assert _rel(m.forward_per_expert(x).reshape(n, 200), ref) < TOL
+
+
+def test_fp8_experts_at_few_pairs_take_the_small_path(monkeypatch):
+    """Fp8MoEExperts at <= SMALL_MAX_PAIRS pairs reaches fused_moe_small with its scales."""
+    calls = []
+    orig = fm.fused_moe_small
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs.get("w13_scale") is not None)
+        return orig(*args, **kwargs)
+
+    monkeypatch.setattr(fm, "fused_moe_small", spy)
+    m, w13, w2 = _experts(2, 4, 8, 200, 72, seed=8)
+    g = torch.Generator().manual_seed(9)
+    for t in (4, 5):  # 32 pairs, then 40
+        x = torch.randn(t, 200, generator=g).to(DEVICE, DTYPE)
+        ids = torch.rand(t, 8, generator=g).argsort(1).to(DEVICE)
+        weights = torch.rand(t, 8, generator=g).to(DEVICE)
+        ref = _moe_reference(x, ids.cpu(), weights.cpu(), w13, w2, 2, quantize=t == 5)
+        assert _rel(m(x, ids, weights), ref) < (1e-4 if DTYPE == torch.float32 else 5e-2)
+    assert calls == [True]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("k,n", [(7168, 18432), (7168, 576), (2048, 7168), (1000, 300)])
+def test_fp8_linear_at_one_row_on_cuda_equals_float64(k, n):
+    """bf16 activations at M = 1 (the W8A16 GEMV, DeepSeek-V3's shapes): float64 on the
+    dequantized weight and x as it is, bias included."""
+    g = torch.Generator().manual_seed(k + n)
+    layer = Fp8Linear(k, n, bias=True, bias_dtype=torch.bfloat16, device="cuda")
+    _fill(layer, (torch.randn(n, k, generator=g) * k**-0.5).cuda())
+    layer.bias.data.copy_(torch.randn(n, generator=g))
+    x = torch.randn(1, k, generator=g).cuda().to(torch.bfloat16)
+    assert fp8_gemm_path(1, n, k, (128, 128), torch.bfloat16, x.device) == "gemv"
+    ref = x.double().cpu() @ layer.dequantized().double().cpu().T + layer.bias.double().cpu()
+    assert _rel(layer(x), ref) < 1e-2

@@ -1,6 +1,8 @@
 """The small-M GEMV (kernels/gemv.py) against float64 torch, and `Linear` with TritonOps attached
-against F.linear. Without CUDA: Triton's interpreter in float32 (its launch geometry, and in one
-test the CUDA one); on CUDA also bf16 at Qwen3-30B-A3B's shapes and under graph capture."""
+against F.linear; its weight-only FP8 variant against float64 on the dequantized weights (x not
+quantized), partial 128 blocks included. Without CUDA: Triton's interpreter in float32 (its
+launch geometry, and in some tests the CUDA one); on CUDA also bf16 at Qwen3-30B-A3B's and
+DeepSeek-V3's shapes and under graph capture."""
 
 from __future__ import annotations
 
@@ -11,8 +13,11 @@ import torch.nn.functional as F
 pytest.importorskip("triton")
 
 from moeserve.kernels.attach import attach_ops  # noqa: E402
+from moeserve.kernels.fp8_format import (  # noqa: E402
+    dequantize_fp8_blocks, quantize_fp8_blocks)
 from moeserve.kernels.gemv import (  # noqa: E402
-    GEMV_MAX_M, LINEAR_MAX_M, MIN_BLOCK_K, gemv, gemv_config)
+    FP8_TILE_ELEMS, GEMV_MAX_M, LINEAR_MAX_M, MIN_BLOCK_K, GemvConfig, gemv, gemv_config,
+    gemv_fp8, gemv_fp8_config)
 from moeserve.kernels.triton_ops import TritonOps  # noqa: E402
 from moeserve.layers.fp8_linear import Fp8Linear  # noqa: E402
 from moeserve.layers.linear import Linear, MergedLinear  # noqa: E402
@@ -74,6 +79,66 @@ def test_gemv_strided_rows_and_errors():
     assert gemv(x[:0], w).shape == (0, 24)
     with pytest.raises(ValueError):
         gemv(rand(GEMV_MAX_M + 1, 64, seed=8), w)
+
+
+def _fp8_weight(n: int, k: int, seed: int, block=(128, 128)):
+    """(w e4m3 [N, K], scale [ceil(N/bn), ceil(K/bk)], the dequantized weight in float64)."""
+    w_q, w_s = quantize_fp8_blocks(rand(n, k, seed=seed) / k**0.5, block)
+    return w_q, w_s, dequantize_fp8_blocks(w_q, w_s, block).double()
+
+
+@pytest.mark.parametrize("m", range(1, 5))
+@pytest.mark.parametrize("n,k,bias,block", [
+    (200, 300, True, (128, 128)),  # partial blocks along N and K
+    (130, 64, False, (128, 128)),  # K within one block, two scale rows
+    (256, 512, True, (128, 128)),  # whole blocks, several K steps' scales
+    (72, 200, True, (16, 32)),  # small blocks: block_n clamped to bn = 16
+])
+def test_gemv_fp8_matches_float64_on_dequantized_weights(m, n, k, bias, block):
+    w_q, w_s, w = _fp8_weight(n, k, seed=n + k, block=block)
+    x, b = rand(m, k, seed=m), rand(n, seed=k) if bias else None
+    out = gemv_fp8(x, w_q, w_s, b, block)
+    assert out.shape == (m, n) and out.dtype == x.dtype
+    torch.testing.assert_close(out.double(), oracle(x, w, b), rtol=1e-5, atol=1e-5)
+
+
+def test_gemv_fp8_cuda_launch_geometry_in_interpreter():
+    """The CUDA config (one row per program here, a K step of 512 over three scale columns and
+    a partial one) and a hand-made one whose steps (64) are shorter than a block (128)."""
+    w_q, w_s, w = _fp8_weight(200, 300, seed=1)
+    x, b = rand(2, 300, seed=2), rand(200, seed=3)
+    cfg = gemv_fp8_config(200, 300, (128, 128), torch.device("cuda"))
+    assert cfg.block_n == 1 and cfg.block_k >= MIN_BLOCK_K and 300 % cfg.block_k
+    for c in (cfg, GemvConfig(8, 64)):
+        torch.testing.assert_close(gemv_fp8(x, w_q, w_s, b, config=c).double(), oracle(x, w, b),
+                                   rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("k,n", [(7168, 18432), (7168, 576), (2048, 7168), (16384, 7168),
+                                 (1536, 24576), (7168, 1536)])
+def test_gemv_fp8_cuda_geometry(k, n):
+    """DeepSeek-V3's linears: >= 512 programs where N allows, each program's rows inside one
+    128-row scale block, K steps of >= 128 (16-byte e4m3 loads), <= 8 KB a step."""
+    cfg = gemv_fp8_config(n, k, (128, 128), torch.device("cuda"))
+    assert -(-n // cfg.block_n) >= min(512, n) and 128 % cfg.block_n == 0
+    assert cfg.block_k >= MIN_BLOCK_K and cfg.block_n * cfg.block_k <= FP8_TILE_ELEMS
+
+
+def test_gemv_fp8_writes_into_a_column_view_and_refuses_bad_inputs():
+    w_q, w_s, w = _fp8_weight(40, 200, seed=4)
+    x = rand(1, 200, seed=5)
+    out = torch.full((1, 100), 7.0, device=DEVICE)
+    gemv_fp8(x, w_q, w_s, out=out[:, 30:70])  # [1, 40], row stride 100
+    torch.testing.assert_close(out[:, 30:70].double(), oracle(x, w), rtol=1e-5, atol=1e-5)
+    assert (out[:, :30] == 7).all() and (out[:, 70:] == 7).all()
+    with pytest.raises(ValueError, match="scale"):
+        gemv_fp8(x, w_q, w_s[:, :1])  # a scale column short
+    with pytest.raises(ValueError, match="scale"):
+        gemv_fp8(x, w_q.float(), w_s)  # not e4m3
+    with pytest.raises(ValueError, match="divide"):
+        gemv_fp8(x, w_q, w_s, block=(128, 128), config=GemvConfig(256, 128))
+    with pytest.raises(ValueError):
+        gemv_fp8(rand(GEMV_MAX_M + 1, 200, seed=6), w_q, w_s)
 
 
 def test_ops_linear_applies_only_where_it_can():
@@ -147,3 +212,24 @@ def test_gpu_graph_replay():
     x.copy_(rand(4, 2048, seed=3, dtype=torch.bfloat16))
     graph.replay()
     torch.testing.assert_close(out.double(), oracle(x, w), rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 4])
+@pytest.mark.parametrize("k,n", [(7168, 18432), (7168, 576), (2048, 7168), (16384, 7168),
+                                 (1000, 300)])
+def test_gpu_fp8_bf16_activations_match_float64(m, k, n):
+    """bf16 x (not quantized) on e4m3 weights, DeepSeek-V3's shapes: float64 on the dequantized
+    weights; row 0 is the same bits at M = 1 and M = 4; a CUDA graph replays it."""
+    w_q, w_s, w = _fp8_weight(n, k, seed=n)
+    x, b = rand(m, k, seed=m, dtype=torch.bfloat16), rand(n, seed=k, dtype=torch.bfloat16)
+    out = gemv_fp8(x, w_q, w_s, b)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.double(), oracle(x, w, b), rtol=1e-2, atol=1e-2)
+    assert torch.equal(gemv_fp8(x[:1], w_q, w_s, b), out[:1])
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        replayed = gemv_fp8(x, w_q, w_s, b)
+    x.copy_(rand(m, k, seed=m + 1, dtype=torch.bfloat16))
+    graph.replay()
+    torch.testing.assert_close(replayed.double(), oracle(x, w, b), rtol=1e-2, atol=1e-2)
