@@ -387,8 +387,6 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: to
     if small_path is None:
         small_path = t * k <= SMALL_MAX_PAIRS
     if small_path:
-        if w13_scale is None:
-            return fused_moe_small(x, w13, w2, topk_ids, topk_weights, first_expert, num_local)
         return fused_moe_small(x, w13, w2, topk_ids, topk_weights, first_expert, num_local,
                                w13_scale=w13_scale, w2_scale=w2_scale, block=tuple(block))
     cfg = config or get_moe_config(e_local, h, inter_size, k, x.dtype, t)
