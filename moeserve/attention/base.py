@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
+    from moeserve.kernels.triton_attention import KVStoreTarget
     from moeserve.runtime.forward_batch import ForwardBatch
 
 
@@ -45,7 +46,15 @@ class AttentionBackend(ABC):
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
         ...
 
+    def kv_store_target(self, spec: AttentionSpec, fb: ForwardBatch,
+                        dtype: torch.dtype) -> KVStoreTarget | None:
+        """Where the layer's new K/V rows (of `dtype`) go, for a caller that can write them
+        itself as it produces them (fused into its rope kernel); it then calls `forward` with
+        `kv_stored=True`. None (the default): `forward` stores them."""
+        return None
+
     @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None,
-                spec: AttentionSpec, fb: ForwardBatch) -> torch.Tensor:
-        """q: [T, H, D], k: [T, Hkv, D], v: [T, Hkv, Dv] (None for MLA) → [T, H, Dv]."""
+                spec: AttentionSpec, fb: ForwardBatch, kv_stored: bool = False) -> torch.Tensor:
+        """q: [T, H, D], k: [T, Hkv, D], v: [T, Hkv, Dv] (None for MLA) → [T, H, Dv].
+        kv_stored: k and v are already in the pool at fb.out_cache_loc (`kv_store_target`)."""

@@ -31,7 +31,8 @@ class CpuAttentionBackend(TorchAttentionBackend):
         super().init_forward_metadata(fb)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None,
-                spec: AttentionSpec, fb: ForwardBatch) -> torch.Tensor:
+                spec: AttentionSpec, fb: ForwardBatch, kv_stored: bool = False) -> torch.Tensor:
+        assert not kv_stored  # kv_store_target is None here
         if fb.attn_metadata is not _FUSED_DECODE:
             return super().forward(q, k, v, spec, fb)
         pool = fb.kv_pool

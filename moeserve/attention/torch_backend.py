@@ -105,7 +105,9 @@ class TorchAttentionBackend(AttentionBackend):
             self._kept_bytes = 0
         fb.attn_metadata = meta
 
-    def forward(self, q, k, v, spec: AttentionSpec, fb: ForwardBatch) -> torch.Tensor:
+    def forward(self, q, k, v, spec: AttentionSpec, fb: ForwardBatch,
+                kv_stored: bool = False) -> torch.Tensor:
+        assert not kv_stored  # kv_store_target is None here
         fb.kv_pool.set_kv(spec.layer_id, fb.out_cache_loc, k, v)
         k_buf = fb.kv_pool.key_buffer(spec.layer_id)
         v_buf = fb.kv_pool.value_buffer(spec.layer_id)

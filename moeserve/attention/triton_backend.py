@@ -9,7 +9,7 @@ import torch
 from moeserve.attention.base import AttentionBackend, AttentionSpec
 from moeserve.forward_batch import ForwardBatch
 from moeserve.host_copy import to_device
-from moeserve.kernels.triton_attention import decode_attention, store_kv
+from moeserve.kernels.triton_attention import KVStoreTarget, decode_attention, store_kv
 from moeserve.kernels.triton_attention_extend import (extend_attention, extend_block_m,
                                                        extend_blocks)
 from moeserve.kvcache.pool import KVPool, MLAKVPool
@@ -74,14 +74,24 @@ class TritonAttentionBackend(AttentionBackend):
         fb.attn_metadata = ExtendMetadata(dev[: b + 1], dev[b + 1: 2 * b + 1],
                                           dev[2 * b + 1: 2 * b + 1 + nb], dev[2 * b + 1 + nb:])
 
+    def kv_store_target(self, spec: AttentionSpec, fb: ForwardBatch,
+                        dtype: torch.dtype) -> KVStoreTarget | None:
+        """MHA/GQA pools of the rows' own dtype (the fused writer does not cast)."""
+        pool = fb.kv_pool
+        if isinstance(pool, MLAKVPool) or pool.dtype != dtype:
+            return None
+        return KVStoreTarget(pool.key_buffer(spec.layer_id), pool.value_buffer(spec.layer_id),
+                             fb.out_cache_loc)
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None,
-                spec: AttentionSpec, fb: ForwardBatch) -> torch.Tensor:
+                spec: AttentionSpec, fb: ForwardBatch, kv_stored: bool = False) -> torch.Tensor:
         q, k = _rows_contiguous(q), _rows_contiguous(k)
         v = None if v is None else _rows_contiguous(v)
         pool = fb.kv_pool
         k_buf = pool.key_buffer(spec.layer_id)
         v_buf = None if v is None else pool.value_buffer(spec.layer_id)  # None: MLA, V in K
-        store_kv(k, v, fb.out_cache_loc, k_buf, v_buf)
+        if not kv_stored:
+            store_kv(k, v, fb.out_cache_loc, k_buf, v_buf)
         dk = spec.head_dim if v is not None else spec.v_head_dim  # MLA: main part R; rest rope
         out = q.new_empty((q.shape[0], spec.num_heads, spec.v_head_dim))  # [T, H, Dv]
         if q.shape[0] == 0:

@@ -14,6 +14,9 @@ split of [0, seq_len) from the seq_lens tensor, so nothing depends on host-side 
 
 from __future__ import annotations
 
+import functools
+from typing import NamedTuple
+
 import torch
 
 try:  # optional: only installs with Triton have the triton attention backend
@@ -24,6 +27,16 @@ except ImportError:  # pragma: no cover - CPU installs
 
 LOG2E = 1.4426950408889634
 STORE_TILE = 4096  # elements per KV-store program
+REDUCE_GROUPS = 1 << 16  # (request, head block) groups one fused decode launch may count on
+
+
+class KVStoreTarget(NamedTuple):
+    """Where a step's K/V rows go: k_buf/v_buf [slots + 1, Hkv, D] of one layer, loc [T] slots.
+    Handed to a kernel that writes them as it produces them (`TritonOps.qk_norm_rope`)."""
+
+    k_buf: torch.Tensor
+    v_buf: torch.Tensor
+    loc: torch.Tensor
 
 
 def block_dim(n: int) -> int:
@@ -57,16 +70,27 @@ def store_kv(k: torch.Tensor, v: torch.Tensor | None, loc: torch.Tensor, k_buf: 
     )
 
 
+@functools.cache
+def split_counters(device: torch.device) -> torch.Tensor:
+    """Arrival counters of the decode kernel's (request, head block) groups, zero between
+    launches (each group's last split resets its own). NOTE: decode launches on one device run in
+    stream order, as moeserve's forward does; allocated at the first (eager, warm-up) call."""
+    return torch.zeros(REDUCE_GROUPS, dtype=torch.int32, device=device)
+
+
 def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor | None,
                      req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
                      seq_lens: torch.Tensor, scale: float, dk: int, dv: int,
-                     out: torch.Tensor, part_out: torch.Tensor, part_lse: torch.Tensor) -> None:
+                     out: torch.Tensor, part_out: torch.Tensor, part_lse: torch.Tensor,
+                     fuse_reduce: bool = True) -> None:
     """One query per request over its KV positions [0, seq_len): out = softmax(q k^T * scale) v.
 
     q: [B, H, Dq] (Dq = dk + dpe), k_buf: [slots + 1, Hkv, >= Dq], v_buf: [slots + 1, Hkv, dv]
     or None (MLA: V = k_buf[..., :dv], needs dv == dk), out: [B, H, dv];
     scratch part_out: [B, H, S, dv] float32, part_lse: [B, H, S] float32, S = number of KV splits.
-    Launches only from tensors and shapes (CUDA-graph safe).
+    fuse_reduce: the last split of each (request, head block) to finish combines the splits in
+    the same launch (one launch fewer per layer: what a batch-1 step is bound by); else a second
+    kernel does. Launches only from tensors and shapes (CUDA-graph safe).
     """
     b, h, dq = q.shape
     if b == 0:
@@ -81,18 +105,22 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor |
     progs_per_kv = triton.cdiv(group, heads_per_prog)
     v_buf = k_buf if v_is_k else v_buf
     grid = (b, hkv * progs_per_kv, splits)
+    fuse = fuse_reduce and b * grid[1] <= REDUCE_GROUPS
+    counters = split_counters(q.device) if fuse else seq_lens  # unread when not fused
     _decode_split_kernel[grid](
         q, k_buf, v_buf, req_to_token, req_pool_indices, seq_lens, part_out, part_lse,
-        scale * LOG2E, q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1),
+        out, counters, scale * LOG2E, q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1),
         v_buf.stride(0), v_buf.stride(1), req_to_token.stride(0),
         part_out.stride(0), part_out.stride(1), part_out.stride(2),
-        part_lse.stride(0), part_lse.stride(1),
+        part_lse.stride(0), part_lse.stride(1), out.stride(0), out.stride(1),
         group, dk, dpe, dv,
         HEADS_PER_PROG=heads_per_prog, PROGS_PER_KV=progs_per_kv, NUM_SPLITS=splits,
         BLOCK_H=block_h, BLOCK_N=32 if big else 64, BLOCK_D=block_dim(dk),
         BLOCK_DPE=block_dim(max(dpe, 1)), BLOCK_DV=block_dim(dv), HAS_PE=dpe > 0,
-        V_IS_K=v_is_k, num_warps=4, num_stages=2,
+        V_IS_K=v_is_k, FUSE_REDUCE=fuse, num_warps=4, num_stages=2,
     )
+    if fuse:
+        return
     _decode_reduce_kernel[(b, h)](
         part_out, part_lse, out,
         part_out.stride(0), part_out.stride(1), part_out.stride(2),
@@ -185,17 +213,18 @@ if triton is not None:
     @triton.jit
     def _decode_split_kernel(
         q_ptr, k_buf, v_buf, req_to_token, req_pool_indices, seq_lens, part_out, part_lse,
-        scale_log2, stride_qb, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_rt,
-        stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
-        group, dk, dpe, dv,
+        out_ptr, counters, scale_log2, stride_qb, stride_qh, stride_kt, stride_kh, stride_vt,
+        stride_vh, stride_rt, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
+        stride_ob, stride_oh, group, dk, dpe, dv,
         HEADS_PER_PROG: tl.constexpr, PROGS_PER_KV: tl.constexpr, NUM_SPLITS: tl.constexpr,
         BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
         BLOCK_DPE: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_PE: tl.constexpr,
-        V_IS_K: tl.constexpr,
+        V_IS_K: tl.constexpr, FUSE_REDUCE: tl.constexpr,
     ):
         """Stage 1, program (request, head block, split): the query heads of the block (all on
         one KV head) over the split's KV positions; online softmax in base 2, float32. Writes the
-        split's normalised output and log2-sum-exp (-inf, with a zero output, when empty)."""
+        split's normalised output and log2-sum-exp (-inf, with a zero output, when empty).
+        FUSE_REDUCE: the group's last split to arrive then does stage 2 for the block's heads."""
         b = tl.program_id(0)
         hb = tl.program_id(1)
         split = tl.program_id(2)
@@ -237,6 +266,41 @@ if triton is not None:
         tl.store(part, out, mask=mask_h[:, None] & (offs_dv[None, :] < dv))
         tl.store(part_lse + b.to(tl.int64) * stride_lb + heads * stride_lh + split, lse,
                  mask=mask_h)
+        if FUSE_REDUCE:
+            tl.debug_barrier()  # every thread's partial is written before the group's count moves
+            count = counters + b * tl.num_programs(1) + hb
+            if tl.atomic_add(count, 1, sem="acq_rel") == NUM_SPLITS - 1:
+                _reduce_splits(part_out, part_lse, out_ptr, b.to(tl.int64), heads, mask_h,
+                               stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
+                               stride_ob, stride_oh, dv, NUM_SPLITS, BLOCK_DV)
+                tl.atomic_xchg(count, 0)  # zero again for the next launch
+
+    @triton.jit
+    def _reduce_splits(part_out, part_lse, out_ptr, b, heads, mask_h, stride_pb, stride_ph,
+                       stride_ps, stride_lb, stride_lh, stride_ob, stride_oh, dv,
+                       NUM_SPLITS: tl.constexpr, BLOCK_DV: tl.constexpr):
+        """Stage 2 inside stage 1's launch for rows `heads` of request b: the splits' outputs
+        weighted by their sum-exp, read from L2 (.cg), where the other programs' stores are."""
+        offs_d = tl.arange(0, BLOCK_DV)
+        lse_rows = part_lse + b * stride_lb + heads * stride_lh  # [BLOCK_H]
+        m = tl.full(heads.shape, float("-inf"), dtype=tl.float32)
+        for s in tl.static_range(NUM_SPLITS):
+            m = tl.maximum(m, tl.load(lse_rows + s, mask=mask_h, other=float("-inf"),
+                                      cache_modifier=".cg"))
+        m = tl.where(m == float("-inf"), 0.0, m)  # every split empty (seq_len 0): output 0
+        mask = mask_h[:, None] & (offs_d[None, :] < dv)
+        rows = part_out + b * stride_pb + heads[:, None] * stride_ph + offs_d[None, :]
+        acc = tl.zeros([heads.shape[0], BLOCK_DV], dtype=tl.float32)
+        den = tl.zeros(heads.shape, dtype=tl.float32)
+        for s in tl.static_range(NUM_SPLITS):
+            w = tl.exp2(tl.load(lse_rows + s, mask=mask_h, other=float("-inf"),
+                                cache_modifier=".cg") - m)  # 0 for empty splits
+            acc += w[:, None] * tl.load(rows + s * stride_ps, mask=mask, other=0.0,
+                                        cache_modifier=".cg")
+            den += w
+        res = acc / tl.where(den > 0, den, 1.0)[:, None]
+        tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
+                 res.to(out_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
     def _decode_reduce_kernel(part_out, part_lse, out_ptr,

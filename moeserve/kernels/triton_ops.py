@@ -16,8 +16,12 @@ interpreter (TRITON_INTERPRET=1 before this import; float32 only: its bf16 math 
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from moeserve.kernels.triton_attention import KVStoreTarget
 
 try:  # optional: only the CUDA image has Triton
     import triton
@@ -84,12 +88,16 @@ class TritonOps:
     def qk_norm_rope(self, qkv: torch.Tensor, num_q: int, num_k: int, head_dim: int,
                      positions: torch.Tensor, table: torch.Tensor, rotary_dim: int,
                      q_weight: torch.Tensor | None, k_weight: torch.Tensor | None,
-                     eps: float) -> None:
+                     eps: float, store: KVStoreTarget | None = None) -> None:
         """In place on qkv [T, >= (num_q + num_k) * head_dim]: per-head RMSNorm of the q and k
         heads (when weights are given), then neox rope on each head's first rotary_dim channels
         with `table` [P, 2 * rotary_dim] float32 (cos | cos | -sin | sin) at each token's
         position; as `rms_norm_heads` then `RotaryEmbedding.rotate`. One program per (token,
-        block of heads)."""
+        block of heads).
+
+        `store` (the attention backend's `kv_store_target`): also write each token's final k
+        heads and its v heads (qkv's next num_k * head_dim channels) into the KV pool at
+        `store.loc[t]`, so the step needs no separate KV-store launch."""
         t = qkv.shape[0]
         assert qkv.stride(1) == 1 and table.dtype == torch.float32 and table.is_contiguous()
         assert rotary_dim % 2 == 0 and 0 < rotary_dim <= head_dim
@@ -107,12 +115,20 @@ class TritonOps:
         # ~2k channels per program: one launch's programs stay a few per token (measured at
         # 2048 tokens x 40 heads: one head per program took 46 µs for ~21 MB)
         block_heads = min(triton.next_power_of_2(heads), max(1, 1024 // half))
+        if store is not None:
+            assert store.k_buf.dtype == qkv.dtype == store.v_buf.dtype  # no cast on the way
+            assert store.k_buf.shape[1:] == (num_k, head_dim) == store.v_buf.shape[1:]
+            assert store.k_buf.stride(2) == 1 and store.v_buf.stride(1) == head_dim
+            assert qkv.shape[1] >= (heads + num_k) * head_dim
+        k_buf, v_buf, loc = store if store is not None else (qkv, qkv, positions)  # unread
         _qk_norm_rope_kernel[(t, triton.cdiv(heads, block_heads))](
             qkv, qkv.stride(0), positions, positions.stride(0), table,
             q_weight if has_norm else dummy, k_weight if has_norm else dummy, eps,
+            k_buf, v_buf, loc, k_buf.stride(0), k_buf.stride(1), v_buf.stride(0),
             NUM_Q=num_q, NUM_HEADS=heads, D=head_dim, ROT=rotary_dim, HAS_NORM=has_norm,
             BLOCK_HEADS=block_heads, BLOCK_HALF=half,
             BLOCK_REST=triton.next_power_of_2(max(rest, 1)), HAS_REST=rest > 0,
+            STORE=store is not None, BLOCK_V=triton.next_power_of_2(num_k * head_dim),
             num_warps=_warps(half * block_heads, 256, 8),
             # no FMA contraction: x1 * cos + x2 * -sin rounds as the torch path's mul, mul, add
             enable_fp_fusion=False)
@@ -166,13 +182,15 @@ if triton is not None:
 
     @triton.jit
     def _qk_norm_rope_kernel(qkv, row_stride, positions, pos_stride, table, q_weight, k_weight,
-                             eps, NUM_Q: tl.constexpr, NUM_HEADS: tl.constexpr, D: tl.constexpr,
+                             eps, k_buf, v_buf, loc, stride_kbt, stride_kbh, stride_vbt,
+                             NUM_Q: tl.constexpr, NUM_HEADS: tl.constexpr, D: tl.constexpr,
                              ROT: tl.constexpr, HAS_NORM: tl.constexpr, BLOCK_HEADS: tl.constexpr,
                              BLOCK_HALF: tl.constexpr, BLOCK_REST: tl.constexpr,
-                             HAS_REST: tl.constexpr):
+                             HAS_REST: tl.constexpr, STORE: tl.constexpr, BLOCK_V: tl.constexpr):
         """BLOCK_HEADS heads of one token, each held as its two rotated halves and the
         unrotated rest: the rope partners sit in registers (no read of a channel another thread
-        may have written)."""
+        may have written). STORE: the k heads also go to k_buf[loc[t]], and the token's v heads
+        (by the first head block's program) to v_buf[loc[t]]."""
         t = tl.program_id(0).to(tl.int64)
         heads = tl.program_id(1) * BLOCK_HEADS + tl.arange(0, BLOCK_HEADS)  # [BH]
         HALF: tl.constexpr = ROT // 2
@@ -183,12 +201,14 @@ if triton is not None:
         mi = mh[:, None] & (i < HALF)[None, :]  # [BH, BLOCK_HALF]
         x1 = tl.load(base + i[None, :], mask=mi, other=0.0).to(tl.float32)
         x2 = tl.load(base + HALF + i[None, :], mask=mi, other=0.0).to(tl.float32)
+        if HAS_REST:
+            j = tl.arange(0, BLOCK_REST)
+            mj = mh[:, None] & (j < D - ROT)[None, :]
+            if HAS_NORM or STORE:
+                xr = tl.load(base + ROT + j[None, :], mask=mj, other=0.0).to(tl.float32)
         if HAS_NORM:
             ss = tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)  # [BH]
             if HAS_REST:
-                j = tl.arange(0, BLOCK_REST)
-                mj = mh[:, None] & (j < D - ROT)[None, :]
-                xr = tl.load(base + ROT + j[None, :], mask=mj, other=0.0).to(tl.float32)
                 ss += tl.sum(xr * xr, axis=1)
             rstd = tl.rsqrt(ss / D + eps)[:, None]
             is_q = (heads < NUM_Q)[:, None]
@@ -204,8 +224,25 @@ if triton is not None:
         cos2 = tl.load(row + HALF + i, mask=mr, other=0.0)[None, :]
         nsin1 = tl.load(row + ROT + i, mask=mr, other=0.0)[None, :]
         sin2 = tl.load(row + ROT + HALF + i, mask=mr, other=0.0)[None, :]
-        tl.store(base + i[None, :], (x1 * cos1 + x2 * nsin1).to(dt), mask=mi)
-        tl.store(base + HALF + i[None, :], (x2 * cos2 + x1 * sin2).to(dt), mask=mi)
+        y1 = (x1 * cos1 + x2 * nsin1).to(dt)
+        y2 = (x2 * cos2 + x1 * sin2).to(dt)
+        tl.store(base + i[None, :], y1, mask=mi)
+        tl.store(base + HALF + i[None, :], y2, mask=mi)
+        if STORE:
+            slot = tl.load(loc + t).to(tl.int64)
+            is_k = mh & (heads >= NUM_Q)
+            kb = k_buf + slot * stride_kbt + (heads - NUM_Q)[:, None] * stride_kbh  # [BH, 1]
+            mk = is_k[:, None] & (i < HALF)[None, :]
+            tl.store(kb + i[None, :], y1, mask=mk)
+            tl.store(kb + HALF + i[None, :], y2, mask=mk)
+            if HAS_REST:
+                mkr = is_k[:, None] & (j < D - ROT)[None, :]
+                tl.store(kb + ROT + j[None, :], xr.to(dt), mask=mkr)
+            if tl.program_id(1) == 0:  # the v heads, contiguous after q and k: one row copy
+                c = tl.arange(0, BLOCK_V)
+                mv = c < (NUM_HEADS - NUM_Q) * D
+                v = tl.load(qkv + t * row_stride + NUM_HEADS * D + c, mask=mv)
+                tl.store(v_buf + slot * stride_vbt + c, v, mask=mv)
 
     @triton.jit
     def _topk_softmax_kernel(weights, ids, logits, E: tl.constexpr, K: tl.constexpr,

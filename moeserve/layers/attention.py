@@ -11,6 +11,7 @@ from moeserve.attention.base import AttentionSpec
 
 if TYPE_CHECKING:
     from moeserve.forward_batch import ForwardBatch
+    from moeserve.kernels.triton_attention import KVStoreTarget
 
 
 class PagedAttention(nn.Module):
@@ -22,13 +23,21 @@ class PagedAttention(nn.Module):
         self.spec = AttentionSpec(layer_id, num_heads, num_kv_heads, head_dim,
                                   v_head_dim or head_dim, scaling)
 
+    def store_target(self, fb: ForwardBatch, dtype: torch.dtype) -> KVStoreTarget | None:
+        """Where this layer's new K/V rows go if the caller writes them itself (then it passes
+        `kv_stored=True` to forward); None: forward stores them."""
+        return fb.attn_backend.kv_store_target(self.spec, fb, dtype)
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None,
-                fb: ForwardBatch) -> torch.Tensor:
+                fb: ForwardBatch, kv_stored: bool = False) -> torch.Tensor:
         """q: [T, H*D] or [T, H, D]; returns [T, H * Dv]."""
         s = self.spec
         q = q.view(-1, s.num_heads, s.head_dim)
         k = k.view(-1, s.num_kv_heads, s.head_dim)
         if v is not None:
             v = v.view(-1, s.num_kv_heads, s.v_head_dim)
-        out = fb.attn_backend.forward(q, k, v, s, fb)
+        if kv_stored:
+            out = fb.attn_backend.forward(q, k, v, s, fb, kv_stored=True)
+        else:
+            out = fb.attn_backend.forward(q, k, v, s, fb)
         return out.reshape(-1, s.num_heads * s.v_head_dim)

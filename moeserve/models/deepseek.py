@@ -92,8 +92,9 @@ class MLAttention(nn.Module):
         return w_kv.split([self.nope_dim, self.v_dim], dim=1)
 
     # The three stages of the op list (DecoderLayer.operations): projections, backend, output.
-    def prepare(self, x: torch.Tensor, positions: torch.Tensor) -> tuple:
-        """→ (absorbed q [T, H, R + r], latent [T, 1, R + r])."""
+    def prepare(self, x: torch.Tensor, positions: torch.Tensor,
+                fb: ForwardBatch | None = None) -> tuple:
+        """→ (absorbed q [T, H, R + r], latent [T, 1, R + r]); the backend stores the latent."""
         q = self._q(x).view(-1, self.num_heads, self.nope_dim + self.rope_dim)
         q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], dim=-1)  # [T, H, nope], [T, H, r]
         c_kv, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)

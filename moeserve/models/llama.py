@@ -48,31 +48,37 @@ class Attention(nn.Module):
                                    self.head_dim**-0.5)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
-        return self.output(self.core(self.prepare(x, positions), fb))
+        return self.output(self.core(self.prepare(x, positions, fb), fb))
 
     # The three stages of the op list (DecoderLayer.operations): projections, backend, output.
-    def prepare(self, x: torch.Tensor, positions: torch.Tensor) -> tuple:
-        """→ (q [T, H, D], k [T, Hkv, D], v [T, Hkv * D]) with norms and rope applied."""
+    def prepare(self, x: torch.Tensor, positions: torch.Tensor,
+                fb: ForwardBatch | None = None) -> tuple:
+        """→ (q [T, H, D], k [T, Hkv, D], v [T, Hkv * D], kv_stored) with norms and rope
+        applied; kv_stored: the GPU rope kernel also wrote k and v into fb's KV pool."""
         qkv = self.qkv_proj(x)  # [T, (H + 2 Hkv) D], a fresh tensor
         h, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         # q and k as one [T, H + Hkv, D] view: their norms and rope in one pass each
         qk = qkv[:, : (h + hkv) * d].view(-1, h + hkv, d)
-        kernels = self.cpu_kernels
+        kernels, store = self.cpu_kernels, None
         if kernels is None and self.gpu_ops is not None and self.gpu_ops.usable(qkv):
             kernels = self.gpu_ops
+            store = None if fb is None else self.attn.store_target(fb, qkv.dtype)
         if kernels is not None and self.rotary.is_neox_style and qkv.stride(1) == 1:
             norms = (self.q_norm.weight, self.k_norm.weight) if self.q_norm else (None, None)
             eps = self.q_norm.eps if self.q_norm else 0.0
+            extra = {} if store is None else {"store": store}  # the KV store fused in
             kernels.qk_norm_rope(qkv, h, hkv, d, positions, self.rotary.cos_sin_cache,
-                                 self.rotary.rotary_dim, *norms, eps)  # in place
+                                 self.rotary.rotary_dim, *norms, eps, **extra)  # in place
         else:
+            store = None
             if self.q_norm is not None:
                 qk = rms_norm_heads(qk, [(h, self.q_norm), (hkv, self.k_norm)])
             qk = self.rotary.rotate(positions, qk)
-        return qk[:, :h], qk[:, h:], qkv[:, (h + hkv) * d :]
+        return qk[:, :h], qk[:, h:], qkv[:, (h + hkv) * d :], store is not None
 
     def core(self, qkv: tuple, fb: ForwardBatch) -> torch.Tensor:
-        return self.attn(*qkv, fb)  # [T, H * D]
+        q, k, v, kv_stored = qkv
+        return self.attn(q, k, v, fb, kv_stored=kv_stored)  # [T, H * D]
 
     def output(self, out: torch.Tensor) -> torch.Tensor:
         return self.o_proj(out)
@@ -145,7 +151,7 @@ class DecoderLayer(nn.Module):
 
         def attn_prepare(s: ForwardState) -> None:
             x, s.residual = self._input_norm(s.hidden, s.residual)
-            s.attn = attn.prepare(x, s.positions)
+            s.attn = attn.prepare(x, s.positions, s.fb)
 
         def attn_core(s: ForwardState) -> None:
             s.attn = (attn.core(s.attn, s.fb),)

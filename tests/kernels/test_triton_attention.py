@@ -16,7 +16,7 @@ from moeserve.attention.torch_backend import TorchAttentionBackend
 from moeserve.attention.triton_backend import TritonAttentionBackend
 from moeserve.core import ForwardMode
 from moeserve.forward_batch import ForwardBatch
-from moeserve.kernels.triton_attention import decode_attention, store_kv
+from moeserve.kernels.triton_attention import decode_attention, split_counters, store_kv
 from moeserve.kernels.triton_attention_extend import extend_attention
 from moeserve.kvcache.pool import MHAKVPool, MLAKVPool
 from moeserve.kvcache.table import ReqToTokenPool
@@ -181,9 +181,11 @@ def test_extend_long_prefix_short_suffix(shape, device, dtype, tol):
 
 @CPU_ONLY
 @pytest.mark.parametrize("shape", ["gqa2", "mla_odd"])
-def test_decode_writes_every_element_and_padded_rows_are_safe(shape):
+@pytest.mark.parametrize("fuse_reduce", [True, False])
+def test_decode_writes_every_element_and_padded_rows_are_safe(shape, fuse_reduce):
     """Poisoned out/scratch: every split (empty ones too) and every output element is written; a
-    padded graph row (seq_len 1 on a stale table row) gives a finite output."""
+    padded graph row (seq_len 1 on a stale table row) gives a finite output. Both reductions: the
+    fused one (the last split of a group combines) leaves its arrival counters at zero."""
     w = _World(shape, "cpu", torch.float32, seed=2)
     w.step([1, 2], [3, 40])
     spec, splits = w.spec, 4
@@ -196,7 +198,8 @@ def test_decode_writes_every_element_and_padded_rows_are_safe(shape):
     k_buf = w.pool.key_buffer(LAYER)
     v_buf = None if w.rope else w.pool.value_buffer(LAYER)
     decode_attention(q, k_buf, v_buf, w.table.req_to_token, rows, seq_lens, spec.scaling, w.d,
-                     w.dv, out, part_out, part_lse)
+                     w.dv, out, part_out, part_lse, fuse_reduce=fuse_reduce)
+    assert not split_counters(q.device).any()
     assert not part_out.isnan().any() and not part_lse.isnan().any()
     assert part_lse[2, :, 1:].eq(float("-inf")).all()  # seq_len 1: only split 0 has keys
     assert out.isfinite().all()

@@ -132,6 +132,40 @@ def test_qk_norm_rope(dtype, t, h, hkv, d, rd, qk_norm):
     close_to_oracle(ours_qk, oracle)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("t", [1, 5])
+@pytest.mark.parametrize("h,hkv,d,rd", [(4, 2, 16, 16), (3, 1, 16, 8), (8, 4, 32, 24)])
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_qk_norm_rope_stores_kv(dtype, t, h, hkv, d, rd, qk_norm):
+    """With a store target the kernel also writes the final k heads and the v heads to the pool
+    rows at loc (exactly the values left in qkv), and no other row."""
+    from moeserve.kernels.triton_attention import KVStoreTarget
+
+    gen = torch.Generator().manual_seed(7 * t + h + rd)
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, rd, 2, dtype=torch.float32) / rd))
+    with torch.device(DEVICE):
+        rope = RotaryEmbedding(inv_freq, 1.0, 64)
+    weights = (rand(d, gen=gen, dtype=dtype) + 1, rand(d, gen=gen, dtype=dtype) + 1) if qk_norm \
+        else (None, None)
+    qkv = rand(t, (h + 2 * hkv) * d, dtype=dtype, gen=gen)
+    pos = torch.randint(0, 64, (t,), generator=gen).to(DEVICE)
+    slots = 12
+    k_buf = rand(slots + 1, hkv, d, dtype=dtype, gen=gen)
+    v_buf = rand(slots + 1, hkv, d, dtype=dtype, gen=gen)
+    k_before, v_before = k_buf.clone(), v_buf.clone()
+    loc = torch.randperm(slots, generator=gen)[:t].add(1).to(DEVICE)
+    plain = qkv.clone()
+    OPS.qk_norm_rope(plain, h, hkv, d, pos, rope.cos_sin_cache, rd, *weights, EPS)
+    fused = qkv.clone()
+    OPS.qk_norm_rope(fused, h, hkv, d, pos, rope.cos_sin_cache, rd, *weights, EPS,
+                     store=KVStoreTarget(k_buf, v_buf, loc))
+    assert torch.equal(fused, plain)  # the in-place result does not change
+    rows = plain.view(t, h + 2 * hkv, d)
+    k_want, v_want = k_before.clone(), v_before.clone()
+    k_want[loc], v_want[loc] = rows[:, h: h + hkv], rows[:, h + hkv:]
+    assert torch.equal(k_buf, k_want) and torch.equal(v_buf, v_want)
+
+
 # ---------------------------------------------------------------- topk_softmax
 
 
