@@ -28,6 +28,7 @@ try:  # optional: only the CUDA image has Triton
     import triton.language as tl
 
     from moeserve.kernels.gemv import GEMV_DTYPES, LINEAR_MAX_M, gemv
+    from moeserve.kernels.router_topk import router_topk, softmax_topk_store
 except ImportError:  # pragma: no cover - CPU installs
     triton = None
 
@@ -132,6 +133,13 @@ class TritonOps:
             num_warps=_warps(half * block_heads, 256, 8),
             # no FMA contraction: x1 * cos + x2 * -sin rounds as the torch path's mul, mul, add
             enable_fp_fusion=False)
+
+    def router_topk(self, x: torch.Tensor, weight: torch.Tensor, k: int, renormalize: bool):
+        """One token's router linear and softmax top-k in one launch (kernels/router_topk.py):
+        (weights, ids) as `topk_softmax(linear(x, weight))`, or None where it does not apply."""
+        if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+            return None
+        return router_topk(x, weight, k, renormalize)
 
     def topk_softmax(self, logits: torch.Tensor, k: int, renormalize: bool):
         """logits [T, E] (any float dtype) → (weights [T, k] float32, ids [T, k] int64) of the
@@ -250,22 +258,5 @@ if triton is not None:
         """One token: float32 softmax, then K rounds of (max, lowest id holding it, mask it)."""
         t = tl.program_id(0).to(tl.int64)
         e = tl.arange(0, BLOCK_E)
-        me = e < E
-        x = tl.load(logits + t * E + e, mask=me, other=float("-inf")).to(tl.float32)
-        p = tl.exp(x - tl.max(x, axis=0))
-        p = p / tl.sum(p, axis=0)
-        p = tl.where(me, p, -1.0)  # padding: below every probability, never chosen
-        ks = tl.arange(0, BLOCK_K)
-        w_acc = tl.zeros([BLOCK_K], dtype=tl.float32)
-        id_acc = tl.zeros([BLOCK_K], dtype=tl.int32)
-        for j in tl.static_range(K):
-            best = tl.max(p, axis=0)
-            idx = tl.minimum(tl.min(tl.where(p == best, e, BLOCK_E), axis=0), E - 1)  # NaN: E-1
-            w_acc = tl.where(ks == j, best, w_acc)
-            id_acc = tl.where(ks == j, idx, id_acc)
-            p = tl.where(e == idx, -2.0, p)  # taken
-        if RENORM:
-            w_acc = w_acc / tl.sum(w_acc, axis=0)  # lanes >= K hold 0
-        mk = ks < K
-        tl.store(weights + t * K + ks, w_acc, mask=mk)
-        tl.store(ids + t * K + ks, id_acc.to(tl.int64), mask=mk)
+        x = tl.load(logits + t * E + e, mask=e < E, other=float("-inf")).to(tl.float32)
+        softmax_topk_store(x, weights, ids, t, E, K, RENORM, BLOCK_E, BLOCK_K)

@@ -26,6 +26,12 @@ class RouterConfig:
     group_score: str = "max"  # max (DeepSeek-V2) | top2_sum (DeepSeek-V3)
     routed_scaling_factor: float = 1.0
 
+    @property
+    def is_plain_softmax(self) -> bool:
+        """A softmax top-k with nothing else (no groups, no scaling): what one kernel does."""
+        return (self.scoring == "softmax" and self.num_groups == 1
+                and self.routed_scaling_factor == 1.0)
+
 
 def select_experts(logits: torch.Tensor, cfg: RouterConfig,
                    correction_bias: torch.Tensor | None = None,
@@ -34,8 +40,7 @@ def select_experts(logits: torch.Tensor, cfg: RouterConfig,
     """logits: [T, E] → (weights, ids). The correction bias (V3) steers choice, not the weights.
     With kernels (CPU or Triton: the caller picks by device), a plain softmax top-k is one
     kernel call."""
-    if (kernels is not None and cfg.scoring == "softmax" and cfg.num_groups == 1
-            and correction_bias is None and cfg.routed_scaling_factor == 1.0
+    if (kernels is not None and cfg.is_plain_softmax and correction_bias is None
             and logits.is_contiguous()):
         return kernels.topk_softmax(logits, cfg.top_k, cfg.renormalize)
     logits = logits.float()

@@ -34,7 +34,15 @@ class SparseMoeBlock(nn.Module):
                                                   layer_id)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """→ (weights, logical ids), [T, K] each."""
+        """→ (weights, logical ids), [T, K] each. One token on CUDA: the router linear and its
+        top-k in one launch (a batch-1 decode step is launch-bound)."""
+        if self.gpu_ops is not None and x.shape[0] == 1 and self.gpu_ops.usable(x) \
+                and type(self.gate) is Linear and self.gate.bias is None \
+                and self.router.is_plain_softmax:
+            fused = self.gpu_ops.router_topk(x, self.gate.weight, self.router.top_k,
+                                             self.router.renormalize)
+            if fused is not None:
+                return fused
         logits = self.gate(x)
         kernels = self.cpu_kernels
         if kernels is None and self.gpu_ops is not None and self.gpu_ops.usable(logits):

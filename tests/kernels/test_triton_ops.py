@@ -211,13 +211,45 @@ def test_k_up_to_8_and_e_512():
         torch.testing.assert_close(weights, ref_w, rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("e,hidden,k", [(8, 64, 2), (60, 96, 4), (128, 256, 8), (320, 40, 8)])
+@pytest.mark.parametrize("renormalize", [False, True])
+def test_router_topk_one_token(dtype, e, hidden, k, renormalize):
+    """The one-launch router (linear + softmax top-k, the last program selecting) chooses the
+    experts of the float64 softmax over the logits it rounds, equal to the two-launch path; a
+    second call (the arrival counter reset by the first) gives the same."""
+    gen = torch.Generator().manual_seed(e + hidden + k)
+    x = rand(1, hidden, dtype=dtype, gen=gen)
+    w = rand(e, hidden, dtype=dtype, gen=gen) * 0.2
+    for _ in range(2):
+        weights, ids = OPS.router_topk(x, w, k, renormalize)
+        assert weights.shape == ids.shape == (1, k) and ids.dtype == torch.int64
+        logits = (x.double() @ w.double().T).to(dtype)  # rounded as the linear's output
+        probs = logits.double().softmax(-1)
+        assert torch.equal(probs.gather(1, ids), probs.topk(k, dim=-1).values)
+        oracle = probs.gather(1, ids)
+        if renormalize:
+            oracle = oracle / oracle.sum(-1, keepdim=True)
+        torch.testing.assert_close(weights.double(), oracle, rtol=1e-5, atol=1e-7)
+        if dtype == torch.float32:
+            two = OPS.topk_softmax(torch.nn.functional.linear(x, w), k, renormalize)
+            assert torch.equal(ids, two[1])
+            torch.testing.assert_close(weights, two[0], rtol=1e-5, atol=1e-7)
+
+
+def test_router_topk_declines_what_it_does_not_do():
+    x, w = rand(2, 32), rand(8, 32)
+    assert OPS.router_topk(x, w, 2, True) is None  # two rows: the two-launch path
+    assert OPS.router_topk(x[:1], w.double(), 2, True) is None  # another dtype
+
+
 # ---------------------------------------------------------------- wired into a model
 
 
 class _Capture(nn.Module):
     """Stands in for PagedAttention: keeps q and k, returns q as [T, H * D]."""
 
-    def forward(self, q, k, v, fb):
+    def forward(self, q, k, v, fb, kv_stored=False):
         self.q, self.k = q.clone(), k.clone()
         return q.reshape(q.shape[0], -1)
 
@@ -244,14 +276,15 @@ def test_attention_uses_ops(qk_norm):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
-def test_sparse_moe_block_uses_ops(monkeypatch):
+@pytest.mark.parametrize("tokens", [5, 1])  # 1: the one-launch router
+def test_sparse_moe_block_uses_ops(monkeypatch, tokens):
     routed = []
     monkeypatch.setattr(qwen3_moe, "run_routed_experts",
                         lambda experts, x, ids, weights, *rest: routed.append((weights, ids)) or x)
     with torch.device(DEVICE):
         block = qwen3_moe.SparseMoeBlock(32, 16, 24, RouterConfig(top_k=4), 0)
     block.gate.weight.data.copy_(rand(24, 32))
-    x = rand(5, 32)
+    x = rand(tokens, 32)
     assert OPS.usable(x)
     block(x)
     assert attach_ops(block, "gpu_ops", OPS) == 2  # the block (top-k) and its router linear
