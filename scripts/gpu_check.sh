@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Runs on a lent GPU machine (see the device tool): GPU tests, then benchmarks, logs under $OUT.
-#   scripts/gpu_check.sh [tests|kernels|tune|one_batch|profile|serving|multigpu|ep|p2p|fp8|spec|all]
+#   scripts/gpu_check.sh [tests|kernels|tune|one_batch|profile|serving|multigpu|ep|p2p|fp8|spec|tbo|all]
 #   tests: GPU tests (parity, CUDA graphs, Triton kernels in bf16); kernels: the kernel benchmark
 #   tables; tune: fused-MoE launch configs for the shipped shapes (into $OUT/moe_configs);
 #   one_batch: full-size dummy Qwen3-30B-A3B / Llama-3-8B / DeepSeek-V2-Lite decode tables with the
@@ -16,6 +16,12 @@
 #   with its MTP layer, and Llama-3-8B with a random NextN head (SPEC_ACCEPT: accept lengths).
 #   extend: MIXED/prefill step times, extend CUDA graphs vs eager, on the full Qwen3-30B-A3B shape
 #   (EXTEND_ARGS add bench.extend_step arguments).
+#   tbo: two-batch overlap on one GPU: its GPU tests (side stream, bounded p2p copy kernels, forced
+#   TBO with Triton kernels), then bench.tbo_overhead: TBO forced on at ep_size=1, on/off side by
+#   side (decode at batch 64 and 256, a 4096-token prefill; eager) on DeepSeek-V3 and
+#   Qwen3-30B-A3B shapes cut to 5 layers (dummy bf16 weights), with the loopback-dispatcher rows
+#   and a profiler trace of the side stream ($OUT/tbo_trace_*.json). TBO_ARGS: more bench args;
+#   TBO_MODELS / TBO_TESTS=0 narrow it.
 # The image lacks some pure-Python deps: they travel as wheels in .whl/ (not committed).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -93,6 +99,27 @@ if [[ $what == spec ]]; then
       --accept ${SPEC_ACCEPT:-2.0 2.5} --override model.load_format=dummy --override device=cuda \
       --override $2 --override cache.max_total_tokens=80000 2>&1 \
       | grep -v -E "Warning|warn|capturing" | tee -a "$OUT/spec_step.log" | tail -8
+  done
+fi
+
+if [[ $what == tbo ]]; then
+  # TBO_TESTS=0 skips the tests; TBO_MODELS narrows the models (dsv3_5L qwen3_30b_5L)
+  if [ "${TBO_TESTS:-1}" = 1 ]; then
+    timeout 150 python3 -m pytest tests/gpu/test_tbo_gpu.py tests/gpu/test_peer_copy.py -q \
+      -p no:cacheprovider 2>&1 | grep -v -E "Warning|warn" | tee "$OUT/tbo_tests.log" \
+      | grep -E "passed|failed|Error|error|^FAILED|^E " | tail -20
+  fi
+  python3 -m moeserve.tools.make_random --shape deepseek_v3 --layers 5 --config-only \
+    --out /tmp/dsv3_5L >/dev/null  # 3 dense + 2 MoE layers
+  python3 -m moeserve.tools.make_random --shape qwen3_30b_a3b --layers 5 --config-only \
+    --out /tmp/qwen3_30b_5L >/dev/null
+  for name in ${TBO_MODELS:-dsv3_5L qwen3_30b_5L}; do
+    extra=$([ $name = dsv3_5L ] && echo "-o model.quantization=none")  # bf16 experts
+    timeout 210 python3 -m moeserve.bench.tbo_overhead --model /tmp/$name --name $name \
+      --batch 64 256 --context 512 --prefill 4096 --loopback --trace "$OUT/tbo_trace_$name.json" \
+      ${TBO_ARGS:-} -o model.load_format=dummy -o device=cuda -o cache.max_total_tokens=200000 \
+      -o cache.max_running_requests=512 $extra 2>&1 \
+      | grep -v -E "Warning|warn|USDT|profiler" | tee -a "$OUT/tbo.log"
   done
 fi
 

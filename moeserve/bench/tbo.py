@@ -6,7 +6,11 @@ round (max_new_tokens=1) and (2) the same prompts decoding `--output` tokens; de
 is the extra tokens over the extra time. With TBO on, rank 0 records its op timeline
 (MOESERVE_TBO_TIMELINE) and the table adds the share of in-flight dispatch/combine time during
 which the other micro-batch ran an op. A table, not a target: on a 2-core CPU the ranks share
-cores, so overlap has little idle time to fill.
+cores, so overlap has little idle time to fill. --show-timeline prints rank 0's op timeline of one
+MoE layer in one recorded step (docs/tbo.md shows one).
+
+The one-device cost of the split alone (ep_size 1, GPU or CPU) is `python -m
+moeserve.bench.tbo_overhead`.
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ def _timed(eng: Engine, prompts: list[list[int]], max_new: int) -> float:
     return time.perf_counter() - start
 
 
-def _overlap(prefix: str) -> float | None:
+def _timeline(prefix: str):
     from moeserve.tbo.operations import Timeline
 
     path = f"{prefix}.rank0.jsonl"
@@ -43,7 +47,29 @@ def _overlap(prefix: str) -> float | None:
     tl = Timeline()
     with open(path) as f:
         tl.events = [e for e in map(json.loads, f) if "op" in e]
-    return tl.overlap_fraction()
+    return tl
+
+
+def _overlap(prefix: str) -> float | None:
+    tl = _timeline(prefix)
+    return None if tl is None else tl.overlap_fraction()
+
+
+def show_timeline(prefix: str, step: int) -> None:
+    """Rank 0's ops of the last MoE layer in recorded step `step` (-1: the last one recorded)."""
+    tl = _timeline(prefix)
+    if tl is None or not tl.events:
+        print("no timeline recorded")
+        return
+    steps = sorted({e["step"] for e in tl.events})
+    step = steps[step] if -len(steps) <= step < 0 else step
+    if step not in steps:
+        print(f"no recorded TBO step {step} (recorded: {steps})")
+        return
+    moe = [e["layer"] for e in tl.events if e["step"] == step and e["op"] == "dispatch_start"]
+    layer = max(moe) if moe else None
+    print(f"\nrank 0, TBO step {step}, layer {layer} (times from the timeline's start):")
+    print(tl.render(step, layer))
 
 
 def run_one(path: str, overrides: list[str], tbo: bool, args, timeline: str) -> dict:
@@ -76,6 +102,9 @@ def main() -> None:
     p.add_argument("--min-tokens", type=int, default=2, help="tbo.min_tokens")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--layers", type=int, default=None, help="tiny model layer count")
+    p.add_argument("--show-timeline", type=int, default=None, metavar="STEP",
+                   help="print rank 0's timeline of one MoE layer in recorded TBO step STEP "
+                        "(-1: the last recorded)")
     args = p.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # one intra-op thread per rank process
     work = tempfile.mkdtemp(prefix="moeserve-bench-tbo-")
@@ -92,6 +121,8 @@ def main() -> None:
         ov = "-" if r["overlap"] is None else f"{100 * r['overlap']:.0f}%"
         print(f"{'on' if on else 'off':<5} {r['prefill_tps']:>14.0f} {r['decode_tps']:>13.1f} "
               f"{ov:>16}")
+    if args.show_timeline is not None:
+        show_timeline(os.path.join(work, "timeline"), args.show_timeline)
 
 
 if __name__ == "__main__":

@@ -10,6 +10,12 @@ host ints: one small all_to_all plus a host sync), then launches the hidden/ids/
 with async_op=True; dispatch_wait waits on them. combine_start launches the reverse all_to_all
 async; combine_wait waits and does the index_add. Async works on gloo too (its worker threads run
 the collectives), so two dispatches can be in flight on both backends.
+
+Overlapped (TBO micro-batches, CUDA): the packing gathers, the count exchange and the collectives
+are issued from the side stream, and the receive side (masking, the combine's index_add) runs
+there too; the compute stream joins at *_wait (ep/streams.py). NOTE: the count exchange still
+syncs the host with the side stream, which first waits for the compute queued before this
+dispatch: with a2a the host stalls once per dispatch; p2p, allgather and DeepEP do not.
 """
 
 from __future__ import annotations
@@ -47,7 +53,14 @@ class A2ADispatcher(Dispatcher):
     """Uneven all_to_all_single dispatch/combine; see the module docstring."""
 
     def dispatch_start(self, x, topk_ids, topk_weights, forward_mode=None,
-                       tokens_per_rank=None) -> DispatchHandle:
+                       tokens_per_rank=None, overlapped=False) -> DispatchHandle:
+        on = self.comm.use(overlapped)
+        with self.comm.launch(on):
+            h = self._dispatch_launch(x, topk_ids, topk_weights)
+        h.on_side = on
+        return h
+
+    def _dispatch_launch(self, x, topk_ids, topk_weights) -> _A2AHandle:
         in_rank = owner_mask(topk_ids, self.num_local, self.mesh.ep_size)  # [T, ep]
         pairs = in_rank.t().nonzero()  # [S, 2] (dest rank, token), rank-major, tokens in order
         send_token = pairs[:, 1]
@@ -60,17 +73,25 @@ class A2ADispatcher(Dispatcher):
         sends = [s[send_token].contiguous() for s in srcs]
         works = [dist.all_to_all_single(o, s, recv_counts, h.send_counts, group=self.group,
                                         async_op=True) for o, s in zip(outs, sends)]
-        h.pending = Pending(works, lambda: outs, keep=tuple(sends))
+        h.pending = Pending(works, lambda: outs, keep=(*sends, *srcs))
         return h
 
     def dispatch_wait(self, handle: DispatchHandle) -> DispatchOutput:
         assert isinstance(handle, _A2AHandle) and handle.pending is not None
-        hidden, ids, weights = handle.pending.wait()  # [R, H], [R, K], [R, K]
-        ids, weights, counts = self.local_view(ids, weights)
+        with self.comm.finish(handle.on_side):
+            hidden, ids, weights = handle.pending.wait()  # [R, H], [R, K], [R, K]
+            ids, weights, counts = self.local_view(ids, weights)
+        self.comm.join(self.comm.done(handle.on_side), (hidden, ids, weights, counts))
         return DispatchOutput(STANDARD, hidden, counts, handle, ids, weights)
 
     def _combine_start(self, expert_out, handle) -> CombineHandle:
         assert isinstance(handle, _A2AHandle)
+        with self.comm.launch(handle.on_side):
+            ch = self._combine_launch(expert_out, handle)
+        ch.on_side = handle.on_side
+        return ch
+
+    def _combine_launch(self, expert_out, handle: _A2AHandle) -> _A2ACombine:
         y = expert_out.contiguous()  # [R, H]
         back = y.new_empty((handle.send_token.numel(), y.shape[1]))  # [S, H]
         work = dist.all_to_all_single(back, y, handle.send_counts, handle.recv_counts,
@@ -81,8 +102,12 @@ class A2ADispatcher(Dispatcher):
             out.index_add_(0, handle.send_token, back.float())  # sum the copies per source token
             return out.to(handle.dtype)  # [T, H]
 
-        return _A2ACombine(handle.num_tokens, handle.dtype, Pending([work], finish, keep=(y,)))
+        return _A2ACombine(handle.num_tokens, handle.dtype,
+                           Pending([work], finish, keep=(y, expert_out, handle.send_token)))
 
     def combine_wait(self, handle: CombineHandle) -> torch.Tensor:
         assert isinstance(handle, _A2ACombine) and handle.pending is not None
-        return handle.pending.wait()
+        with self.comm.finish(handle.on_side):
+            out = handle.pending.wait()  # [T, H]
+        self.comm.join(self.comm.done(handle.on_side), (out,))
+        return out

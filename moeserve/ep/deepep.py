@@ -18,8 +18,12 @@ Modes (`parallel.deepep_mode`):
 
 Start/wait: normal mode launches with async_finish=True and waits on the returned EventOverlap
 (`current_stream_wait`: the stream waits, not the host; the host already waited for the receive
-counts inside `dispatch`). Low-latency launches with return_recv_hook=True: *_start only sends,
-*_wait calls hook() to receive, so two micro-batches can overlap without occupying SMs.
+counts inside `dispatch`). Overlapped calls (TBO micro-batches) also pass previous_event (a
+`Buffer.capture()` of the compute stream, then the layout's event for the dispatch) and
+allocate_on_comm_stream=True, so DeepEP's own communication stream runs the layout, dispatch and
+combine kernels while the compute stream goes on with the other micro-batch. Low-latency launches
+with return_recv_hook=True: *_start only sends, *_wait calls hook() to receive, so two
+micro-batches can overlap without occupying SMs.
 """
 
 from __future__ import annotations
@@ -109,10 +113,11 @@ class DeepEPDispatcher(Dispatcher):
         return LOW_LATENCY if forward_mode is not None and forward_mode.is_decode() else NORMAL
 
     def dispatch_start(self, x, topk_ids, topk_weights, forward_mode=None,
-                       tokens_per_rank=None) -> DispatchHandle:
+                       tokens_per_rank=None, overlapped=False) -> DispatchHandle:
         mode = self.step_mode(forward_mode)
         ids, w = topk_ids.long(), topk_weights.float()  # DeepEP: int64 topk_idx, float32 weights
-        h = _DeepEPHandle(x.shape[0], x.dtype, mode, ids, w)
+        # NOTE: on_side here means "on DeepEP's communication stream" (its own, not self.comm)
+        h = _DeepEPHandle(x.shape[0], x.dtype, mode, ids, w, on_side=overlapped)
         if mode == LOW_LATENCY:
             self._start_low_latency(h, x.contiguous())
         else:
@@ -120,13 +125,20 @@ class DeepEPDispatcher(Dispatcher):
         self._last_mode = mode
         return h
 
+    def _after_compute(self, on: bool) -> Any:
+        """previous_event for an overlapped normal-mode call: the compute stream's queue so far."""
+        return self.buffer.capture() if on else None
+
     def _start_normal(self, h: _DeepEPHandle, x: torch.Tensor) -> None:
-        n_rank, n_rdma, n_expert, in_rank, _ = self.buffer.get_dispatch_layout(h.topk_ids,
-                                                                              self.num_experts)
+        on = h.on_side
+        n_rank, n_rdma, n_expert, in_rank, layout_done = self.buffer.get_dispatch_layout(
+            h.topk_ids, self.num_experts, previous_event=self._after_compute(on),
+            async_finish=on, allocate_on_comm_stream=on)
         recv_x, recv_idx, recv_w, per_expert, h.native, h.done = self.buffer.dispatch(
             x, topk_idx=h.topk_ids, topk_weights=h.topk_weights, num_tokens_per_rank=n_rank,
             num_tokens_per_rdma_rank=n_rdma, is_token_in_rank=in_rank,
-            num_tokens_per_expert=n_expert, async_finish=True)
+            num_tokens_per_expert=n_expert, previous_event=layout_done if on else None,
+            async_finish=True, allocate_on_comm_stream=on)
         h.result = (recv_x, recv_idx, recv_w, per_expert)
 
     def _start_low_latency(self, h: _DeepEPHandle, x: torch.Tensor) -> None:
@@ -157,14 +169,16 @@ class DeepEPDispatcher(Dispatcher):
 
     def _combine_start(self, expert_out, handle) -> CombineHandle:
         assert isinstance(handle, _DeepEPHandle)
-        ch = _DeepEPCombine(handle.num_tokens, handle.dtype)
+        ch = _DeepEPCombine(handle.num_tokens, handle.dtype, on_side=handle.on_side)
         if handle.mode == LOW_LATENCY:
             ch.combined, _, ch.done = self.buffer.low_latency_combine(
                 expert_out, handle.topk_ids, handle.topk_weights, handle.native,
                 async_finish=False, return_recv_hook=True)
         else:
-            ch.combined, _, ch.done = self.buffer.combine(expert_out.to(handle.dtype),
-                                                          handle.native, async_finish=True)
+            on = handle.on_side
+            ch.combined, _, ch.done = self.buffer.combine(
+                expert_out.to(handle.dtype), handle.native, async_finish=True,
+                previous_event=self._after_compute(on), allocate_on_comm_stream=on)
         return ch
 
     def combine_wait(self, handle: CombineHandle) -> torch.Tensor:

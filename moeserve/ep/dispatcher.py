@@ -8,7 +8,8 @@ A MoE layer under expert parallelism does, on every rank of the EP group:
 
 Each phase is split into *_start (launch the communication) and *_wait (block until the result may
 be read) so that two-batch overlap can interleave one micro-batch's communication with another's
-compute.
+compute. `overlapped=True` (the micro-batches of a TBO step) moves a backend's communication onto
+its side stream on CUDA (ep/streams.py); plain steps keep everything on the current stream.
 
 Contract (all backends):
 - Every call is collective over `mesh.ep_group`: each rank calls dispatch_start/combine_start the
@@ -29,11 +30,12 @@ from __future__ import annotations
 import abc
 import importlib
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from moeserve.ep.streams import CommStream
 from moeserve.kernels.peer_copy import expert_owner  # noqa: F401 (re-exported: the placement rule)
 from moeserve.layers.moe import count_per_expert
 
@@ -52,6 +54,8 @@ class DispatchHandle:
 
     num_tokens: int  # T on this rank
     dtype: torch.dtype  # of x: combine returns this dtype
+    # launched on the side stream (overlapped, on CUDA): the waits join it (ep/streams.py)
+    on_side: bool = field(default=False, kw_only=True)
 
 
 @dataclass
@@ -60,6 +64,7 @@ class CombineHandle:
 
     num_tokens: int
     dtype: torch.dtype
+    on_side: bool = field(default=False, kw_only=True)  # as its dispatch
 
 
 @dataclass(frozen=True)
@@ -129,15 +134,19 @@ class Dispatcher(abc.ABC):
         self.dtype = dtype
         self.num_local = num_experts // mesh.ep_size
         self.first_expert = mesh.ep_rank * self.num_local
+        self.comm = CommStream(mesh.device)  # side stream for overlapped calls (CUDA only)
 
     @abc.abstractmethod
     def dispatch_start(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                        forward_mode: ForwardMode | None = None,
-                       tokens_per_rank: list[int] | None = None) -> DispatchHandle:
+                       tokens_per_rank: list[int] | None = None,
+                       overlapped: bool = False) -> DispatchHandle:
         """x [T, H], topk_ids [T, K] global ids, topk_weights [T, K] float32. Collective.
 
         tokens_per_rank: every EP rank's T this step when the caller knows them (the DP sync
-        does), so that backends needing them skip their own count exchange (a host sync)."""
+        does), so that backends needing them skip their own count exchange (a host sync).
+        overlapped: another micro-batch computes meanwhile (TBO; equal on every rank): on CUDA
+        the communication runs on the side stream, and its combine follows it there."""
 
     @abc.abstractmethod
     def dispatch_wait(self, handle: DispatchHandle) -> DispatchOutput:
@@ -159,9 +168,10 @@ class Dispatcher(abc.ABC):
 
     def dispatch(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                  forward_mode: ForwardMode | None = None,
-                 tokens_per_rank: list[int] | None = None) -> DispatchOutput:
+                 tokens_per_rank: list[int] | None = None,
+                 overlapped: bool = False) -> DispatchOutput:
         return self.dispatch_wait(self.dispatch_start(x, topk_ids, topk_weights, forward_mode,
-                                                      tokens_per_rank))
+                                                      tokens_per_rank, overlapped))
 
     def combine(self, expert_out: torch.Tensor,
                 dispatched: DispatchOutput | DispatchHandle) -> torch.Tensor:
@@ -191,7 +201,7 @@ class LocalDispatcher(Dispatcher):
     """ep_size == 1: every expert is local; dispatch and combine move nothing."""
 
     def dispatch_start(self, x, topk_ids, topk_weights, forward_mode=None,
-                       tokens_per_rank=None) -> DispatchHandle:
+                       tokens_per_rank=None, overlapped=False) -> DispatchHandle:
         h = _LocalHandle(x.shape[0], x.dtype)
         ids, w, counts = self.local_view(topk_ids, topk_weights)
         h.out = DispatchOutput(STANDARD, x, counts, h, ids, w)

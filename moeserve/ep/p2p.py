@@ -24,11 +24,20 @@ tokens/rank the round trip is bound by the host (~0.3 ms of launches and small o
 
 Buffers are reused: dispatch k uses slot k % 2, so two dispatches may be in flight, and the combine
 of dispatch k must have been waited before dispatch k + 2 starts.
+
+Overlapped (TBO micro-batches, CUDA): the dispatch and combine kernels and their barriers run on
+the side stream (ep/streams.py) with a bounded grid (`copy_sms` programs, default a quarter of the
+SMs: not tuned), so the other micro-batch's kernels keep most SMs; the compute stream joins at
+*_wait, where the received rows are read in place. Every barrier of an overlapped step is on the
+side stream, in the same order on every rank; the slot rule above still orders the reuse of a
+slot after its reader (the reduce of combine k is queued on the compute stream before dispatch
+k + 2's barrier, which the side stream passes only after the compute stream got there).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -49,6 +58,7 @@ from moeserve.kernels.peer_copy import (
 )
 
 SLOTS = 2
+COPY_SM_SHARE = 0.25  # overlapped copy kernels: at most this share of the SMs, as programs
 
 
 @dataclass
@@ -56,20 +66,28 @@ class _P2PHandle(DispatchHandle):
     slot: int = 0
     t_max: int = 0
     topk_ids: torch.Tensor | None = None  # [T, K] this rank's routing: which parts to sum
+    keep: tuple = ()  # inputs read on the side stream, referenced until the join
+    done: Any = None  # side-stream event after the copy and its barrier (overlapped)
 
 
 @dataclass
 class _P2PCombine(CombineHandle):
     dispatch: _P2PHandle | None = None
     expert_out: torch.Tensor | None = None  # [ep*T_max, H] in the buffer dtype
+    done: Any = None  # side-stream event after the copy and its barrier (overlapped)
 
 
 class P2PDispatcher(Dispatcher):
     """Direct peer-memory dispatch/combine; see the module docstring."""
 
-    def __init__(self, mesh, num_experts, hidden_size, dtype, max_tokens_per_rank: int = 2048):
+    def __init__(self, mesh, num_experts, hidden_size, dtype, max_tokens_per_rank: int = 2048,
+                 copy_sms: int | None = None):
         super().__init__(mesh, num_experts, hidden_size, dtype)
         self.max_tokens = max_tokens_per_rank
+        if copy_sms is None and mesh.device.type == "cuda":
+            sms = torch.cuda.get_device_properties(mesh.device).multi_processor_count
+            copy_sms = max(1, int(sms * COPY_SM_SHARE))
+        self.copy_sms = copy_sms  # grid bound of overlapped copy kernels (None: unbounded)
         self.topk = 0
         self.buffers: PeerBuffers | None = None
         self.layout = Layout()
@@ -96,8 +114,24 @@ class P2PDispatcher(Dispatcher):
         """Region `name` of every rank's buffer, by rank."""
         return [self.views[name, r] for r in range(self.mesh.ep_size)]
 
+    def _launch(self, on: bool, copy, *args) -> Any:
+        """Run one copy kernel: on the side stream with a bounded grid followed by the barrier
+        (overlapped), else in place (the barrier comes at the wait) → the done event or None."""
+        with self.comm.launch(on):
+            copy(*args, max_programs=self.copy_sms if on else None)
+            if on:
+                self.buffers.barrier()  # a device-side barrier on the side stream
+        return self.comm.done(on)
+
+    def _arrived(self, on_side: bool, done: Any) -> None:
+        """Every rank's writes of this phase are visible to the compute stream."""
+        if on_side:
+            self.comm.join(done)
+        else:
+            self.buffers.barrier()
+
     def dispatch_start(self, x, topk_ids, topk_weights, forward_mode=None,
-                       tokens_per_rank=None) -> DispatchHandle:
+                       tokens_per_rank=None, overlapped=False) -> DispatchHandle:
         t, me, k = x.shape[0], self.mesh.ep_rank, topk_ids.shape[1]
         counts = tuple(tokens_per_rank or all_gather_counts(t, x.device, self.group))
         if counts[me] != t:
@@ -107,11 +141,13 @@ class P2PDispatcher(Dispatcher):
             raise ValueError(f"{t_max} tokens on one rank exceed the p2p buffers' "
                              f"max_tokens_per_rank={self.max_tokens}")
         self._ensure_buffers(k)
-        h = _P2PHandle(t, x.dtype, self.calls % SLOTS, t_max, topk_ids)
+        h = _P2PHandle(t, x.dtype, self.calls % SLOTS, t_max, topk_ids,
+                       on_side=self.comm.use(overlapped), keep=(x, topk_weights))
         self.calls += 1
         if t_max > 0:
-            dispatch_rows(x, topk_ids, topk_weights, self._all(f"x{h.slot}"),
-                          self._all(f"meta{h.slot}"), me, t_max, self.num_local)
+            h.done = self._launch(h.on_side, dispatch_rows, x, topk_ids, topk_weights,
+                                  self._all(f"x{h.slot}"), self._all(f"meta{h.slot}"), me, t_max,
+                                  self.num_local)
         return h
 
     def dispatch_wait(self, handle: DispatchHandle) -> DispatchOutput:
@@ -122,7 +158,8 @@ class P2PDispatcher(Dispatcher):
             ids, w, counts = self.local_view(empty, empty.float())
             hidden = torch.empty(0, self.hidden_size, dtype=self.dtype, device=self.mesh.device)
             return DispatchOutput(STANDARD, hidden, counts, handle, ids, w)
-        self.buffers.barrier()
+        self._arrived(handle.on_side, handle.done)
+        handle.keep, handle.done = (), None
         meta = self.views[f"meta{handle.slot}", me][:n]  # [ep*T_max, 2K]
         view = received_view(meta, self.first_expert, self.num_local)
         if view is None:
@@ -135,17 +172,20 @@ class P2PDispatcher(Dispatcher):
         assert isinstance(handle, _P2PHandle)
         n, me = self.mesh.ep_size * handle.t_max, self.mesh.ep_rank
         y = expert_out.to(self.dtype).contiguous()
+        ch = _P2PCombine(handle.num_tokens, handle.dtype, handle, y, on_side=handle.on_side)
         if n:
-            combine_rows(y, self.views[f"meta{handle.slot}", me][:n], self._all(f"y{handle.slot}"),
-                         me, handle.t_max, self.first_expert, self.num_local)
-        return _P2PCombine(handle.num_tokens, handle.dtype, handle, y)
+            ch.done = self._launch(ch.on_side, combine_rows, y,
+                                   self.views[f"meta{handle.slot}", me][:n],
+                                   self._all(f"y{handle.slot}"), me, handle.t_max,
+                                   self.first_expert, self.num_local)
+        return ch
 
     def combine_wait(self, handle: CombineHandle) -> torch.Tensor:
         assert isinstance(handle, _P2PCombine) and handle.dispatch is not None
         h, ep, me = handle.dispatch, self.mesh.ep_size, self.mesh.ep_rank
         if h.t_max == 0:
             return torch.empty(0, self.hidden_size, dtype=h.dtype, device=self.mesh.device)
-        self.buffers.barrier()
+        self._arrived(handle.on_side, handle.done)
         parts = self.views[f"y{h.slot}", me][: ep * h.t_max].view(ep, h.t_max, -1)
         own = handle.expert_out[me * h.t_max : me * h.t_max + h.num_tokens]
         return reduce_parts(parts, own, h.topk_ids, me, self.num_local, h.dtype)  # [T, H]

@@ -16,6 +16,11 @@ per call on H200. Stores from SMs go over NVLink, return at once, read the sourc
 destinations, and skip the rows a peer does not need. Every destination is its own kernel argument
 (a tuple), so Triton knows each is 16-byte aligned and issues 16-byte stores (st.global.v4 in the
 PTX; compiled without that alignment fact, the same stores came out 2 bytes wide).
+
+`max_programs` bounds the dispatch and combine kernels' grid (each program then loops over rows):
+under two-batch overlap they run on the dispatcher's side stream beside the other micro-batch's
+kernels, and a bounded grid leaves most SMs to those (None: one program per row, as fast as it
+goes when nothing else runs).
 """
 
 from __future__ import annotations
@@ -54,6 +59,13 @@ def _row_blocks(h: int) -> tuple[int, int]:
     return block, triton.cdiv(h, block)
 
 
+def _programs(rows: int, chunks: int, max_programs: int | None) -> int:
+    """Programs along the row axis: one per row, or at most max_programs in all (>= 1)."""
+    if max_programs is None:
+        return rows
+    return max(1, min(rows, max_programs // chunks))
+
+
 def _use_kernel(t: torch.Tensor) -> bool:
     if triton is None or not t.is_cuda:
         return False
@@ -65,7 +77,7 @@ def _use_kernel(t: torch.Tensor) -> bool:
 
 def dispatch_rows(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                   dst_x: list[torch.Tensor], dst_meta: list[torch.Tensor], me: int, t_max: int,
-                  experts_per_rank: int) -> None:
+                  experts_per_rank: int, max_programs: int | None = None) -> None:
     """x [T, H], topk_ids [T, K], topk_weights [T, K] → for every rank d:
     dst_x[d][me*t_max + t] = x[t] where d owns one of token t's experts (other rows untouched);
     dst_meta[d][me*t_max + t] = ids | weight bits (int32 [2K]) for t < t_max, ids -1 past T."""
@@ -73,8 +85,9 @@ def dispatch_rows(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.T
     row0 = me * t_max
     if _use_kernel(x):
         block, chunks = _row_blocks(x.shape[1])
-        _dispatch_kernel[(t_max, chunks)](
-            x, topk_ids, topk_weights, tuple(dst_x), tuple(dst_meta), row0, t, experts_per_rank,
+        _dispatch_kernel[(_programs(t_max, chunks, max_programs), chunks)](
+            x, topk_ids, topk_weights, tuple(dst_x), tuple(dst_meta), row0, t, t_max,
+            experts_per_rank,
             ME=me, H=x.shape[1], BLOCK_H=block, K=k, BLOCK_K=triton.next_power_of_2(k),
             NUM_DST=len(dst_x), num_warps=NUM_WARPS)
         return
@@ -110,15 +123,17 @@ def received_view(meta: torch.Tensor, first_expert: int,
 
 
 def combine_rows(y: torch.Tensor, meta: torch.Tensor, dst_y: list[torch.Tensor], me: int,
-                 t_max: int, first_expert: int, num_local: int) -> None:
+                 t_max: int, first_expert: int, num_local: int,
+                 max_programs: int | None = None) -> None:
     """y [ep*t_max, H] expert outputs by source block, meta [ep*t_max, 2K] as received →
     dst_y[s][me*t_max + t] = y[s*t_max + t] for every source s != me and row t that one of this
     rank's experts [first_expert, first_expert + num_local) processed. Block `me` stays in y."""
     k = meta.shape[1] // 2
     if _use_kernel(y):
         block, chunks = _row_blocks(y.shape[1])
-        _combine_kernel[((len(dst_y) - 1) * t_max, chunks)](
-            y, meta, tuple(dst_y), t_max, first_expert, num_local, ME=me,
+        rows = (len(dst_y) - 1) * t_max
+        _combine_kernel[(_programs(rows, chunks, max_programs), chunks)](
+            y, meta, tuple(dst_y), t_max, rows, first_expert, num_local, ME=me,
             H=y.shape[1], BLOCK_H=block, K=k, BLOCK_K=triton.next_power_of_2(k),
             NUM_DST=len(dst_y), num_warps=NUM_WARPS)
         return
@@ -166,56 +181,59 @@ if triton is not None:
         return tl.max(hit.to(tl.int32), axis=0) > 0
 
     @triton.jit
-    def _dispatch_kernel(x, ids_ptr, w_ptr, dst_x, dst_meta, row0, t, experts_per_rank,
+    def _dispatch_kernel(x, ids_ptr, w_ptr, dst_x, dst_meta, row0, t, t_max, experts_per_rank,
                          ME: tl.constexpr, H: tl.constexpr, BLOCK_H: tl.constexpr, K: tl.constexpr,
                          BLOCK_K: tl.constexpr, NUM_DST: tl.constexpr):
-        row = tl.program_id(0)  # < t_max
         first_chunk = tl.program_id(1) == 0  # writes the meta row
         cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
         ks = tl.arange(0, BLOCK_K)
         kmask = ks < K
-        dst_row = (row0 + row).to(tl.int64)
-        if row < t:
-            ids = tl.load(ids_ptr + row * K + ks, mask=kmask, other=-1)
-            w = tl.load(w_ptr + row * K + ks, mask=kmask, other=0.0)
-            w = w.to(tl.float32).to(tl.int32, bitcast=True)
-            v = tl.load(x + row.to(tl.int64) * H + cols, mask=cols < H)
-            for i in tl.static_range(1, NUM_DST + 1):  # rank ME+1 first, ME's own buffer last
-                meta_d = dst_meta[(ME + i) % NUM_DST]
-                x_d = dst_x[(ME + i) % NUM_DST]
-                tl.store(meta_d + dst_row * 2 * K + ks, ids.to(tl.int32), mask=kmask & first_chunk)
-                tl.store(meta_d + dst_row * 2 * K + K + ks, w, mask=kmask & first_chunk)
-                if _owned_by(ids, (ME + i) % NUM_DST, experts_per_rank):
-                    tl.store(x_d + dst_row * H + cols, v.to(x_d.dtype.element_ty), mask=cols < H)
-        elif first_chunk:
-            for d in tl.static_range(NUM_DST):
-                tl.store(dst_meta[d] + dst_row * 2 * K + ks, tl.full((BLOCK_K,), -1, tl.int32),
-                         mask=kmask)
-                tl.store(dst_meta[d] + dst_row * 2 * K + K + ks, tl.zeros((BLOCK_K,), tl.int32),
-                         mask=kmask)
+        # NOTE: a vector, not kmask & first_chunk: Triton's interpreter rejects that mask dtype
+        meta_mask = kmask & ((ks * 0 + tl.program_id(1)) == 0)
+        for row in range(tl.program_id(0), t_max, tl.num_programs(0)):  # grid-stride over rows
+            dst_row = tl.cast(row0 + row, tl.int64)
+            if row < t:
+                ids = tl.load(ids_ptr + row * K + ks, mask=kmask, other=-1)
+                w = tl.load(w_ptr + row * K + ks, mask=kmask, other=0.0)
+                w = w.to(tl.float32).to(tl.int32, bitcast=True)
+                v = tl.load(x + tl.cast(row, tl.int64) * H + cols, mask=cols < H)
+                for i in tl.static_range(1, NUM_DST + 1):  # rank ME+1 first, ME's own buffer last
+                    meta_d = dst_meta[(ME + i) % NUM_DST]
+                    x_d = dst_x[(ME + i) % NUM_DST]
+                    tl.store(meta_d + dst_row * 2 * K + ks, ids.to(tl.int32), mask=meta_mask)
+                    tl.store(meta_d + dst_row * 2 * K + K + ks, w, mask=meta_mask)
+                    if _owned_by(ids, (ME + i) % NUM_DST, experts_per_rank):
+                        tl.store(x_d + dst_row * H + cols, v.to(x_d.dtype.element_ty),
+                                 mask=cols < H)
+            elif first_chunk:
+                for d in tl.static_range(NUM_DST):
+                    tl.store(dst_meta[d] + dst_row * 2 * K + ks,
+                             tl.full((BLOCK_K,), -1, tl.int32), mask=kmask)
+                    tl.store(dst_meta[d] + dst_row * 2 * K + K + ks,
+                             tl.zeros((BLOCK_K,), tl.int32), mask=kmask)
 
     @triton.jit
-    def _combine_kernel(y, meta, dst_y, t_max, first_expert, num_local, ME: tl.constexpr,
+    def _combine_kernel(y, meta, dst_y, t_max, rows, first_expert, num_local, ME: tl.constexpr,
                         H: tl.constexpr, BLOCK_H: tl.constexpr, K: tl.constexpr,
                         BLOCK_K: tl.constexpr, NUM_DST: tl.constexpr):
-        # program p takes row t = p // (ep-1) of the (p % (ep-1))-th other rank after ME:
-        # consecutive programs write to different ranks, so all links carry traffic at once (block
+        # work item p takes row t = p // (ep-1) of the (p % (ep-1))-th other rank after ME:
+        # consecutive items write to different ranks, so all links carry traffic at once (block
         # by block, every rank would first write into rank 0, then into rank 1, ...)
-        p = tl.program_id(0)  # < (ep - 1) * t_max
-        src_rank = (ME + 1 + p % (NUM_DST - 1)) % NUM_DST
-        t = p // (NUM_DST - 1)
-        row = src_rank * t_max + t
         ks = tl.arange(0, BLOCK_K)
-        ids = tl.load(meta + row.to(tl.int64) * 2 * K + ks, mask=ks < K, other=-1)
-        hit = (ids >= first_expert) & (ids < first_expert + num_local)
-        if tl.max(hit.to(tl.int32), axis=0) > 0:
-            cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-            v = tl.load(y + row.to(tl.int64) * H + cols, mask=cols < H)
-            dst_row = (ME * t_max + t).to(tl.int64)
-            for s in tl.static_range(NUM_DST):
-                if (s != ME) & (src_rank == s):
-                    tl.store(dst_y[s] + dst_row * H + cols, v.to(dst_y[s].dtype.element_ty),
-                             mask=cols < H)
+        cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+        for p in range(tl.program_id(0), rows, tl.num_programs(0)):  # rows = (ep - 1) * t_max
+            src_rank = (ME + 1 + p % (NUM_DST - 1)) % NUM_DST
+            t = p // (NUM_DST - 1)
+            row = src_rank * t_max + t
+            ids = tl.load(meta + tl.cast(row, tl.int64) * 2 * K + ks, mask=ks < K, other=-1)
+            hit = (ids >= first_expert) & (ids < first_expert + num_local)
+            if tl.max(hit.to(tl.int32), axis=0) > 0:
+                v = tl.load(y + tl.cast(row, tl.int64) * H + cols, mask=cols < H)
+                dst_row = tl.cast(ME * t_max + t, tl.int64)
+                for s in tl.static_range(NUM_DST):
+                    if (s != ME) & (src_rank == s):
+                        tl.store(dst_y[s] + dst_row * H + cols, v.to(dst_y[s].dtype.element_ty),
+                                 mask=cols < H)
 
     @triton.jit
     def _reduce_kernel(parts, own, ids_ptr, out, t_max, experts_per_rank, me: tl.constexpr,

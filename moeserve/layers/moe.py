@@ -291,12 +291,14 @@ def _dispatcher(par: MoEParallel | None) -> Any:
 
 
 def moe_dispatch_start(par: MoEParallel | None, st: MoEStepState, fb: Any) -> None:
-    """Launch the dispatch (collective); without a dispatcher every expert is local."""
+    """Launch the dispatch (collective); without a dispatcher every expert is local. A TBO
+    micro-batch's dispatch is `overlapped` (the other one computes meanwhile)."""
     d = _dispatcher(par)
     if d is not None:
         mode = fb.global_forward_mode if fb is not None else None
         st.dispatch = d.dispatch_start(st.x, st.topk_ids, st.topk_weights, mode,
-                                       fb.global_num_tokens if fb is not None else None)
+                                       fb.global_num_tokens if fb is not None else None,
+                                       overlapped=fb is not None and fb.micro_batch)
 
 
 def moe_dispatch_wait(par: MoEParallel | None, st: MoEStepState) -> None:

@@ -11,7 +11,10 @@ NOT a copy of its code and never compared against the real package. Emulated:
   max_tokens * ranks, H] + counts [E_local]; with return_recv_hook=True the returned tensors are
   only filled when hook() is called, as on a GPU) and `low_latency_combine` (applies topk_weights);
 - `EventOverlap.current_stream_wait()` waits for the async gloo work: tensors read earlier are
-  stale.
+  stale;
+- `Buffer.capture()` (an EventOverlap of the current stream: nothing to wait for here) and the
+  stream options of the normal-mode calls (previous_event, async_finish, allocate_on_comm_stream),
+  checked as DeepEP checks them and logged in `Buffer.stream_options` for tests.
 
 Not emulated: FP8 casting (use_fp8 must be False), internode RDMA ranks, cached-handle dispatch,
 expert_alignment > 1, CUDA streams/SMs; dtypes are not restricted to bf16 as on a GPU.
@@ -68,6 +71,21 @@ class Buffer:
         self.num_nvl_bytes, self.num_rdma_bytes = num_nvl_bytes, num_rdma_bytes
         self.low_latency_mode = low_latency_mode
         self.calls: list[str] = []  # for tests: the sequence of public calls
+        # for tests: (call, async_finish, previous_event given, allocate_on_comm_stream)
+        self.stream_options: list[tuple[str, bool, bool, bool]] = []
+
+    def _options(self, call: str, previous_event: Any, async_finish: bool,
+                 allocate_on_comm_stream: bool) -> None:
+        if allocate_on_comm_stream:  # DeepEP asserts the same
+            assert previous_event is not None and async_finish, \
+                "allocate_on_comm_stream needs previous_event and async_finish"
+        self.stream_options.append((call, async_finish, previous_event is not None,
+                                    allocate_on_comm_stream))
+
+    @staticmethod
+    def capture() -> EventOverlap:
+        """An event on the current stream; on CPU there is nothing to wait for."""
+        return EventOverlap()
 
     @staticmethod
     def set_num_sms(new_num_sms: int) -> None:
@@ -94,6 +112,7 @@ class Buffer:
         """→ (num_tokens_per_rank [R] int32, num_tokens_per_rdma_rank None (intranode),
         num_tokens_per_expert [E] int32, is_token_in_rank [T, R] bool, event)."""
         self.calls.append("get_dispatch_layout")
+        self._options("get_dispatch_layout", previous_event, async_finish, allocate_on_comm_stream)
         per_rank = num_experts // self.group_size
         valid = topk_idx >= 0
         owner = torch.where(valid, topk_idx // per_rank, self.group_size)
@@ -114,6 +133,7 @@ class Buffer:
         """→ (recv_x, recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert_list, handle,
         event)."""
         self.calls.append("dispatch")
+        self._options("dispatch", previous_event, async_finish, allocate_on_comm_stream)
         if handle is not None or expert_alignment != 1 or isinstance(x, tuple):
             raise NotImplementedError("fake_deep_ep: cached-handle / aligned / FP8 dispatch")
         e_local = num_tokens_per_expert.numel() // self.group_size
@@ -143,6 +163,7 @@ class Buffer:
                 allocate_on_comm_stream: bool = False):
         """x [N_recv, H] → (combined_x [T, H] summed over ranks, combined_topk_weights, event)."""
         self.calls.append("combine")
+        self._options("combine", previous_event, async_finish, allocate_on_comm_stream)
         send_token, send_counts, recv_counts, num_tokens = handle
         back = x.new_empty((send_token.numel(), x.shape[1]))
         work = dist.all_to_all_single(back, x.contiguous(), send_counts, recv_counts,

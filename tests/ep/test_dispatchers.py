@@ -1,7 +1,9 @@
 """dispatch → local experts → combine equals one process holding all experts, for every backend.
 
 On 2 and 4 gloo ranks with uneven token counts (one rank idle, then all idle), with and without the
-per-rank counts given, and with two dispatches in flight. p2p runs over shared-memory files. deepep runs against the in-repo emulation in fake_deep_ep.py.
+per-rank counts given, and with two dispatches in flight, plain and overlapped (the TBO path: the
+CUDA side-stream calls run through a recording stand-in, DeepEP gets its stream options). p2p runs
+over shared-memory files. deepep runs against the in-repo emulation in fake_deep_ep.py.
 """
 
 from __future__ import annotations
@@ -14,9 +16,11 @@ import traceback
 
 import pytest
 import torch
+from recording_streams import RecordingOps
 
 from moeserve.core import ForwardMode
 from moeserve.ep.dispatcher import LOW_LATENCY, STANDARD, create_dispatcher, expert_owner
+from moeserve.ep.streams import CommStream
 from moeserve.layers.moe import MoEExperts
 
 E, H, I, K = 8, 32, 24, 3
@@ -108,18 +112,40 @@ def _check(rank, world, backend) -> None:
     if backend == "deepep-auto":  # one normal → low-latency switch so far, with a buffer clean
         assert d.buffer.calls.count("clean_low_latency_buffer") == 1, d.buffer.calls
     _two_in_flight(d, full, local, rank, world, _steps(world, backend)[1][1])
+    _overlapped(d, backend, full, local, rank, world, _steps(world, backend)[1][1])
 
 
-def _two_in_flight(d, full, local, rank, world, mode) -> None:
+def _two_in_flight(d, full, local, rank, world, mode, overlapped=False) -> None:
     """start A, start B, wait A, wait B; then both combines in flight, waited in reverse order."""
     a, b = _inputs(rank, 10, TOKENS[world][rank]), _inputs(rank, 11, TOKENS[world][-1 - rank])
-    ha, hb = d.dispatch_start(*a, mode), d.dispatch_start(*b, mode)
+    ha = d.dispatch_start(*a, mode, overlapped=overlapped)
+    hb = d.dispatch_start(*b, mode, overlapped=overlapped)
     oa, ob = d.dispatch_wait(ha), d.dispatch_wait(hb)
     ca = d.combine_start(d.experts_forward(local, oa), oa)
     cb = d.combine_start(d.experts_forward(local, ob), ob)
     yb, ya = d.combine_wait(cb), d.combine_wait(ca)
     torch.testing.assert_close(ya, full.forward_loop(*a), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(yb, full.forward_loop(*b), rtol=1e-5, atol=1e-5)
+
+
+def _overlapped(d, backend, full, local, rank, world, mode) -> None:
+    """Two in flight as TBO micro-batches (overlapped=True): the torch.distributed backends take
+    their CUDA side-stream path (recorded: every launch after the compute stream, every one
+    joined); the DeepEP adapter passes previous_event / async_finish / allocate_on_comm_stream
+    to every normal-mode call."""
+    ops = RecordingOps()
+    if not backend.startswith("deepep"):
+        d.comm = CommStream(torch.device("cpu"), ops)
+    else:
+        before = len(d.buffer.stream_options)
+    _two_in_flight(d, full, local, rank, world, mode, overlapped=True)
+    if backend.startswith("deepep"):
+        opts = d.buffer.stream_options[before:]
+        assert len(opts) == (6 if d.step_mode(mode) == "normal" else 0), opts
+        assert all(o[1:] == (True, True, True) for o in opts), opts
+    else:
+        assert sum(e[0] == "side waits compute" for e in ops.log) == 4, ops.log
+        assert ops.waited == ops.recorded and len(ops.recorded) == 4, ops.log
 
 
 def _worker(rank: int, world: int, port: int, backend: str, results) -> None:

@@ -43,8 +43,9 @@ def _cuda():
     torch.cuda.set_device(0)
 
 
+@pytest.mark.parametrize("max_programs", [None, 7])  # 7: a bounded grid, rows looped over
 @pytest.mark.parametrize("ep,me,k,h,dtype", CASES)
-def test_dispatch_rows_matches_torch(ep, me, k, h, dtype):
+def test_dispatch_rows_matches_torch(ep, me, k, h, dtype, max_programs):
     g = torch.Generator().manual_seed(ep * 10 + me)
     t, t_max, per_rank = 37, 50, 16
     x = torch.randn(t, h, generator=g).to(dtype)
@@ -53,7 +54,8 @@ def test_dispatch_rows_matches_torch(ep, me, k, h, dtype):
     rows = ep * t_max + 3
     gx, cx = _pair([torch.full((rows, h), -7.0, dtype=dtype) for _ in range(ep)])
     gm, cm = _pair([torch.full((rows, 2 * k), -7, dtype=torch.int32) for _ in range(ep)])
-    dispatch_rows(x.cuda(), ids.cuda(), w.cuda(), gx, gm, me, t_max, per_rank)
+    dispatch_rows(x.cuda(), ids.cuda(), w.cuda(), gx, gm, me, t_max, per_rank,
+                  max_programs=max_programs)
     dispatch_rows(x, ids, w, cx, cm, me, t_max, per_rank)
     need = owner_mask(ids, per_rank, ep)
     for d in range(ep):
@@ -64,15 +66,17 @@ def test_dispatch_rows_matches_torch(ep, me, k, h, dtype):
     assert (cm[0][me * t_max + t : (me + 1) * t_max, :k] == -1).all()  # padding rows: no expert
 
 
+@pytest.mark.parametrize("max_programs", [None, 7])
 @pytest.mark.parametrize("ep,me,k,h,dtype", CASES)
-def test_combine_rows_matches_torch(ep, me, k, h, dtype):
+def test_combine_rows_matches_torch(ep, me, k, h, dtype, max_programs):
     g = torch.Generator().manual_seed(ep * 10 + me + 1)
     t_max, per_rank = 50, 16
     y = torch.randn(ep * t_max, h, generator=g).to(dtype)
     meta = torch.cat([_routing(ep * t_max, k, per_rank * ep, g).int(),
                       torch.rand(ep * t_max, k, generator=g).view(torch.int32)], 1)
     gy, cy = _pair([torch.full((ep * t_max, h), -7.0, dtype=dtype) for _ in range(ep)])
-    combine_rows(y.cuda(), meta.cuda(), gy, me, t_max, me * per_rank, per_rank)
+    combine_rows(y.cuda(), meta.cuda(), gy, me, t_max, me * per_rank, per_rank,
+                 max_programs=max_programs)
     combine_rows(y, meta, cy, me, t_max, me * per_rank, per_rank)
     mine = owner_mask(meta[:, :k].long(), per_rank, ep)[:, me]
     for s in range(ep):

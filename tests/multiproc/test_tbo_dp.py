@@ -87,14 +87,16 @@ def test_tbo_dp4_ep4_matches_single_process(reference):
 
 
 @pytest.mark.timeout(300)
-def test_tbo_http_dp2_concurrent_chat_matches_engine(tiny_model):
+@pytest.mark.parametrize("arch,backend", [("deepseek_v3", "a2a"), ("qwen3_moe", "p2p")])
+def test_tbo_http_dp2_concurrent_chat_matches_engine(tiny_model, arch, backend):
     """The HTTP server at dp2×ep2 with TBO on every step, 8 concurrent greedy chats through the
-    official openai client: the same texts and token counts as the single-process Engine."""
+    official openai client: the same texts and token counts as the single-process Engine (no EP,
+    no TBO)."""
     from live_server import LiveServer, assert_concurrent_chats_match_engine
     from test_dp import QUESTIONS
 
-    path = tiny_model("deepseek_v3")
-    live = LiveServer([f"model.path={path}", *FP32_CPU, *DP2, *ep_overrides("a2a"),
+    path = tiny_model(arch)
+    live = LiveServer([f"model.path={path}", *FP32_CPU, *DP2, *ep_overrides(backend),
                        *TBO_ON]).wait_healthy()
     try:
         assert_concurrent_chats_match_engine(live.url, path, QUESTIONS,

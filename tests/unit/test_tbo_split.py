@@ -9,6 +9,7 @@ import dataclasses
 import pytest
 import torch
 from parity import extend_batch, make_runner, prompts_of_lengths
+from tbo_checks import check_forced_tbo_with_loopback, greedy_decode
 
 from moeserve.config import TBOConfig
 from moeserve.core import ForwardMode
@@ -124,40 +125,26 @@ def test_forced_tbo_matches_plain_forward(tiny_model, arch):
     assert torch.equal(ours.argmax(-1), ref.argmax(-1))
 
 
-def _greedy_decode(runner, prompts, steps, tbo_at):
-    """Prefill then `steps` batched decode steps; step i runs as TBO when tbo_at(i)."""
-    mem = runner.memory
-    rows = mem.req_to_token.alloc(len(prompts))
-    slots = [mem.allocator.alloc(len(p) + steps) for p in prompts]
-    for row, s in zip(rows, slots):
-        mem.req_to_token.write(row, 0, s)
-    lens = [len(p) for p in prompts]
-    fb = runner.make_batch(ForwardMode.EXTEND, [t for p in prompts for t in p],
-                           [i for n in lens for i in range(n)],
-                           torch.cat([s[:n] for s, n in zip(slots, lens)]), rows, [0] * len(lens),
-                           lens)
-    seqs, out = [list(p) for p in prompts], []
-    logits = runner.forward(fb)
-    for i in range(steps):
-        nxt = logits.argmax(-1).tolist()
-        out.append(nxt)
-        pos = [len(s) for s in seqs]
-        for s, t in zip(seqs, nxt):
-            s.append(t)
-        fb = runner.make_batch(ForwardMode.DECODE, nxt, pos,
-                               torch.stack([s[p] for s, p in zip(slots, pos)]), rows, pos,
-                               [1] * len(pos), tbo=tbo_at(i))
-        logits = runner.forward(fb)
-    for s in slots:
-        mem.allocator.free(s)
-    mem.req_to_token.free(rows)
-    return out
-
-
 def test_decode_kept_kv_survives_micro_batches(ds_runner):
     """The torch backend keeps decode K/V across steps: TBO steps in between must not corrupt
     it (micro-batches keep nothing and the next plain step gathers afresh)."""
     prompts = prompts_of_lengths([6, 9, 4], ds_runner.hf_config.vocab_size, seed=3)
-    ref = _greedy_decode(ds_runner, prompts, 8, lambda i: False)
-    assert _greedy_decode(ds_runner, prompts, 8, lambda i: i % 3 == 1) == ref
-    assert _greedy_decode(ds_runner, prompts, 8, lambda i: True) == ref
+    ref = greedy_decode(ds_runner, prompts, 8, lambda i: False)
+    assert greedy_decode(ds_runner, prompts, 8, lambda i: i % 3 == 1) == ref
+    assert greedy_decode(ds_runner, prompts, 8, lambda i: True) == ref
+
+
+# ---- the GPU kernels' paths under micro-batches --------------------------------------------------
+TRITON = ["attention.backend=triton", "moe.backend=triton", "model.cpu_kernels=false"]
+
+
+@pytest.mark.slow  # the interpreter: ~1 min per model on 2 cores
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU interpreter test; the GPU runs the same "
+                    "check in tests/gpu/test_tbo_gpu.py")
+@pytest.mark.parametrize("arch", ["deepseek_v3", "qwen3_moe"])
+def test_forced_tbo_triton_paths_with_loopback(tiny_model, arch):
+    """Triton attention over the paged KV and fused MoE in the interpreter, with the loopback
+    dispatcher: TBO prefill (a request cut in two) and decode give the plain results."""
+    runner = make_runner(tiny_model(arch), TRITON)
+    assert type(runner.attn_backend).__name__ == "TritonAttentionBackend"
+    check_forced_tbo_with_loopback(runner)
