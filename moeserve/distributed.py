@@ -68,5 +68,13 @@ def init_mesh(p: ParallelConfig, rank: int, device: torch.device,
 
 
 def destroy_mesh(mesh: ParallelMesh) -> None:
-    if mesh.distributed and dist.is_initialized():
-        dist.destroy_process_group()
+    """Leave every group before interpreter exit (collective: all ranks call it after their
+    last collective). This rank's device work is waited for, then the ranks meet on the gloo
+    group, so none destroys a communicator a peer still runs a collective on. Left alive, an
+    NCCL communicator's watchdog thread outlives CUDA at exit and prints a c10::Error."""
+    if not mesh.distributed or not dist.is_initialized():
+        return
+    if mesh.device.type == "cuda":
+        torch.cuda.synchronize(mesh.device)
+    dist.barrier(group=mesh.cpu_group)
+    dist.destroy_process_group()

@@ -62,7 +62,9 @@ class InProcessCore:
         return [ControlReply(cid=0, rank=0, ok=ok, data=data)]
 
     def shutdown(self) -> None:
-        self.scheduler.worker.shutdown()
+        from moeserve.scheduler.shutdown import release_rank
+
+        release_rank(self.scheduler)
 
 
 class Engine:

@@ -49,6 +49,12 @@ class ZmqSchedulerIO:
     def send_control(self, req: ControlReq, ok: bool, data: dict) -> None:
         self.to_manager.put(ControlReply(cid=req.cid, rank=self.rank, ok=ok, data=data))
 
+    def close(self) -> None:
+        for q in (self.inbox, self.to_detok, self.to_manager, self.to_controller):
+            if q is not None:
+                q.close()
+        self.ctx.term()
+
     def _maybe_report(self) -> None:
         now = time.monotonic()
         if self.load_fn is None or now < self._next_report:
@@ -115,6 +121,8 @@ def run_scheduler_process(cfg: MoeserveConfig, model_path: str, endpoints: Endpo
     from moeserve.distributed import init_mesh
     from moeserve.models.weight_bytes import weight_bytes
     from moeserve.scheduler.setup import build_scheduler
+    from moeserve.scheduler.shutdown import StopRequest, exit_process, release_rank
+    from moeserve.server.children import STOP_SIGNAL
 
     device = rank_device(cfg.device, rank)
     if device.type == "cpu":
@@ -132,4 +140,9 @@ def run_scheduler_process(cfg: MoeserveConfig, model_path: str, endpoints: Endpo
             "weight_bytes": weight_bytes(scheduler.runner.model)}  # by part, this rank
     io.to_manager.put(ReadyMsg(role="scheduler", rank=rank, info=info))
     logger.info("scheduler %d ready: %s", rank, info)
-    scheduler.run_forever()
+    stop = StopRequest(scheduler)
+    stop.install(STOP_SIGNAL)  # from now on the ranks stop together (scheduler/shutdown.py)
+    scheduler.run_forever(should_stop=stop)
+    release_rank(scheduler)
+    io.close()
+    exit_process(0)
