@@ -119,6 +119,69 @@ def bench_linears(rows: list[int], dtype: torch.dtype, iters: int) -> None:
         torch.cuda.empty_cache()
 
 
+def fusion_cases(b: int, seq: int, dtype: torch.dtype,
+                 ops: TritonOps) -> dict[str, tuple[Callable, Callable]]:
+    """name → (two launches, one launch) closures of the decode fusions at batch b, Qwen3-30B-A3B
+    shapes: the KV store in q/k norm + rope, the split-KV reduction by the last split, and the
+    router GEMV with its top-k (one row; weight copies cycled so they come from HBM)."""
+    from moeserve.kernels.router_topk import router_topk
+    from moeserve.kernels.triton_attention import KVStoreTarget, decode_attention, store_kv
+
+    q_norm, k_norm = RMSNorm(HEAD_DIM, EPS).to(dtype), RMSNorm(HEAD_DIM, EPS).to(dtype)
+    inv_freq = 1.0 / (1e6 ** (torch.arange(0, HEAD_DIM, 2, dtype=torch.float32) / HEAD_DIM))
+    rope = RotaryEmbedding(inv_freq, 1.0, 4096)
+    qkv = torch.randn(b, (HEADS + 2 * KV_HEADS) * HEAD_DIM, dtype=dtype)
+    pos = torch.randint(0, 4096, (b,))
+    slots = b * seq
+    k_buf = torch.randn(slots + 1, KV_HEADS, HEAD_DIM, dtype=dtype)
+    v_buf = torch.randn(slots + 1, KV_HEADS, HEAD_DIM, dtype=dtype)
+    loc = torch.arange(1, b + 1)
+    table = torch.arange(1, slots + 1).view(b, seq)
+    rows, seq_lens = torch.arange(b), torch.full((b,), seq)
+    q = torch.randn(b, HEADS, HEAD_DIM, dtype=dtype)
+    out = torch.empty(b, HEADS, HEAD_DIM, dtype=dtype)
+    splits = min(32, max(4, 1 << (-(-256 // (b * KV_HEADS)) - 1).bit_length()))  # as the backend
+    part_out = torch.empty(b, HEADS, splits, HEAD_DIM, dtype=torch.float32)
+    part_lse = torch.empty(b, HEADS, splits, dtype=torch.float32)
+    qkv_rows = qkv.view(b, -1, HEAD_DIM)
+    rope_args = (qkv, HEADS, KV_HEADS, HEAD_DIM, pos, rope.cos_sin_cache, HEAD_DIM,
+                 q_norm.weight, k_norm.weight, EPS)
+
+    def rope_then_store():
+        ops.qk_norm_rope(*rope_args)
+        store_kv(qkv_rows[:, HEADS: HEADS + KV_HEADS], qkv_rows[:, HEADS + KV_HEADS:], loc,
+                 k_buf, v_buf)
+
+    def attention(fuse: bool):
+        return lambda: decode_attention(q, k_buf, v_buf, table, rows, seq_lens, HEAD_DIM**-0.5,
+                                        HEAD_DIM, HEAD_DIM, out, part_out, part_lse,
+                                        fuse_reduce=fuse)
+
+    x = torch.randn(1, HIDDEN, dtype=dtype)
+    ws = [torch.randn(EXPERTS, HIDDEN, dtype=dtype) * HIDDEN**-0.5 for _ in range(512)]
+    two_ws, one_ws = itertools.cycle(ws), itertools.cycle(ws)
+    return {
+        "qk rope | kv store": (rope_then_store, lambda: ops.qk_norm_rope(
+            *rope_args, store=KVStoreTarget(k_buf, v_buf, loc))),
+        f"decode attn s={seq}": (attention(False), attention(True)),
+        "router gemv | top-k": (lambda: ops.topk_softmax(gemv(x, next(two_ws)), TOP_K, True),
+                                lambda: router_topk(x, next(one_ws), TOP_K, True)),
+    }
+
+
+def bench_fusions(batches: list[int], seq: int, dtype: torch.dtype, ops: TritonOps,
+                  iters: int) -> None:
+    cols = ["2 launches eager", "1 launch eager", "2 launches graph", "1 launch graph"]
+    print(f"\n{'fusion':<22}{'B':>6}" + "".join(f"{c:>18}" for c in cols) + f"{'graph x':>9}")
+    for b in batches:
+        for name, (two, one) in fusion_cases(b, seq, dtype, ops).items():
+            if name.startswith("router") and b != 1:
+                continue  # the one-launch router takes one token
+            us = [time_us(fn, iters, graph) for graph in (False, True) for fn in (two, one)]
+            row = "".join(f"{u:>18.2f}" for u in us)
+            print(f"{name:<22}{b:>6}{row}{us[2] / us[3]:>8.2f}x", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 64, 256])
@@ -126,6 +189,10 @@ def main() -> None:
     ap.add_argument("--linear-rows", type=int, nargs="*", default=[1, 4, 8],
                     help="M of the linear table (none: skip it)")
     ap.add_argument("--iters", type=int, default=100, help="calls per timing (and per graph)")
+    ap.add_argument("--fusion-batches", type=int, nargs="*", default=[1, 64],
+                    help="batch sizes of the decode-fusion table (none: skip it)")
+    ap.add_argument("--fusion-seq", type=int, default=512, help="context of its attention rows")
+    ap.add_argument("--only-fusions", action="store_true", help="print only that table")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("small_ops benchmarks CUDA kernels: no CUDA device")
@@ -134,6 +201,10 @@ def main() -> None:
     cols = ["torch eager", "triton eager", "torch graph", "triton graph"]
     print(f"{'op':<22}{'T':>6}" + "".join(f"{c:>14}" for c in cols) + f"{'graph x':>9}")
     with torch.inference_mode():
+        if args.fusion_batches:
+            bench_fusions(args.fusion_batches, args.fusion_seq, dtype, ops, args.iters)
+        if args.only_fusions:
+            return
         for t in args.tokens:
             for name, (ref, ours) in cases(t, dtype, ops).items():
                 us = [time_us(fn, args.iters, graph) for graph in (False, True)
