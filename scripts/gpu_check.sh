@@ -8,9 +8,10 @@
 #   bench alone; p2p: the p2p kernels' tests, per-kernel sweep, EP bench and DP check; profile:
 #   profiler tables of a batch-64 decode step of a 4-layer Qwen3-30B-A3B shape; PROFILE=1 adds
 #   profiler tables to ep). ONE_BATCH_MODELS / ONE_BATCH_ARGS / ONE_BATCH_HF=0 narrow the one_batch mode.
-#   fp8: the FP8 tests (kernels, layers, tiny DeepSeek-V3 FP8 served with quantization=auto), the
-#   FP8 GEMM vs bf16 table on DeepSeek-V3 shapes (FP8_SWEEP=1 adds a launch-config sweep), and
-#   one_batch FP8 vs bf16 on a DeepSeek-V3 shape cut to 3 dense + 4 MoE layers (dummy weights).
+#   fp8: one_batch FP8 vs bf16 on a DeepSeek-V3 shape cut to 3 dense + 4 MoE layers (dummy
+#   weights, decode graphs only), the FP8 GEMM vs bf16 tables on DeepSeek-V3 shapes (FP8_SWEEP=1
+#   adds a launch-config sweep), the FP8 tests (kernels, layers, the W8A16 GEMV and small-MoE
+#   kernels, tiny DeepSeek-V3 FP8 served with quantization=auto); knobs in the mode's comment.
 #   spec: MTP speculation's round (draft chain + verify + draft extend) against one plain decode
 #   step (eager and CUDA graph) at batch 1/16/64: DeepSeek-V3 shape cut to 3 dense + 2 MoE layers
 #   with its MTP layer, and Llama-3-8B with a random NextN head (SPEC_ACCEPT: accept lengths).
@@ -73,18 +74,30 @@ if [[ $what == one_batch || $what == all ]]; then
 fi
 
 if [[ $what == fp8 ]]; then
-  python3 -m pytest tests/gpu/test_fp8_serving.py tests/kernels/test_fp8.py \
-    tests/kernels/test_fp8_layers.py -q -s -p no:cacheprovider 2>&1 | grep -v -E "Warning|warn" \
-    | tee "$OUT/fp8_tests.log" | grep -E "passed|failed|Error|error|^FAILED|\[fp8" | tail -30
-  timeout 150 python3 -m moeserve.bench.fp8_gemm ${FP8_SWEEP:+--sweep} 2>&1 \
-    | grep -v -E "Warning|warn" | tee "$OUT/fp8_gemm.log"
+  # one_batch first (the issue's figure), then the GEMM tables, then the tests; each bounded.
+  # FP8_BATCHES, FP8_ONE_BATCH_ARGS (e.g. "--profile --profile-batch 1"), FP8_GEMM_ARGS (e.g.
+  # "--tokens 1 --gemv-sweep"), FP8_TESTS=0 (skip the tests) narrow or widen it.
   python3 -m moeserve.tools.make_random --shape deepseek_v3 --layers 7 --config-only \
     --out /tmp/dsv3_l7 >/dev/null  # first_k_dense_replace 3: 3 dense + 4 MoE layers
-  timeout 330 python3 -m moeserve.bench.one_batch --model /tmp/dsv3_l7 --batch 1 64 256 \
-    --input-len 256 --output-len 32 --compare-quantization ${ONE_BATCH_ARGS:-} \
-    -o model.load_format=dummy -o device=cuda -o model.quantization=auto \
-    -o cache.max_total_tokens=80000 2>&1 | grep -v -E "Warning|warn|capturing" \
-    | tee "$OUT/fp8_one_batch.log"
+  batches=${FP8_BATCHES:-1 64 256}
+  timeout ${FP8_ONE_BATCH_TIMEOUT:-330} python3 -m moeserve.bench.one_batch --model /tmp/dsv3_l7 \
+    --batch $batches --input-len 256 --output-len 32 --compare-quantization \
+    ${FP8_ONE_BATCH_ARGS:-} -o model.load_format=dummy -o device=cuda -o model.quantization=auto \
+    -o cache.max_total_tokens=80000 -o cuda_graph.max_bs=${batches##* } \
+    -o cuda_graph.max_extend_tokens=0 2>&1 | tr '\r' '\n' \
+    | grep -v -E "Warning|warn|capturing" | tee "$OUT/fp8_one_batch.log"  # tr: tqdm's bars
+  timeout ${FP8_GEMM_TIMEOUT:-150} python3 -m moeserve.bench.fp8_gemm ${FP8_SWEEP:+--sweep} \
+    ${FP8_GEMM_ARGS:-} 2>&1 | grep -v -E "Warning|warn" | tee "$OUT/fp8_gemm.log"
+  if [ "${FP8_TESTS:-1}" = 1 ]; then
+    # the GEMV / small-MoE files: their GPU tests only (the rest is the interpreter's, on CPU)
+    for files in "tests/gpu/test_fp8_serving.py tests/kernels/test_fp8*.py" \
+                 "-m gpu tests/kernels/test_gemv.py tests/kernels/test_fused_moe_small.py"; do
+      # (not "warn": pytest's summary line counts warnings)
+      timeout ${FP8_TESTS_TIMEOUT:-300} python3 -m pytest $files -q -s -p no:cacheprovider 2>&1 \
+        | grep -v -E "Warning:|warnings.warn" | tee -a "$OUT/fp8_tests.log" \
+        | grep -E "passed|failed|Error|error|^FAILED|\[fp8" | tail -30
+    done
+  fi
 fi
 
 if [[ $what == spec ]]; then

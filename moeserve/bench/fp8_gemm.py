@@ -13,10 +13,14 @@ are do_bench medians (L2 flushed between runs: a layer's weights are cold). `--s
 a few launch configs per shape (of the fused kernel at M <= 16, of the GEMM above) and prints the
 best.
 
-A second table, at M = 1 (decode batch 1): µs and weight GB/s (weight + scale bytes over the
-time) of bf16 `x @ w^T` (cuBLAS), the bf16 GEMV (kernels/gemv.py), the fused FP8 kernel
-(activation quantization + tl.dot, the M <= 16 path) and the W8A16 GEMV (`gemv_fp8`, what
-Fp8Linear runs at M = 1), with the W8A16 GEMV's speedup over bf16 and over the fused kernel.
+A second table, at M = 1 (decode batch 1), on the FP8 linears the model runs at one row (merged
+gate_up as one GEMV): µs and weight GB/s (weight + scale bytes over the time) of bf16 `x @ w^T`
+(cuBLAS), the bf16 GEMV (kernels/gemv.py), the fused FP8 kernel (activation quantization +
+tl.dot, the M <= 16 path) and the W8A16 GEMV (`gemv_fp8`, what Fp8Linear runs at M = 1), with the
+W8A16 GEMV's speedup over bf16 and over the fused kernel; then DeepSeek-V3's routed experts at
+one token (`fused_moe_small`, 8 of 32 experts, H 7168, I 2048), bf16 against e4m3 weights (GB/s
+of the 8 experts' bytes). `--gemv-sweep` also tries launch configs of the W8A16 kernels
+(GemvConfig: rows, K step, warps) and prints the best beside the default.
 """
 
 from __future__ import annotations
@@ -24,18 +28,22 @@ from __future__ import annotations
 import argparse
 
 import torch
+import triton
 
 from moeserve.kernels.fp8 import (GemmConfig, fp8_block_matmul, fp8_quant_matmul, fused_config,
                                   gemm_config, quant_fp8_per_token_group)
 from moeserve.kernels.fp8_format import dequantize_fp8_blocks, quantize_fp8_blocks
-from moeserve.kernels.gemv import gemv, gemv_fp8
+from moeserve.kernels.fused_moe_small import fused_moe_small, small_moe_config
+from moeserve.kernels.gemv import GemvConfig, gemv, gemv_fp8, gemv_fp8_config
 from moeserve.layers.fp8_linear import FUSED_MAX_M, Fp8Linear, fp8_gemm_path, scaled_mm_layout
 
 # (K, N) of DeepSeek-V3: dense MLP up (gate or up), q_a, q_b, kv_a, o_proj, dense MLP down
 SHAPES = [(7168, 18432), (7168, 1536), (1536, 24576), (7168, 576), (16384, 7168), (18432, 7168)]
-# the M = 1 table: SHAPES plus the shared expert (gate_up 7168 -> 4096, down 2048 -> 7168) and
-# kv_b (512 -> 32768)
-GEMV_SHAPES = [*SHAPES, (7168, 4096), (2048, 7168), (512, 32768)]
+# the M = 1 table, as the model runs them: dense gate_up (merged), dense down, q_a, kv_a, q_b,
+# o_proj, shared expert gate_up (merged) and down
+GEMV_SHAPES = [(7168, 36864), (18432, 7168), (7168, 1536), (7168, 576), (1536, 24576),
+               (16384, 7168), (7168, 4096), (2048, 7168)]
+MOE_SHAPE = (32, 7168, 2048, 8)  # experts made (8 touched), H, I, top-k: DeepSeek-V3's
 TOKENS = (1, 16, 64, 256, 4096)
 SWEEP = [GemmConfig(16, 64), GemmConfig(16, 128, num_stages=4), GemmConfig(32, 128),
          GemmConfig(64, 128, num_warps=8), GemmConfig(128, 128, num_warps=8, num_stages=4),
@@ -43,12 +51,12 @@ SWEEP = [GemmConfig(16, 64), GemmConfig(16, 128, num_stages=4), GemmConfig(32, 1
 FUSED_SWEEP = [GemmConfig(16, bn, split, 4, 4) for bn in (32, 64, 128) for split in (1, 4, 16)]
 
 
-def _us(fn) -> float:
+def _us(fn, rep: int = 50) -> float:
     import triton.testing
 
     fn()
     torch.cuda.synchronize()
-    return triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median") * 1e3
+    return triton.testing.do_bench(fn, warmup=10, rep=rep, return_mode="median") * 1e3
 
 
 def bf16_peak_tflops(n: int = 8192) -> float:
@@ -127,7 +135,7 @@ def _sweep(m: int, k: int, n: int, x: torch.Tensor, x_q: torch.Tensor, x_s: torc
     return f"best {flops / t / 1e6:.1f} TFLOP/s at {c} (default {default}{mine})"
 
 
-def bench_gemv_shape(k: int, n: int) -> str:
+def bench_gemv_shape(k: int, n: int, sweep: bool) -> str:
     """One row of the M = 1 table: µs and weight GB/s per kernel, then the W8A16 speedups."""
     g = torch.Generator(device="cuda").manual_seed(k + n)
     x = torch.randn(1, k, device="cuda", generator=g).to(torch.bfloat16)
@@ -141,7 +149,65 @@ def bench_gemv_shape(k: int, n: int) -> str:
     cells += [f"{t:>7.2f} {b / (t * 1e-6) / 1e9:>5.0f}" for t, b in times]
     w8a16 = times[3][0]
     cells += [f"{times[0][0] / w8a16:>6.2f}x", f"{times[2][0] / w8a16:>7.2f}x"]
-    return "| " + " | ".join(cells) + " |"
+    line = "| " + " | ".join(cells) + " |"
+    if sweep:
+        tried = {c: _us(lambda c=c: gemv_fp8(x, w_q, w_s, config=c), rep=20)
+                 for c in _gemv_sweep(n, k)}
+        c, t = min(tried.items(), key=lambda kv: kv[1])
+        line += (f" best {t:.2f} µs {fp8_bytes / (t * 1e-6) / 1e9:.0f} GB/s at {tuple(c)} "
+                 f"(default {tuple(gemv_fp8_config(n, k, (128, 128), x.device))})")
+    return line
+
+
+def _gemv_sweep(n: int, k: int) -> set[GemvConfig]:
+    """W8A16 GEMV configs: 8K-element steps on 4 warps, 16K on 8, over 4-32 rows; and
+    one-scale-column steps (K step 128) over 16-64 rows, the small-MoE gate_up kernel's shape."""
+    top = triton.next_power_of_2(k)
+    wide = {GemvConfig(bn, max(128, min(top, elems // bn)), warps)
+            for elems, warps in ((8192, 4), (16384, 8)) for bn in (4, 8, 16, 32)
+            if -(-n // bn) >= 132 or bn == 4}
+    return wide | {GemvConfig(bn, 128, 4) for bn in (16, 32, 64) if -(-n // bn) >= 132}
+
+
+def bench_moe(sweep: bool) -> list[str]:
+    """DeepSeek-V3's routed experts at one token: bf16 vs e4m3 `fused_moe_small` (and the best
+    FP8 configs, gate_up and down apart, with `sweep`)."""
+    e, h, i, top = MOE_SHAPE
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(1, h, device="cuda", generator=g).to(torch.bfloat16)
+    ids = torch.randperm(e, device="cuda", generator=g)[:top].view(1, top).to(torch.int32)
+    wts = torch.rand(1, top, device="cuda", generator=g)
+    w13 = (torch.randn(e, 2 * i, h, device="cuda", generator=g) * h**-0.5).to(torch.bfloat16)
+    w2 = (torch.randn(e, h, i, device="cuda", generator=g) * i**-0.5).to(torch.bfloat16)
+    q13 = [quantize_fp8_blocks(w13[j, :i]) + quantize_fp8_blocks(w13[j, i:]) for j in range(e)]
+    q2 = [quantize_fp8_blocks(w2[j]) for j in range(e)]
+    w13_q = torch.stack([torch.cat([a, c]) for a, _, c, _ in q13])
+    w13_s = torch.stack([torch.cat([b, d]) for _, b, _, d in q13])
+    w2_q, w2_s = torch.stack([q for q, _ in q2]), torch.stack([s for _, s in q2])
+    bf16_bytes = top * 3 * h * i * 2
+    fp8_bytes = top * (3 * h * i + (w13_s[0].numel() + w2_s[0].numel()) * 4)
+
+    def fp8(cfg=None):
+        return lambda: fused_moe_small(x, w13_q, w2_q, ids, wts, 0, e, cfg, w13_s, w2_s)
+
+    t_bf16 = _us(lambda: fused_moe_small(x, w13, w2, ids, wts, 0, e))
+    t_fp8 = _us(fp8())
+    lines = [f"| experts T=1 | bf16 {t_bf16:.2f} µs {bf16_bytes / (t_bf16 * 1e-6) / 1e9:.0f} GB/s"
+             f" | e4m3 {t_fp8:.2f} µs {fp8_bytes / (t_fp8 * 1e-6) / 1e9:.0f} GB/s | "
+             f"{t_bf16 / t_fp8:.2f}x |"]
+    if sweep:
+        base = small_moe_config(1, top, h, i, x.device, (128, 128))
+        for part in ("gate_up", "down"):
+            tried = {}
+            for bn in ((8, 16, 32, 64) if part == "gate_up" else (4, 8, 16, 32)):
+                for warps in (4, 8):
+                    c = base._replace(**{part: GemvConfig(bn, 128, warps)})
+                    tried[c] = _us(fp8(c), rep=20)
+            c, t = min(tried.items(), key=lambda kv: kv[1])
+            lines.append(f"| experts T=1 sweep {part}: best {t:.2f} µs "
+                         f"{fp8_bytes / (t * 1e-6) / 1e9:.0f} GB/s at {tuple(getattr(c, part))} "
+                         f"(default {tuple(getattr(base, part))}: {tried.get(base, t_fp8):.2f}) |")
+    return lines
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -149,6 +215,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--tokens", type=int, nargs="+", default=list(TOKENS))
     p.add_argument("--sweep", action="store_true", help="also try a few launch configs")
     p.add_argument("--no-gemv", action="store_true", help="skip the M = 1 GEMV table")
+    p.add_argument("--gemv-sweep", action="store_true",
+                   help="also try launch configs of the W8A16 GEMV and FP8 experts at M = 1")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("fp8_gemm benchmarks CUDA kernels (FP8 GEMMs, the W8A16 GEMV): "
@@ -168,7 +236,9 @@ def main(argv: list[str] | None = None) -> None:
         print(f"| {'K -> N':<14} | " + " | ".join(f"{h:>13}" for h in heads)
               + f" | {'x bf16':>7} | {'x fused':>8} |")
         for k, n in GEMV_SHAPES:
-            print(bench_gemv_shape(k, n), flush=True)
+            print(bench_gemv_shape(k, n, args.gemv_sweep), flush=True)
+        for line in bench_moe(args.gemv_sweep):
+            print(line, flush=True)
 
 
 if __name__ == "__main__":

@@ -212,7 +212,7 @@ def _bench_runner(runner: ModelRunner, args, bw: float | None, label: str
                 for _ in range(args.warmup):
                     bench_moeserve(runner, b, args.input_len, min(args.output_len, 4))
                 run = bench_moeserve(runner, b, args.input_len, args.output_len,
-                                     profile=args.profile and b == args.batch[-1],
+                                     profile=args.profile and b == _profiled_batch(args),
                                      count_experts=name == label, pipelined=pipelined)
             if run.touched is not None or b not in gb:
                 sb = step_bytes(runner, b, run.mean_seq_len, run.touched)
@@ -226,6 +226,10 @@ def _bench_runner(runner: ModelRunner, args, bw: float | None, label: str
                 decode[b] = run.decode_tps
             print(_row(name, b, run.prefill_tps, run.decode_tps, gb[b], bw), flush=True)
     return gb, decode
+
+
+def _profiled_batch(args) -> int:
+    return args.batch[-1] if args.profile_batch is None else args.profile_batch
 
 
 def _free(dev: torch.device) -> None:
@@ -268,6 +272,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("-o", "--override", action="append", default=[])
     p.add_argument("--profile", action="store_true",
                    help="print profiler tables of 3 decode steps at the largest batch")
+    p.add_argument("--profile-batch", type=int, default=None,
+                   help="with --profile: profile this batch instead of the largest")
     args = p.parse_args(argv)
     overrides = list(args.override) + ([f"model.path='{args.model}'"] if args.model else [])
     cfg = compose(overrides)

@@ -19,13 +19,18 @@ Launch geometry from N and K only, never M, so a row's result is the same at eve
 No split-K: a small N with a large K (2048->128) still gets N programs with the whole row in one
 or two tiles, so every weight byte is requested at once; splitting would add an fp32 pass.
 
-Weight-only FP8 (W8A16, `gemv_fp8`): the same kernel on an e4m3 weight with DeepSeek's block
+Weight-only FP8 (W8A16, `gemv_fp8`, `_gemv_fp8_kernel`): e4m3 weights with DeepSeek's block
 scales, the activations as they are (not quantized). Why: the FP8 GEMMs (kernels/fp8.py) quantize
 x and run tl.dot on 16-row tiles, far from the weight stream's bandwidth at one row, while here
-the weight bytes halve and nothing else changes. A program's rows share one scale row (BLOCK_N
-divides the block's bn), so each K step loads BLOCK_K scales (one per column's block) and folds
-them into the x slice: BLOCK_K products per row of x rather than BLOCK_N x BLOCK_K on the tile.
-FP8_TILE_ELEMS keeps the bytes in flight per step those of the 16-bit tile.
+the weight bytes halve and nothing else changes. Each K step is a [BLOCK_N, G, SUB] tile, SUB =
+min(BLOCK_K, the block's bk) columns per group, so every group lies in one scale block: a step
+loads G scales (the program's rows share one scale row: BLOCK_N divides bn) and folds them into
+the [G, SUB] x slice, with no per-column gather. At one row the products accumulate per lane and
+are reduced once after the loop (at more rows, per step and row). An e4m3 element costs more
+instructions than a bf16 one (the conversion), at half the bytes: the FP8 GEMV runs nearer the
+issue limit, which is why these cuts matter to it and not to the bf16 one. Measured (H200): the
+large DeepSeek-V3 weights stream at ~2.4-2.9 TB/s against the bf16 GEMV's ~3.5-4.0; loading the
+next step's tile before this step's math (register double-buffering) was no faster.
 
 Graph-safe: one launch, shapes from static sizes, no host sync.
 """
@@ -45,6 +50,12 @@ LINEAR_MAX_M = 1  # rows at which it beats cuBLAS (H200, module docstring): Line
 TARGET_PROGRAMS = 512  # ~4 programs per SM on a 132-SM H200: enough loads in flight for HBM
 TILE_ELEMS = 4096  # weight elements a program loads per K step (8 KB in 16-bit)
 FP8_TILE_ELEMS = 2 * TILE_ELEMS  # the same 8 KB in e4m3
+# Large e4m3 weights (DeepSeek-V3's dense gate_up / down and o_proj, >= 64M elements): 32 rows,
+# 16K-element steps, 8 warps. H200, two device calls, do_bench µs default -> this: 7168->36864
+# 92.7 -> 89.4 / 92.3 -> 89.8, 18432->7168 55.1 -> 52.9 / 55.3 -> 53.2, 16384->7168 50.7 -> 47.7
+# in one call (in the other the default was the sweep's best, 50.0); not better on smaller ones.
+FP8_WIDE_MIN_ELEMS = 64 << 20
+FP8_WIDE_ROWS = 32
 MIN_BLOCK_K = 128  # a warp's 16-byte loads cover 256 (fp32: 512) contiguous bytes at least
 GEMV_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -83,9 +94,13 @@ def gemv_config(n: int, k: int, device: torch.device) -> GemvConfig:
 
 def gemv_fp8_config(n: int, k: int, block: Block, device: torch.device) -> GemvConfig:
     """`gemv_config` for e4m3 weights: BLOCK_N also at most the block's bn (rows of a program
-    share a scale row), K steps of FP8_TILE_ELEMS / BLOCK_N elements."""
+    share a scale row), K steps of FP8_TILE_ELEMS / BLOCK_N elements. Weights of at least
+    FP8_WIDE_MIN_ELEMS elements with N >= 132 * FP8_WIDE_ROWS: FP8_WIDE (twice the step on
+    twice the warps)."""
     if device.type != "cuda":
         return GemvConfig(interpreter_block(n, min(64, block[0])), interpreter_block(k, 1024))
+    if n * k >= FP8_WIDE_MIN_ELEMS and n >= 132 * FP8_WIDE_ROWS and block[0] % FP8_WIDE_ROWS == 0:
+        return GemvConfig(FP8_WIDE_ROWS, block_k_for(k, FP8_WIDE_ROWS, 2 * FP8_TILE_ELEMS), 8)
     block_n = block_n_for(n, most=min(16, block[0]))
     return GemvConfig(block_n, block_k_for(k, block_n, FP8_TILE_ELEMS))
 
@@ -142,31 +157,32 @@ def _check_shapes(name: str, x: torch.Tensor, w: torch.Tensor, bias: torch.Tenso
 def _launch(x, w, w_scale, bias, out, cfg: GemvConfig, block: Block) -> None:
     """One launch over cdiv(N, block_n) programs; w_scale None: a float weight."""
     (m, k), n = x.shape, w.shape[0]
-    fp8 = w_scale is not None
-    _gemv_kernel[(triton.cdiv(n, cfg.block_n),)](
-        x, w, w_scale if fp8 else out, out if bias is None else bias, out, n, k, x.stride(0),
-        w.stride(0), w_scale.stride(0) if fp8 else 0, out.stride(0), M=m,
-        BLOCK_M=triton.next_power_of_2(m), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        EVEN_K=k % cfg.block_k == 0, HAS_BIAS=bias is not None, FP8=fp8, SCALE_BN=block[0],
-        SCALE_BK=block[1], num_warps=cfg.num_warps)
+    grid = (triton.cdiv(n, cfg.block_n),)
+    common = dict(M=m, BLOCK_M=triton.next_power_of_2(m), BLOCK_N=cfg.block_n,
+                  HAS_BIAS=bias is not None, num_warps=cfg.num_warps)
+    b = out if bias is None else bias
+    if w_scale is None:
+        _gemv_kernel[grid](x, w, b, out, n, k, x.stride(0), w.stride(0), out.stride(0),
+                           BLOCK_K=cfg.block_k, EVEN_K=k % cfg.block_k == 0, **common)
+        return
+    sub = min(cfg.block_k, block[1])  # a group's columns lie in one scale block
+    _gemv_fp8_kernel[grid](x, w, w_scale, b, out, n, k, x.stride(0), w.stride(0),
+                           w_scale.stride(0), out.stride(0), GROUPS=cfg.block_k // sub, SUB=sub,
+                           EVEN_K=k % cfg.block_k == 0, SCALE_BN=block[0], SCALE_BK=block[1],
+                           **common)
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, N, K, stride_xm, stride_wn, stride_sn,
-                 stride_om, M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr,
-                 FP8: tl.constexpr, SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr):
+def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, N, K, stride_xm, stride_wn, stride_om,
+                 M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr):
     """Program n-block: each [BLOCK_N, BLOCK_K] tile of w is loaded once and dotted with the M
-    rows of x (statically unrolled), partial sums per step added into acc [BLOCK_M, BLOCK_N].
-    FP8: w is e4m3 and s [ceil(N/SCALE_BN), ceil(K/SCALE_BK)] its block scales; this program's
-    scale row is the one of its first row (BLOCK_N divides SCALE_BN)."""
+    rows of x (statically unrolled), partial sums per step added into acc [BLOCK_M, BLOCK_N]."""
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     rows = tl.arange(0, BLOCK_M)
     # rows past N wrap to valid ones (no mask along N); their results are never stored
     w_ptrs = w_ptr + (offs_n % N).to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
-    if FP8:
-        s_row = s_ptr + (tl.program_id(0) * BLOCK_N // SCALE_BN) * stride_sn
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         if EVEN_K:
@@ -174,19 +190,68 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, N, K, stride_xm, stride_wn
         else:
             k_ok = offs_k < K - k0
             w = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0).to(tl.float32)
-        if FP8:  # [BK]: each column's block scale
-            s = tl.load(s_row + (k0 + offs_k) // SCALE_BK, mask=offs_k < K - k0, other=0.0)
         for m in tl.static_range(M):
             if EVEN_K:
                 xm = tl.load(x_ptr + m * stride_xm + k0 + offs_k)
             else:
                 xm = tl.load(x_ptr + m * stride_xm + k0 + offs_k, mask=k_ok, other=0.0)
-            if FP8:  # the scales folded into x: (w * s) . x = w . (s * x)
-                part = tl.sum(w * (xm.to(tl.float32) * s)[None, :], axis=1)  # [BN]
-            else:
-                part = tl.sum(w * xm.to(tl.float32)[None, :], axis=1)  # [BN]
+            part = tl.sum(w * xm.to(tl.float32)[None, :], axis=1)  # [BN]
             acc = tl.where(rows[:, None] == m, acc + part[None, :], acc)
         w_ptrs += BLOCK_K
+    _store_rows(acc, b_ptr, out_ptr, offs_n, rows, N, stride_om, M, HAS_BIAS)
+
+
+@triton.jit
+def _gemv_fp8_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, N, K, stride_xm, stride_wn, stride_sn,
+                     stride_om, M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     GROUPS: tl.constexpr, SUB: tl.constexpr, EVEN_K: tl.constexpr,
+                     HAS_BIAS: tl.constexpr, SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr):
+    """Program n-block of e4m3 w [N, K] with scales s [ceil(N/SCALE_BN), ceil(K/SCALE_BK)]:
+    K steps of GROUPS x SUB columns, each group inside one scale block (SUB <= SCALE_BK, both
+    powers of two); this program's scale row is the one of its first row."""
+    BLOCK_K: tl.constexpr = GROUPS * SUB
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_g = tl.arange(0, GROUPS)
+    offs_k = offs_g[:, None] * SUB + tl.arange(0, SUB)[None, :]  # [G, SUB]
+    rows = tl.arange(0, BLOCK_M)
+    # rows past N wrap to valid ones (no mask along N); their results are never stored
+    w_ptrs = (w_ptr + (offs_n % N).to(tl.int64)[:, None, None] * stride_wn
+              + offs_k[None, :, :])  # [BN, G, SUB]
+    s_row = s_ptr + (tl.program_id(0) * BLOCK_N // SCALE_BN) * stride_sn
+    if M == 1:  # per-lane products, reduced once after the loop
+        acc = tl.zeros([BLOCK_N, GROUPS, SUB], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        if EVEN_K:
+            w = tl.load(w_ptrs)
+        else:
+            w = tl.load(w_ptrs, mask=(offs_k < K - k0)[None, :, :], other=0.0)
+        w = w.to(tl.float32)
+        # [G]: each group's block scale (groups past K: 0, their x and w are masked to 0 too)
+        s = tl.load(s_row + (k0 + offs_g * SUB) // SCALE_BK, mask=offs_g * SUB < K - k0,
+                    other=0.0)
+        for m in tl.static_range(M):
+            if EVEN_K:
+                xm = tl.load(x_ptr + m * stride_xm + k0 + offs_k)
+            else:
+                xm = tl.load(x_ptr + m * stride_xm + k0 + offs_k, mask=offs_k < K - k0, other=0.0)
+            xs = (xm.to(tl.float32) * s[:, None])[None, :, :]  # the scales folded into x
+            if M == 1:
+                acc += w * xs
+            else:
+                part = tl.sum(tl.sum(w * xs, axis=2), axis=1)  # [BN]
+                acc = tl.where(rows[:, None] == m, acc + part[None, :], acc)
+        w_ptrs += BLOCK_K
+    if M == 1:
+        acc = tl.sum(tl.sum(acc, axis=2), axis=1)[None, :]  # [1, BN]
+    _store_rows(acc, b_ptr, out_ptr, offs_n, rows, N, stride_om, M, HAS_BIAS)
+
+
+@triton.jit
+def _store_rows(acc, b_ptr, out_ptr, offs_n, rows, N, stride_om, M: tl.constexpr,
+                HAS_BIAS: tl.constexpr):
+    """out[rows < M, offs_n < N] = acc [BLOCK_M, BLOCK_N] (+ bias), in out's dtype."""
     n_ok = offs_n < N
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]

@@ -15,7 +15,7 @@ from test_fused_moe import DEVICE, DTYPE, TOL, _check, _inputs, poisoned_buffers
 from moeserve.kernels import fused_moe as fm
 from moeserve.kernels import fused_moe_small as fs
 from moeserve.kernels.fp8_format import dequantize_fp8_blocks, quantize_fp8_blocks
-from moeserve.kernels.gemv import MIN_BLOCK_K
+from moeserve.kernels.gemv import FP8_TILE_ELEMS, MIN_BLOCK_K
 from moeserve.layers.moe import MoEExperts
 
 CUDA = torch.device("cuda")
@@ -150,14 +150,31 @@ def test_fp8_cuda_launch_geometry_in_interpreter():
 @pytest.mark.parametrize("t,e,h,i,k", [(1, 256, 7168, 2048, 8), (4, 256, 7168, 2048, 8),
                                        (1, 64, 2048, 1408, 6)])
 def test_fp8_cuda_geometry(t, e, h, i, k):
-    """DeepSeek-V3 / V2-Lite decode with 128 x 128 blocks: programs inside one scale row, as
-    many as the bf16 path, gate_up steps of the 16-bit path's bytes."""
-    bf16 = fs.small_moe_config(t, k, h, i, CUDA)
+    """DeepSeek-V3 / V2-Lite decode with 128 x 128 blocks: programs inside one scale row and
+    steps inside one scale column, as many programs as the bf16 path aims at, gate_up steps of
+    at most the 16-bit path's bytes (DeepSeek-V3's: exactly), down steps of at most its
+    elements."""
     gu, dn = fs.small_moe_config(t, k, h, i, CUDA, (128, 128))
-    assert 128 % gu.block_n == 0 and 128 % dn.block_n == 0
-    assert (gu.block_n, dn) == (bf16.gate_up.block_n, bf16.down)
-    assert gu.block_n * gu.block_k == min(2 * bf16.gate_up.block_n * bf16.gate_up.block_k,
-                                          gu.block_n * triton.next_power_of_2(h))
+    assert 128 % gu.block_n == 0 and 128 % dn.block_n == 0 and dn.block_n <= 8  # as bf16
+    assert gu.block_k == dn.block_k == 128
+    assert t * k * -(-i // gu.block_n) >= 512 and t * -(-h // dn.block_n) >= fs.DOWN_PROGRAMS
+    assert 2 * gu.block_n * gu.block_k <= FP8_TILE_ELEMS
+    if h == 7168:  # V3: enough pairs for whole 16-bit-sized steps
+        assert 2 * gu.block_n * gu.block_k == FP8_TILE_ELEMS
+    assert triton.next_power_of_2(k) * dn.block_n * dn.block_k <= fs.DOWN_TILE_ELEMS
+
+
+@pytest.mark.parametrize("gu,dn", [(fs.GemvConfig(16, 64), fs.GemvConfig(8, 128)),
+                                   (fs.GemvConfig(32, 128, 8), fs.GemvConfig(4, 32))])
+def test_fp8_short_steps_and_other_tiles(gu, dn):
+    """Steps shorter than a scale column and other tiles, over whole (H = 256, I = 128) and
+    partial (H = 300, I = 136) steps."""
+    for h, i in ((256, 128), (300, 136)):
+        x, w13, w2, ids, w = _inputs(2, h, i, 16, 4, seed=h)
+        w13_q, w13_s, w2_q, w2_s, w13_d, w2_d = _fp8_experts(w13, w2)
+        out = fs.fused_moe_small(x, w13_q, w2_q, ids, w, 0, 16, fs.SmallMoeConfig(gu, dn),
+                                 w13_s, w2_s)
+        _check(out, x, w13_d, w2_d, ids, w)
 
 
 def test_fp8_auto_choice_and_forced_sorted_path(monkeypatch):
@@ -194,9 +211,10 @@ def test_fp8_small_path_refuses_mismatched_scales():
             fm.fused_moe(x, w13_q, w2_q, ids, w, small_path=True, **bad)
     with pytest.raises(ValueError, match="experts"):
         fm.fused_moe(x, w13, w2, ids, w, w13_scale=w13_s, w2_scale=w2_s, small_path=True)
-    cfg = fs.SmallMoeConfig(fs.GemvConfig(256, 128), fs.GemvConfig(1, 128))
-    with pytest.raises(ValueError, match="divide"):
-        fs.fused_moe_small(x, w13_q, w2_q, ids, w, 0, 4, cfg, w13_s, w2_s)
+    for cfg in (fs.SmallMoeConfig(fs.GemvConfig(256, 128), fs.GemvConfig(1, 128)),
+                fs.SmallMoeConfig(fs.GemvConfig(16, 128), fs.GemvConfig(1, 256))):
+        with pytest.raises(ValueError, match="divide"):
+            fs.fused_moe_small(x, w13_q, w2_q, ids, w, 0, 4, cfg, w13_s, w2_s)
 
 
 @pytest.mark.gpu

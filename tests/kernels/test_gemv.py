@@ -16,8 +16,8 @@ from moeserve.kernels.attach import attach_ops  # noqa: E402
 from moeserve.kernels.fp8_format import (  # noqa: E402
     dequantize_fp8_blocks, quantize_fp8_blocks)
 from moeserve.kernels.gemv import (  # noqa: E402
-    FP8_TILE_ELEMS, GEMV_MAX_M, LINEAR_MAX_M, MIN_BLOCK_K, GemvConfig, gemv, gemv_config,
-    gemv_fp8, gemv_fp8_config)
+    FP8_TILE_ELEMS, FP8_WIDE_MIN_ELEMS, GEMV_MAX_M, LINEAR_MAX_M, MIN_BLOCK_K, GemvConfig, gemv,
+    gemv_config, gemv_fp8, gemv_fp8_config)
 from moeserve.kernels.triton_ops import TritonOps  # noqa: E402
 from moeserve.layers.fp8_linear import Fp8Linear  # noqa: E402
 from moeserve.layers.linear import Linear, MergedLinear  # noqa: E402
@@ -109,19 +109,37 @@ def test_gemv_fp8_cuda_launch_geometry_in_interpreter():
     x, b = rand(2, 300, seed=2), rand(200, seed=3)
     cfg = gemv_fp8_config(200, 300, (128, 128), torch.device("cuda"))
     assert cfg.block_n == 1 and cfg.block_k >= MIN_BLOCK_K and 300 % cfg.block_k
-    for c in (cfg, GemvConfig(8, 64)):
+    for c in (cfg, GemvConfig(8, 64), GemvConfig(32, 256, 8)):
         torch.testing.assert_close(gemv_fp8(x, w_q, w_s, b, config=c).double(), oracle(x, w, b),
                                    rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("m", [1, 3])
+@pytest.mark.parametrize("cfg", [GemvConfig(16, 256), GemvConfig(4, 512), GemvConfig(32, 128, 8),
+                                 GemvConfig(8, 1024)])
+def test_gemv_fp8_grouped_steps(m, cfg):
+    """Whole K steps (K = 1024: 1-8 steps of 1-8 scale groups) and a partial last one (K =
+    900), at one row (one sum after the loop) and three (sums per step)."""
+    for k in (1024, 900):
+        w_q, w_s, w = _fp8_weight(96, k, seed=k)
+        x, b = rand(m, k, seed=m + k), rand(96, seed=k + 1)
+        torch.testing.assert_close(gemv_fp8(x, w_q, w_s, b, config=cfg).double(),
+                                   oracle(x, w, b), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("k,n", [(7168, 18432), (7168, 576), (2048, 7168), (16384, 7168),
                                  (1536, 24576), (7168, 1536)])
 def test_gemv_fp8_cuda_geometry(k, n):
-    """DeepSeek-V3's linears: >= 512 programs where N allows, each program's rows inside one
-    128-row scale block, K steps of >= 128 (16-byte e4m3 loads), <= 8 KB a step."""
+    """DeepSeek-V3's linears: each program's rows inside one 128-row scale block, K steps of
+    >= 128 (16-byte e4m3 loads); >= 512 programs where N allows, <= 8 KB a step on 4 warps;
+    the large weights (>= 64M elements) 32 rows and 16 KB steps on 8 warps, >= 132 programs."""
     cfg = gemv_fp8_config(n, k, (128, 128), torch.device("cuda"))
-    assert -(-n // cfg.block_n) >= min(512, n) and 128 % cfg.block_n == 0
-    assert cfg.block_k >= MIN_BLOCK_K and cfg.block_n * cfg.block_k <= FP8_TILE_ELEMS
+    assert 128 % cfg.block_n == 0 and cfg.block_k >= MIN_BLOCK_K
+    if n * k >= FP8_WIDE_MIN_ELEMS:
+        assert cfg == GemvConfig(32, 512, 8) and -(-n // cfg.block_n) >= 132
+        return
+    assert -(-n // cfg.block_n) >= min(512, n) and cfg.num_warps == 4
+    assert cfg.block_n * cfg.block_k <= FP8_TILE_ELEMS
 
 
 def test_gemv_fp8_writes_into_a_column_view_and_refuses_bad_inputs():
@@ -220,13 +238,14 @@ def test_gpu_graph_replay():
                                  (1000, 300)])
 def test_gpu_fp8_bf16_activations_match_float64(m, k, n):
     """bf16 x (not quantized) on e4m3 weights, DeepSeek-V3's shapes: float64 on the dequantized
-    weights; row 0 is the same bits at M = 1 and M = 4; a CUDA graph replays it."""
+    weights; row 0 at M = 1 (one sum after the loop) close to M = 4's (sums per step); a CUDA
+    graph replays it."""
     w_q, w_s, w = _fp8_weight(n, k, seed=n)
     x, b = rand(m, k, seed=m, dtype=torch.bfloat16), rand(n, seed=k, dtype=torch.bfloat16)
     out = gemv_fp8(x, w_q, w_s, b)
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out.double(), oracle(x, w, b), rtol=1e-2, atol=1e-2)
-    assert torch.equal(gemv_fp8(x[:1], w_q, w_s, b), out[:1])
+    torch.testing.assert_close(gemv_fp8(x[:1], w_q, w_s, b), out[:1], rtol=1e-2, atol=1e-2)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         replayed = gemv_fp8(x, w_q, w_s, b)
