@@ -28,6 +28,7 @@ except ImportError:  # pragma: no cover - CPU installs
 LOG2E = 1.4426950408889634
 STORE_TILE = 4096  # elements per KV-store program
 REDUCE_GROUPS = 1 << 16  # (request, head block) groups one fused decode launch may count on
+FUSED_REDUCE_ROW = 1024  # heads x value channels a split adds to the fused reduction at most
 
 
 class KVStoreTarget(NamedTuple):
@@ -105,7 +106,10 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor |
     progs_per_kv = triton.cdiv(group, heads_per_prog)
     v_buf = k_buf if v_is_k else v_buf
     grid = (b, hkv * progs_per_kv, splits)
-    fuse = fuse_reduce and b * grid[1] <= REDUCE_GROUPS
+    # one program reduces a group's splits serially: only where that is a small read (GQA's
+    # few heads x 128; not MLA's 16 heads x 512 latent channels, which the second kernel spreads)
+    fuse = (fuse_reduce and b * grid[1] <= REDUCE_GROUPS
+            and heads_per_prog * block_dim(dv) <= FUSED_REDUCE_ROW)
     counters = split_counters(q.device) if fuse else seq_lens  # unread when not fused
     _decode_split_kernel[grid](
         q, k_buf, v_buf, req_to_token, req_pool_indices, seq_lens, part_out, part_lse,
@@ -293,10 +297,11 @@ if triton is not None:
         acc = tl.zeros([heads.shape[0], BLOCK_DV], dtype=tl.float32)
         den = tl.zeros(heads.shape, dtype=tl.float32)
         for s in tl.static_range(NUM_SPLITS):
-            w = tl.exp2(tl.load(lse_rows + s, mask=mask_h, other=float("-inf"),
-                                cache_modifier=".cg") - m)  # 0 for empty splits
-            acc += w[:, None] * tl.load(rows + s * stride_ps, mask=mask, other=0.0,
-                                        cache_modifier=".cg")
+            lse = tl.load(lse_rows + s, mask=mask_h, other=float("-inf"), cache_modifier=".cg")
+            w = tl.exp2(lse - m)  # 0 for empty splits, whose outputs are not read
+            part = tl.load(rows + s * stride_ps, mask=mask & (lse > float("-inf"))[:, None],
+                           other=0.0, cache_modifier=".cg")
+            acc += w[:, None] * part
             den += w
         res = acc / tl.where(den > 0, den, 1.0)[:, None]
         tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
