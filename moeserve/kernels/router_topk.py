@@ -1,5 +1,7 @@
-"""The softmax top-k router in Triton: the per-token selection (shared with `TritonOps.topk_softmax`)
-and, for one token, the router GEMV and the selection in one launch.
+"""Routers in Triton: the softmax top-k selection per token (shared with `TritonOps.topk_softmax`);
+for one token, the router GEMV and that selection in one launch; DeepSeek's grouped top-k (sigmoid
+or softmax scores, correction bias, group-limited choice) in one launch per batch, where torch ops
+took ~15 small kernels (~30 µs of a batch-1 step per MoE layer on an H200).
 
 Why one launch: a batch-1 decode step is bound by its ~10 launches per layer, and the router was
 two of them (a 128-row GEMV of ~2 µs and a top-k of ~2 µs, each with its launch gap). Here the
@@ -98,3 +100,79 @@ def _router_topk_kernel(x_ptr, w_ptr, logits, weights, ids, counter, H, stride_w
         x = tl.load(logits + e, mask=e < E, other=float("-inf"), cache_modifier=".cg")
         softmax_topk_store(x.to(tl.float32), weights, ids, 0, E, K, RENORM, BLOCK_E, BLOCK_K)
         tl.atomic_xchg(counter, 0)  # zero again for the next launch
+
+
+def grouped_topk(logits: torch.Tensor, k: int, sigmoid: bool, bias: torch.Tensor | None,
+                 num_groups: int, topk_groups: int, top2_sum: bool, renormalize: bool,
+                 scale: float) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """DeepSeek's router per token in one launch: sigmoid or softmax scores, the choice steered
+    by `bias`, only the experts of the `topk_groups` best of `num_groups` groups (group score:
+    its max, or the sum of its top two), top-k by choice, weights = the chosen scores
+    (renormalised: / (sum + 1e-20) for sigmoid, / sum for softmax) x scale; as
+    `layers.router.select_experts`. logits [T, E] float32, E and E / num_groups powers of two
+    (the groups are a [G, E/G] view of the row); None where not (the caller runs torch ops)."""
+    t, e = logits.shape
+    if (logits.dtype != torch.float32 or not logits.is_contiguous() or e > ROUTER_MAX_EXPERTS
+            or e & (e - 1) or e % num_groups or not 0 < k <= e
+            or not 0 < topk_groups <= num_groups
+            or (bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()))):
+        return None
+    weights = torch.empty((t, k), dtype=torch.float32, device=logits.device)
+    ids = torch.empty((t, k), dtype=torch.int64, device=logits.device)
+    if t:
+        _grouped_topk_kernel[(t,)](
+            logits, logits if bias is None else bias, weights, ids, scale, E=e, K=k,
+            SIGMOID=sigmoid, HAS_BIAS=bias is not None, G=num_groups, TG=topk_groups,
+            TOP2=top2_sum, RENORM=renormalize, BLOCK_K=triton.next_power_of_2(k),
+            num_warps=4 if e >= 256 else 2)
+    return weights, ids
+
+
+@triton.jit
+def _grouped_topk_kernel(logits, bias, weights, ids, scale, E: tl.constexpr, K: tl.constexpr,
+                         SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr, G: tl.constexpr,
+                         TG: tl.constexpr, TOP2: tl.constexpr, RENORM: tl.constexpr,
+                         BLOCK_K: tl.constexpr):
+    """One token. Ties anywhere go to the lower id (group or expert)."""
+    t = tl.program_id(0).to(tl.int64)
+    e = tl.arange(0, E)
+    x = tl.load(logits + t * E + e)
+    if SIGMOID:
+        s = 1.0 / (1.0 + tl.exp(-x))
+    else:
+        p = tl.exp(x - tl.max(x, axis=0))
+        s = p / tl.sum(p, axis=0)
+    c = s + tl.load(bias + e) if HAS_BIAS else s
+    if G > 1:
+        EG: tl.constexpr = E // G
+        cg = tl.reshape(c, [G, EG])
+        best = tl.max(cg, axis=1)  # [G]
+        if TOP2:
+            j = tl.arange(0, EG)[None, :]
+            first = tl.min(tl.where(cg == best[:, None], j, EG), axis=1)
+            best += tl.max(tl.where(j == first[:, None], float("-inf"), cg), axis=1)
+        g = tl.arange(0, G)
+        keep = g < 0
+        for _ in tl.static_range(TG):
+            top = tl.max(best, axis=0)
+            gi = tl.min(tl.where(best == top, g, G), axis=0)
+            keep = keep | (g == gi)
+            best = tl.where(g == gi, float("-inf"), best)
+        keep_e = tl.reshape(tl.broadcast_to(keep[:, None], [G, EG]), [E])
+        c = tl.where(keep_e, c, float("-inf"))
+    ks = tl.arange(0, BLOCK_K)
+    w_acc = tl.zeros([BLOCK_K], dtype=tl.float32)
+    id_acc = tl.zeros([BLOCK_K], dtype=tl.int32)
+    for i in tl.static_range(K):
+        top = tl.max(c, axis=0)
+        idx = tl.min(tl.where(c == top, e, E), axis=0)
+        w_acc = tl.where(ks == i, tl.sum(tl.where(e == idx, s, 0.0), axis=0), w_acc)
+        id_acc = tl.where(ks == i, idx, id_acc)
+        c = tl.where(e == idx, float("-inf"), c)
+    if RENORM:
+        total = tl.sum(w_acc, axis=0)  # lanes >= K hold 0
+        w_acc = w_acc / (total + 1e-20) if SIGMOID else w_acc / total
+    w_acc = w_acc * scale
+    mk = ks < K
+    tl.store(weights + t * K + ks, w_acc, mask=mk)
+    tl.store(ids + t * K + ks, id_acc.to(tl.int64), mask=mk)

@@ -22,13 +22,14 @@ import torch
 
 if TYPE_CHECKING:
     from moeserve.kernels.triton_attention import KVStoreTarget
+    from moeserve.layers.router import RouterConfig
 
 try:  # optional: only the CUDA image has Triton
     import triton
     import triton.language as tl
 
     from moeserve.kernels.gemv import GEMV_DTYPES, LINEAR_MAX_M, gemv
-    from moeserve.kernels.router_topk import router_topk, softmax_topk_store
+    from moeserve.kernels.router_topk import grouped_topk, router_topk, softmax_topk_store
 except ImportError:  # pragma: no cover - CPU installs
     triton = None
 
@@ -140,6 +141,14 @@ class TritonOps:
         if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
             return None
         return router_topk(x, weight, k, renormalize)
+
+    def grouped_topk(self, logits: torch.Tensor, cfg: RouterConfig,
+                     correction_bias: torch.Tensor | None):
+        """`select_experts` for any router config in one launch (kernels/router_topk.py), or
+        None where its shapes or dtypes do not fit (the caller runs torch ops)."""
+        return grouped_topk(logits, cfg.top_k, cfg.scoring == "sigmoid", correction_bias,
+                            cfg.num_groups, cfg.topk_groups, cfg.group_score == "top2_sum",
+                            cfg.renormalize, cfg.routed_scaling_factor)
 
     def topk_softmax(self, logits: torch.Tensor, k: int, renormalize: bool):
         """logits [T, E] (any float dtype) → (weights [T, k] float32, ids [T, k] int64) of the

@@ -43,6 +43,10 @@ def select_experts(logits: torch.Tensor, cfg: RouterConfig,
     if (kernels is not None and cfg.is_plain_softmax and correction_bias is None
             and logits.is_contiguous()):
         return kernels.topk_softmax(logits, cfg.top_k, cfg.renormalize)
+    if kernels is not None and hasattr(kernels, "grouped_topk"):  # Triton: DeepSeek's routers
+        chosen = kernels.grouped_topk(logits, cfg, correction_bias)
+        if chosen is not None:
+            return chosen
     logits = logits.float()
     scores = logits.sigmoid() if cfg.scoring == "sigmoid" else logits.softmax(dim=-1)  # [T, E]
     choice = scores if correction_bias is None else scores + correction_bias.float()[None]

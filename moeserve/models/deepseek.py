@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -30,6 +30,9 @@ from moeserve.layers.norm import RMSNorm
 from moeserve.layers.rotary import get_rope, rope_parameters
 from moeserve.layers.router import RouterConfig, select_experts
 from moeserve.models.llama import MLP, CausalLM, DecoderLayer, DecoderModel
+
+if TYPE_CHECKING:  # importing it imports Triton
+    from moeserve.kernels.triton_ops import TritonOps
 
 LORA_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm use the default eps, not rms_norm_eps
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.")
@@ -130,6 +133,8 @@ class MoEGate(nn.Module):
 class DeepseekMoE(nn.Module):
     """Routed experts (grouped top-k) plus always-on shared experts."""
 
+    gpu_ops: TritonOps | None = None  # set on CUDA models (kernels.triton_ops): the router
+
     def __init__(self, cfg: Any, router: RouterConfig, layer_id: int,
                  parallel: MoEParallel | None = None):
         super().__init__()
@@ -144,7 +149,9 @@ class DeepseekMoE(nn.Module):
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """→ (weights, logical ids), [T, K] each."""
-        return select_experts(self.gate(x), self.router, self.gate.e_score_correction_bias)
+        logits = self.gate(x)
+        ops = self.gpu_ops if self.gpu_ops is not None and self.gpu_ops.usable(logits) else None
+        return select_experts(logits, self.router, self.gate.e_score_correction_bias, kernels=ops)
 
     def shared(self, x: torch.Tensor) -> torch.Tensor | None:
         return None if self.shared_experts is None else self.shared_experts(x)

@@ -243,6 +243,55 @@ def test_router_topk_declines_what_it_does_not_do():
     assert OPS.router_topk(x[:1], w.double(), 2, True) is None  # another dtype
 
 
+def grouped_oracle(logits, cfg: RouterConfig, bias):
+    """float64 reference of DeepSeek's routing, written out from its definition."""
+    x = logits.double()
+    s = x.sigmoid() if cfg.scoring == "sigmoid" else x.softmax(-1)
+    c = s + (bias.double() if bias is not None else 0)
+    t, e = c.shape
+    g = c.view(t, cfg.num_groups, e // cfg.num_groups)
+    gs = g.topk(2, -1).values.sum(-1) if cfg.group_score == "top2_sum" else g.max(-1).values
+    keep = torch.zeros_like(gs, dtype=torch.bool).scatter_(1, gs.topk(cfg.topk_groups, -1).indices,
+                                                           True)
+    c = c.masked_fill(~keep.repeat_interleave(e // cfg.num_groups, 1), float("-inf"))
+    ids = c.topk(cfg.top_k, -1).indices
+    w = s.gather(1, ids)
+    if cfg.renormalize:
+        w = w / w.sum(-1, keepdim=True)
+    return w * cfg.routed_scaling_factor, ids
+
+
+@pytest.mark.parametrize("t", [1, 6])
+@pytest.mark.parametrize("cfg,e,with_bias", [
+    (RouterConfig(top_k=8, scoring="sigmoid", num_groups=8, topk_groups=4,
+                  group_score="top2_sum", routed_scaling_factor=2.5), 256, True),  # DeepSeek-V3
+    (RouterConfig(top_k=6, scoring="softmax", renormalize=False, num_groups=8, topk_groups=3,
+                  routed_scaling_factor=16.0), 64, False),  # V2's group-limited greedy
+    (RouterConfig(top_k=4, scoring="sigmoid", num_groups=1), 32, True),
+    (RouterConfig(top_k=2, scoring="softmax", renormalize=False), 16, False)])
+def test_grouped_topk_matches_select_experts(t, cfg, e, with_bias):
+    """DeepSeek's routers in one launch choose the float64 oracle's experts, equal to the torch
+    path's, with its weights."""
+    gen = torch.Generator().manual_seed(t + e + cfg.top_k)
+    logits = rand(t, e, gen=gen) * 2
+    bias = rand(e, gen=gen) * 0.1 if with_bias else None
+    ours = OPS.grouped_topk(logits, cfg, bias)
+    assert ours is not None
+    weights, ids = ours
+    ref_w, ref_ids = select_experts(logits, cfg, bias)  # torch ops
+    w64, ids64 = grouped_oracle(logits, cfg, bias)
+    assert torch.equal(ids, ids64) and torch.equal(ids, ref_ids)  # same order: by choice
+    torch.testing.assert_close(weights, ref_w, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(weights.double(), w64, rtol=1e-5, atol=1e-7)
+    assert torch.equal(select_experts(logits, cfg, bias, kernels=OPS)[1], ids)  # wired in
+
+
+def test_grouped_topk_declines_odd_shapes():
+    cfg = RouterConfig(top_k=2, scoring="sigmoid", num_groups=4, topk_groups=2)
+    assert OPS.grouped_topk(rand(2, 160), cfg, None) is None  # 160 experts: not a power of two
+    assert OPS.grouped_topk(rand(2, 64).double(), cfg, None) is None  # float32 logits only
+
+
 # ---------------------------------------------------------------- wired into a model
 
 
