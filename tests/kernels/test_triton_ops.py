@@ -341,4 +341,6 @@ def test_sparse_moe_block_uses_ops(monkeypatch, tokens):
         block(x)
     (ref_w, ref_ids), (w, ids) = routed
     assert torch.equal(ids, ref_ids)
-    torch.testing.assert_close(w, ref_w, rtol=1e-6, atol=1e-7)
+    # one token: the fused router sums its logits in another order than cuBLAS (float32 ulps)
+    tol = {"rtol": 1e-5, "atol": 1e-6} if tokens == 1 else {"rtol": 1e-6, "atol": 1e-7}
+    torch.testing.assert_close(w, ref_w, **tol)
