@@ -137,6 +137,11 @@ class Engine:
         """Per-rank load and counters ({"rank", "running", "waiting", "used_tokens", ...})."""
         return [{"rank": r.rank, **r.data} for r in self._core.control("server_info")]
 
+    def control(self, op: str, args: dict | None = None) -> list[dict[str, Any]]:
+        """A control op on every rank (the server's: expert_record_start / _stop / _dump,
+        flush_cache, ...): one {"rank", "ok", **reply} per rank, by rank."""
+        return [{"rank": r.rank, "ok": r.ok, **r.data} for r in self._core.control(op, args)]
+
     @staticmethod
     def _params(sampling_params: dict | list[dict] | None, n: int) -> list[SamplingParams]:
         if isinstance(sampling_params, list):

@@ -28,6 +28,10 @@ class Env:
     # EP rank logs a line and sleeps S seconds after the load all-reduce, before the weight moves
     # (its peers wait for it in their transfers), so a fault test can kill a rank mid-rebalance
     test_rebalance_pause_s: float
+    # MOESERVE_TEST_ZIPF_ROUTER=S (tests and benchmarks only, default 0 = off): every MoE router
+    # adds a fixed per-expert logit bias ln p, p a Zipf(S) popularity over a layer-seeded
+    # permutation of the experts (layers/router_skew.py), to measure EPLB under a known skew
+    test_zipf_router: float
 
     @classmethod
     def read(cls) -> Env:
@@ -41,7 +45,8 @@ class Env:
                    disable_bf16_head=_flag("MOESERVE_DISABLE_BF16_HEAD"),
                    disable_onednn_bf16=_flag("MOESERVE_DISABLE_ONEDNN_BF16"),
                    test_rebalance_pause_s=float(
-                       os.environ.get("MOESERVE_TEST_REBALANCE_PAUSE_S") or 0))
+                       os.environ.get("MOESERVE_TEST_REBALANCE_PAUSE_S") or 0),
+                   test_zipf_router=float(os.environ.get("MOESERVE_TEST_ZIPF_ROUTER") or 0))
 
 
 def _flag(name: str) -> bool:

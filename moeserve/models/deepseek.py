@@ -29,6 +29,7 @@ from moeserve.layers.moe import MoEParallel, run_routed_experts
 from moeserve.layers.norm import RMSNorm
 from moeserve.layers.rotary import get_rope, rope_parameters
 from moeserve.layers.router import RouterConfig, select_experts
+from moeserve.layers.router_skew import routing_skew, skewed
 from moeserve.models.llama import MLP, CausalLM, DecoderLayer, DecoderModel
 
 if TYPE_CHECKING:  # importing it imports Triton
@@ -141,6 +142,8 @@ class DeepseekMoE(nn.Module):
         self.router, self.layer_id = router, layer_id
         self.parallel = parallel or MoEParallel()
         self.gate = MoEGate(cfg.hidden_size, cfg.n_routed_experts, router.scoring == "sigmoid")
+        # None unless MOESERVE_TEST_ZIPF_ROUTER is set (a test hook: layers/router_skew.py)
+        self.logit_skew = routing_skew(cfg.n_routed_experts, layer_id, self.gate.weight.device)
         self.experts = self.parallel.make_experts(cfg.n_routed_experts, cfg.hidden_size,
                                                   cfg.moe_intermediate_size, layer_id)
         n_shared = cfg.n_shared_experts or 0
@@ -149,7 +152,7 @@ class DeepseekMoE(nn.Module):
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """→ (weights, logical ids), [T, K] each."""
-        logits = self.gate(x)
+        logits = skewed(self.gate(x), self.logit_skew)
         ops = self.gpu_ops if self.gpu_ops is not None and self.gpu_ops.usable(logits) else None
         return select_experts(logits, self.router, self.gate.e_score_correction_bias, kernels=ops)
 

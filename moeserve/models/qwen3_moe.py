@@ -12,6 +12,7 @@ from moeserve.kernels.cpu_ops import CpuKernels
 from moeserve.layers.linear import Linear
 from moeserve.layers.moe import MoEParallel, run_routed_experts
 from moeserve.layers.router import RouterConfig, select_experts
+from moeserve.layers.router_skew import routing_skew, skewed
 from moeserve.models.llama import MLP, Attention, CausalLM, DecoderLayer, DecoderModel
 
 if TYPE_CHECKING:  # importing it imports Triton
@@ -30,6 +31,8 @@ class SparseMoeBlock(nn.Module):
         self.router, self.layer_id = router, layer_id
         self.parallel = parallel or MoEParallel()
         self.gate = Linear(hidden_size, num_experts, bias=False)
+        # None unless MOESERVE_TEST_ZIPF_ROUTER is set (a test hook: layers/router_skew.py)
+        self.logit_skew = routing_skew(num_experts, layer_id, self.gate.weight.device)
         self.experts = self.parallel.make_experts(num_experts, hidden_size, intermediate_size,
                                                   layer_id)
 
@@ -38,12 +41,12 @@ class SparseMoeBlock(nn.Module):
         top-k in one launch (a batch-1 decode step is launch-bound)."""
         if self.gpu_ops is not None and x.shape[0] == 1 and self.gpu_ops.usable(x) \
                 and type(self.gate) is Linear and self.gate.bias is None \
-                and self.router.is_plain_softmax:
+                and self.router.is_plain_softmax and self.logit_skew is None:
             fused = self.gpu_ops.router_topk(x, self.gate.weight, self.router.top_k,
                                              self.router.renormalize)
             if fused is not None:
                 return fused
-        logits = self.gate(x)
+        logits = skewed(self.gate(x), self.logit_skew)
         kernels = self.cpu_kernels
         if kernels is None and self.gpu_ops is not None and self.gpu_ops.usable(logits):
             kernels = self.gpu_ops

@@ -1,0 +1,53 @@
+"""A test hook that skews MoE routing to a known expert popularity (EPLB measurements).
+
+With MOESERVE_TEST_ZIPF_ROUTER=S (S > 0; tests and benchmarks only, off by default) every MoE
+block adds a fixed logit bias to its router logits before top-k:
+
+    bias[perm[i]] = -S * ln(i + 1)      i = 0 .. E-1, perm a permutation of the experts per layer
+
+i.e. bias = ln p + const for the Zipf(S) popularity p_i ∝ 1 / (i + 1)^S, with expert perm[0] the
+most popular. The permutation is drawn from a generator seeded by the layer index, so every rank
+builds the same bias and layers differ in their hot experts (as in real traces). The bias shifts
+the choice, not the shape of the router: the realised load follows the Zipf order, and how steep it
+is also depends on the spread of the logits (measure it: the recorder's dump, `moeserve.eplb
+report`). Off (unset or 0), no bias tensor exists and routing is untouched.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from moeserve.env import env
+
+
+def zipf_logit_bias(num_experts: int, exponent: float, layer_id: int) -> torch.Tensor:
+    """[E] float32: -exponent * ln(popularity rank), experts shuffled by a layer-seeded draw."""
+    gen = torch.Generator().manual_seed(layer_id)
+    perm = torch.randperm(num_experts, generator=gen)  # perm[i]: the i-th most popular expert
+    ranks = torch.arange(1, num_experts + 1, dtype=torch.float64)
+    bias = torch.empty(num_experts, dtype=torch.float64)
+    bias[perm] = -exponent * ranks.log()
+    return bias.float()
+
+
+def zipf_popularity(num_experts: int, exponent: float, layer_id: int) -> torch.Tensor:
+    """[E] float64, sums to 1: the Zipf(exponent) popularity that zipf_logit_bias encodes."""
+    p = zipf_logit_bias(num_experts, exponent, layer_id).double().exp()
+    return p / p.sum()
+
+
+def routing_skew(num_experts: int, layer_id: int, device: torch.device) -> torch.Tensor | None:
+    """The bias a MoE block adds to its router logits, or None when the hook is off."""
+    exponent = env().test_zipf_router
+    if exponent == 0.0:
+        return None
+    if not math.isfinite(exponent) or exponent < 0:
+        raise ValueError(f"MOESERVE_TEST_ZIPF_ROUTER={exponent}: expected a Zipf exponent >= 0")
+    return zipf_logit_bias(num_experts, exponent, layer_id).to(device)
+
+
+def skewed(logits: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """logits [T, E] + bias (in the logits' dtype); unchanged when bias is None."""
+    return logits if bias is None else logits + bias.to(logits.dtype)
