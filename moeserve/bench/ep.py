@@ -15,11 +15,19 @@ the rank puts on its links are B = (S + R - 2L) × hidden × element size (ids, 
 not counted; links carry as much inbound). GB/s/GPU = B / time, averaged over ranks, and "% peak"
 compares it with the NVLink peak per direction. Every backend is charged the same B (useful bytes),
 so a backend that sends more (allgather sends every token to every rank) pays for it in time.
+
+DeepEP (built from source: scripts/build_deepep.sh): `--backend deepep-normal deepep-low_latency`
+add its two modes through our adapter (`deepep` alone: mode auto, which --mode picks). One Buffer
+per mode serves every size. Low-latency sends each (token, expert) pair and sizes its buffers by
+the most tokens per rank, so its rows stop at --ll-max-tokens (the decode batches it is for).
+`--deep-ep-module fake_deep_ep` runs the adapter on the in-repo emulation (tests, CPU).
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
+import importlib
 import socket
 import statistics
 import time
@@ -56,7 +64,42 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="also print rank 0's torch.profiler table per backend at the last size")
     p.add_argument("--mode", choices=["extend", "decode"], default="extend",
                    help="global forward mode passed to dispatch (deepep: normal vs low-latency)")
+    p.add_argument("--ll-max-tokens", type=int, default=256,
+                   help="deepep low-latency rows only up to this many tokens/rank")
+    p.add_argument("--deep-ep-module", default="deep_ep",
+                   help="module with DeepEP's Buffer API (tests: fake_deep_ep, the emulation)")
     return p.parse_args(argv)
+
+
+def _deepep_mode(backend: str) -> str | None:
+    """deepep[-MODE] → MODE (deepep alone: auto); None for the other backends."""
+    if backend == "deepep":
+        return "auto"
+    return backend.removeprefix("deepep-") if backend.startswith("deepep-") else None
+
+
+def _skips(backend: str, tokens: int, args: argparse.Namespace) -> bool:
+    """Low-latency DeepEP rows above --ll-max-tokens are left out (its buffers scale with it)."""
+    mode = _deepep_mode(backend)
+    ll = mode == "low_latency" or (mode == "auto" and args.mode == "decode")
+    return ll and tokens > args.ll_max_tokens
+
+
+def _dispatcher(backend: str, mesh: ParallelMesh, dtype: torch.dtype, args, cache: dict):
+    """A new dispatcher per size (p2p, a2a, allgather), one per DeepEP mode for all sizes."""
+    mode = _deepep_mode(backend)
+    if mode is None:
+        return create_dispatcher(backend, mesh, args.experts, args.hidden, dtype,
+                                 max_dispatch_tokens_per_rank=max(args.tokens),
+                                 max_tokens_per_rank=max(args.tokens))
+    if backend not in cache:
+        module = None if args.deep_ep_module == "deep_ep" else \
+            importlib.import_module(args.deep_ep_module)
+        ll_tokens = [t for t in args.tokens if t <= args.ll_max_tokens] or [1]
+        cache[backend] = create_dispatcher(
+            "deepep", mesh, args.experts, args.hidden, dtype, deepep_mode=mode,
+            max_dispatch_tokens_per_rank=max(ll_tokens), deep_ep_module=module)
+    return cache[backend]
 
 
 def _routing(tokens: int, args: argparse.Namespace, device: torch.device, rank: int):
@@ -126,7 +169,7 @@ def _bench_rank(rank: int, world: int, port: int, args: argparse.Namespace) -> N
     mesh = ParallelMesh(rank=rank, world_size=world, dp_rank=rank, dp_size=world, ep_rank=rank,
                         ep_size=world, device=device, world_group=g, cpu_group=g, ep_group=g)
     mode = ForwardMode.DECODE if args.mode == "decode" else ForwardMode.EXTEND
-    rows = []
+    rows, deepep = [], {}
     for tokens in args.tokens:
         x, ids, w = _routing(tokens, args, device, rank)
         raw, remote_rows = _raw_a2a(x, ids, args, world)
@@ -134,9 +177,9 @@ def _bench_rank(rank: int, world: int, port: int, args: argparse.Namespace) -> N
         rows.append(("raw all_to_all", tokens, time_ms(raw, device, args.warmup, args.iters),
                      nbytes))
         for backend in args.backend:
-            d = create_dispatcher(backend, mesh, args.experts, args.hidden, x.dtype,
-                                  max_dispatch_tokens_per_rank=max(args.tokens),
-                                  max_tokens_per_rank=max(args.tokens))
+            if _skips(backend, tokens, args):
+                continue
+            d = _dispatcher(backend, mesh, x.dtype, args, deepep)
             counts = [tokens] * world  # known to every rank, as the DP sync makes them
 
             def step(d=d) -> torch.Tensor:
@@ -148,6 +191,9 @@ def _bench_rank(rank: int, world: int, port: int, args: argparse.Namespace) -> N
                 dist.barrier()
                 profile_table(backend, step, device, show=dist.get_rank() == 0)
     _report(rows, world, device, args)
+    deepep.clear()  # DeepEP frees its buffers collectively: every rank here, before the group
+    gc.collect()
+    dist.barrier()
     dist.destroy_process_group()
 
 
@@ -162,12 +208,12 @@ def _report(rows: list[tuple], world: int, device: torch.device, args) -> None:
     on_gpu = device.type == "cuda"
     print(f"# {world} ranks on {'GPU, NCCL' if on_gpu else 'CPU, gloo'}: hidden {args.hidden} "
           f"{args.dtype}, {args.experts} experts top-{args.topk}, mode {args.mode}")
-    print(f"{'backend':<16} {'tokens/rank':>11} {'time ms':>9} {'GB/s/GPU':>9} {'% peak':>7}"
+    print(f"{'backend':<19} {'tokens/rank':>11} {'time ms':>9} {'GB/s/GPU':>9} {'% peak':>7}"
           f"   (bytes on NVLink, one direction; peak {NVLINK_PEAK_GBPS_PER_DIR:.0f} GB/s)")
     for (name, tokens, _, _), ms, b in zip(rows, times.tolist(), nbytes.tolist()):
         gbps = b / world / (ms * 1e-3) / 1e9
         peak = f"{100 * gbps / NVLINK_PEAK_GBPS_PER_DIR:6.1f}%" if on_gpu else "    n/a"
-        print(f"{name:<16} {tokens:>11} {ms:>9.3f} {gbps:>9.2f} {peak:>7}")
+        print(f"{name:<19} {tokens:>11} {ms:>9.3f} {gbps:>9.2f} {peak:>7}")
 
 
 def _free_port() -> int:

@@ -1,10 +1,11 @@
 """`deepep` backend: an adapter over DeepEP's `deep_ep.Buffer` (NVLink/RDMA kernels).
 
-NOTE: this adapter has NOT been run against real DeepEP: DeepEP cannot be installed on the machines
-available to this project. It was written from DeepEP's documented Python API and tested only
-against the in-repo emulation `tests/ep/fake_deep_ep.py` (gloo on CPU). Expect to debug it on first
-contact with the real package (argument names, dtypes: DeepEP wants bf16 x, int64 topk_idx, float32
-weights).
+Written from DeepEP's documented Python API and tested on CPU against the in-repo emulation
+`tests/ep/fake_deep_ep.py` (gloo). Against the real package (tag v1.2.1, built from source on the
+lent GPUs: scripts/build_deepep.sh) normal mode served a tiny bf16 DeepSeek-V3 on 2xH200 (DESIGN.md
+§11); tests/multigpu/test_deepep.py runs this adapter's dispatcher checks on it. The real kernels
+take bf16 activations only (int64 topk_idx, float32 weights), and the low-latency ones exist for a
+few hidden sizes only: `check_supported` refuses other models at start-up, naming the key.
 
 Modes (`parallel.deepep_mode`):
 - normal: `get_dispatch_layout` then `dispatch` (each token once per owning rank; standard format)
@@ -44,6 +45,21 @@ from moeserve.ep.dispatcher import (
 
 NORMAL = "normal"
 MODES = ("auto", NORMAL, LOW_LATENCY)
+# DeepEP v1.2.1 compiles its low-latency kernels for these hidden sizes only (SWITCH_HIDDEN in
+# csrc/kernels/launch.cuh), and its combine kernels for bf16 only (SWITCH_TYPES).
+LOW_LATENCY_HIDDEN_SIZES = (2048, 2560, 4096, 5120, 6144, 7168, 8192)
+
+
+def check_supported(mode: str, hidden_size: int, dtype: torch.dtype) -> None:
+    """Refuse, naming the key, what the real DeepEP kernels would assert on at the first step."""
+    if dtype != torch.bfloat16:
+        raise ValueError(f"parallel.a2a_backend=deepep: DeepEP moves bfloat16 activations only, "
+                         f"this model runs in {dtype}: set model.dtype=bfloat16 or use another "
+                         "parallel.a2a_backend")
+    if mode != NORMAL and hidden_size not in LOW_LATENCY_HIDDEN_SIZES:
+        raise ValueError(f"parallel.deepep_mode={mode}: DeepEP's low-latency kernels exist for "
+                         f"hidden sizes {list(LOW_LATENCY_HIDDEN_SIZES)} only, this model's "
+                         f"hidden_size is {hidden_size}: set parallel.deepep_mode=normal")
 
 
 def load_deep_ep(device: torch.device) -> Any:
@@ -86,6 +102,8 @@ class DeepEPDispatcher(Dispatcher):
             raise ValueError(f"parallel.deepep_mode={mode!r}: expected one of {MODES}")
         self.mode, self.max_tokens = mode, max_dispatch_tokens_per_rank
         self.deep_ep = deep_ep_module if deep_ep_module is not None else load_deep_ep(mesh.device)
+        if deep_ep_module is None:  # the real package (an injected emulation takes any shape)
+            check_supported(mode, hidden_size, dtype)
         self.buffer = self._make_buffer()
         self._last_mode: str | None = None
 

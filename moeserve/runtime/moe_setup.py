@@ -35,9 +35,18 @@ def build_moe_parallel(cfg: MoeserveConfig, mesh: ParallelMesh, hf_config, dtype
         par.dispatcher = create_dispatcher(
             cfg.parallel.a2a_backend, mesh, par.num_physical(num_logical), hf_config.hidden_size,
             dtype, deepep_mode=cfg.parallel.deepep_mode,
+            max_dispatch_tokens_per_rank=low_latency_max_tokens(cfg),
             max_tokens_per_rank=max(cfg.scheduler.chunked_prefill_size,
                                     cfg.cache.max_running_requests))
     return par
+
+
+def low_latency_max_tokens(cfg: MoeserveConfig) -> int:
+    """Tokens one rank may send in a DeepEP low-latency (decode) step: the largest decode batch,
+    running requests or a captured graph's bucket, rounded up to a multiple of 4 (its TMA
+    kernels want ranks x this divisible by 4). The default of 128 made batches above it fail."""
+    most = max(cfg.cache.max_running_requests, cfg.cuda_graph.max_bs)
+    return -(-most // 4) * 4
 
 
 def make_recorder(cfg: MoeserveConfig, par: MoEParallel, layers: int, num_logical: int,
