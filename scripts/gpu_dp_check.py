@@ -3,6 +3,13 @@ and every run must shut down cleanly.
 
     python scripts/gpu_dp_check.py   (run by scripts/gpu_check.sh multigpu|p2p on a 2-GPU machine)
     DP_CHECK_DEVICE=cpu OMP_NUM_THREADS=1 python scripts/gpu_dp_check.py   (the same on gloo)
+    python scripts/gpu_dp_check.py --ranks 4 --archs deepseek_v3 qwen3_moe   (dp4 x ep4)
+    python scripts/gpu_dp_check.py --backends p2p deepep --dtype bfloat16 --hidden 2048 \
+        -o parallel.deepep_mode=auto   (real DeepEP: bf16, a hidden size its low-latency kernels
+        are built for; bf16 reductions may flip a greedy token, so compare with p2p's count)
+
+--archs, --dtype and --hidden pick the tiny models (make_tiny; --hidden overrides hidden_size),
+-o adds Hydra overrides to the dp x ep runs.
 
 The runs happen in a child process of this script; its stderr, which every rank's process
 shares, is kept in $OUT/dp_check_stderr.log (the temp dir without $OUT) and searched for what a
@@ -13,6 +20,7 @@ ordered-teardown line (2 ranks x 3 dispatchers). Exit 1 on a mismatch or an uncl
 
 from __future__ import annotations
 
+import argparse
 import os
 import random
 import subprocess
@@ -27,31 +35,50 @@ BACKENDS = ("a2a", "allgather", "p2p")
 DEVICE = os.environ.get("DP_CHECK_DEVICE", "cuda")  # cpu: the same check on gloo (a dry run)
 
 
-def runs() -> int:
-    path = make_tiny("deepseek_v3", tempfile.mkdtemp(prefix="tiny-v3-"))
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--ranks", type=int, default=2, help="dp = ep size")
+    p.add_argument("--backends", nargs="+", default=list(BACKENDS))
+    p.add_argument("--archs", nargs="+", default=["deepseek_v3"])
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--hidden", type=int, default=None, help="tiny models' hidden_size")
+    p.add_argument("-o", "--override", action="append", default=[])
+    p.add_argument("--runs", action="store_true", help=argparse.SUPPRESS)  # the child process
+    return p.parse_args(argv)
+
+
+def runs(args: argparse.Namespace) -> int:
     rng = random.Random(0)
     prompts = [[rng.randrange(100, 3000) for _ in range(rng.randrange(4, 30))] for _ in range(12)]
     sp = {"temperature": 0, "ignore_eos": True, "max_new_tokens": 24}
-    base = [f"device={DEVICE}", "model.dtype=float32"]
+    base = [f"device={DEVICE}", f"model.dtype={args.dtype}"]
     comm, one = ("NCCL", "one GPU") if DEVICE == "cuda" else ("gloo", "one process")
-    with Engine(path, base) as eng:
-        ref = [o["output_ids"] for o in eng.generate(input_ids=prompts, sampling_params=sp)]
+    n = args.ranks
+    ep = next((o.split("=", 1)[1] for o in args.override if o.startswith("parallel.ep_size=")), n)
     ok = True
-    for backend in BACKENDS:
-        dp = base + ["parallel.tp_size=2", "parallel.dp_size=2", f"parallel.a2a_backend={backend}"]
-        with Engine(path, dp) as eng:
-            outs = [o["output_ids"] for o in eng.generate(input_ids=prompts, sampling_params=sp)]
-        same = sum(a == b for a, b in zip(outs, ref))
-        print(f"{backend}: dp2 x ep2 on {comm} identical to {one} for {same}/{len(ref)} prompts",
-              flush=True)
-        ok &= same == len(ref)
+    for arch in args.archs:
+        extra = {} if args.hidden is None else {"hidden_size": args.hidden}
+        path = make_tiny(arch, tempfile.mkdtemp(prefix=f"tiny-{arch}-"), **extra)
+        with Engine(path, base) as eng:
+            ref = [o["output_ids"] for o in eng.generate(input_ids=prompts, sampling_params=sp)]
+        for backend in args.backends:
+            dp = base + [f"parallel.tp_size={n}", f"parallel.dp_size={n}",
+                         f"parallel.a2a_backend={backend}", *args.override]
+            with Engine(path, dp) as eng:
+                outs = [o["output_ids"]
+                        for o in eng.generate(input_ids=prompts, sampling_params=sp)]
+            same = sum(a == b for a, b in zip(outs, ref))
+            print(f"{arch} {args.dtype} {backend}: dp{n} x ep{ep} on {comm} identical to {one} "
+                  f"for {same}/{len(ref)} prompts", flush=True)
+            ok &= same == len(ref)
     return 0 if ok else 1
 
 
 def main() -> int:
-    if sys.argv[1:] == ["--runs"]:
-        return runs()
-    proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--runs"],
+    args = parse_args(sys.argv[1:])
+    if args.runs:
+        return runs(args)
+    proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--runs", *sys.argv[1:]],
                           stderr=subprocess.PIPE, text=True, errors="replace")
     log_path = os.path.join(os.environ.get("OUT") or tempfile.gettempdir(),
                             "dp_check_stderr.log")
@@ -59,7 +86,7 @@ def main() -> int:
         f.write(proc.stderr)
     bad = [line for line in proc.stderr.splitlines() if UNCLEAN_EXIT.search(line)]
     teardowns = len(TEARDOWN_LINE.findall(proc.stderr))
-    expected = 2 * len(BACKENDS)
+    expected = args.ranks * len(args.backends) * len(args.archs)
     if bad or teardowns != expected:
         print(f"shutdown: {len(bad)} C++ Error/warning or traceback line(s), {teardowns}/"
               f"{expected} rank teardowns; first lines (all in {log_path}):")
