@@ -6,6 +6,11 @@ distribution p; on rejection draw from p with d removed and renormalised (max(p 
 every draft is accepted draw a bonus token from the last position's p. Each emitted token is then
 distributed exactly as plain sampling would draw it. Greedy requests accept the longest prefix on
 which the target's argmax equals the drafts, then take the target's argmax as the bonus.
+
+Nothing here depends on how d was chosen, only on q being one-hot on it: a draft head with a
+restricted vocabulary (draft_vocab.py) proposes its argmax over D tokens, still one-hot, so the
+emitted tokens keep the target's distribution; a d the target gives probability 0 (outside top-k
+or top-p) is always rejected and the draw is from p itself.
 """
 
 from __future__ import annotations

@@ -106,7 +106,7 @@ class SpecDecoder:
                 [p + k - 1 for p in fi.prefix_lens], [1] * len(fi.rows),
                 global_mode=ForwardMode.DECODE, global_num_tokens=counts, seq_lens_dev=pos + 1)
             logits, hidden = self._draft_step(fb, hidden)
-            drafts[:, k] = greedy(logits)
+            drafts[:, k] = self.draft.tokens(logits)
         return drafts
 
     def _verify(self, fi: ForwardInput, geo, drafts: torch.Tensor):
@@ -125,8 +125,8 @@ class SpecDecoder:
                                slots.reshape(-1), rows.repeat_interleave(w),
                                [p + i for p in fi.prefix_lens for i in range(w)], [1] * (b * w),
                                False, fi.global_mode, fi.global_num_tokens, seq_lens_dev=flat + 1)
-        logits, hidden = runner.forward_with_hidden(fb)  # [B (N+1), V], [B (N+1), H]
-        tokens = greedy(logits).view(b, w)  # the target's argmax at every position
+        logits, hidden, tokens = self._verify_forward(fi, fb)  # [B (N+1), V], [.., H], [..]
+        tokens = tokens.view(b, w)  # the target's argmax at every position
         accepted = greedy_accept(tokens, drafts)  # [B]
         sampled = [i for i, p in enumerate(fi.sampling) if not p.is_greedy]
         if sampled:
@@ -139,6 +139,22 @@ class SpecDecoder:
             self._logprobs(out, fi, logits.view(b, w, -1), spec_tokens)
         pick = torch.arange(b, device=rows.device) * w + accepted
         return out, fb, hidden, tokens.view(-1), pick
+
+    def _verify_forward(self, fi: ForwardInput, fb: ForwardBatch):
+        """The verify pass → (logits [T, V] or None, hidden [T, H], argmax [T]). Greedy-only
+        batches on an eager CPU runner with the fused greedy LM head (as plain greedy decode
+        steps use: the argmax without writing T x V logits) get no logits."""
+        runner = self.runner
+        if runner.graph_runner is None and runner.greedy_head is not None and fi.greedy_only():
+            hidden = runner.forward_hidden(fb)
+            ids = runner.cpu_kernels.greedy_head(hidden, runner.greedy_head,
+                                                 runner.hf_config.vocab_size)
+            if ids is not None:
+                return None, hidden, ids
+            logits = runner.model.compute_logits(hidden)  # some logit is NaN
+        else:
+            logits, hidden = runner.forward_with_hidden(fb)
+        return logits, hidden, greedy(logits)
 
     @staticmethod
     def _resample(fi: ForwardInput, logits: torch.Tensor, drafts: torch.Tensor,
@@ -217,7 +233,7 @@ class SpecDecoder:
         if logits is None:
             logits = self.draft.logits(chosen)
         row_t = torch.tensor(rows, dtype=torch.int64).to(chosen.device)
-        self.next_draft[row_t] = greedy(logits)
+        self.next_draft[row_t] = self.draft.tokens(logits)
         self.hidden[row_t] = chosen
 
     def _draft_step(self, fb: ForwardBatch, hidden: torch.Tensor

@@ -3,7 +3,8 @@
 Both read the embedding of the token after position i and a hidden state for position i (the
 target's at accepted positions, the draft's own while chaining), run one decoder block over their
 own KV layer (the pool holds it next to the target's layers, at the same slots), and share the
-target's embedding and LM head.
+target's embedding and LM head (a head with a draft vocabulary scores only those rows of it:
+`logits` are then over its D tokens and `tokens` maps the argmax back to token ids).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from torch import nn
 
 from moeserve.config import ConfigError, MoeserveConfig
 from moeserve.forward_batch import ForwardBatch
+from moeserve.runtime.sampler import greedy
 
 
 class Draft:
@@ -22,6 +24,8 @@ class Draft:
         self.module, self.target = module, target
         self.extra_kv_layers = extra_kv_layers  # KV layers the pool must add for the draft
         self.kind = kind  # "mtp" (the checkpoint's layer) | "head" (spec.draft_path)
+        self.vocab: torch.Tensor | None = getattr(module, "vocab", None)  # [D] token ids
+        self.lm_head: nn.Module | None = getattr(module, "lm_head", None)  # rows of `vocab`
 
     def forward(self, fb: ForwardBatch, input_ids: torch.Tensor,
                 hidden: torch.Tensor) -> torch.Tensor:
@@ -30,7 +34,16 @@ class Draft:
         return self.module(embeds, hidden.to(embeds.dtype), fb.positions, fb)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[T, H] → [T, V], or [T, D] over the draft vocabulary."""
+        if self.lm_head is not None:
+            return self.lm_head(hidden)
         return self.target.compute_logits(hidden)
+
+    def tokens(self, logits: torch.Tensor) -> torch.Tensor:
+        """The drafted token ids [T] (int64) of `logits` from `logits()`: the argmax, mapped
+        back through the draft vocabulary."""
+        idx = greedy(logits)
+        return idx if self.vocab is None else self.vocab[idx]
 
 
 def build_draft(cfg: MoeserveConfig, model: nn.Module, hf_config: Any) -> Draft | None:
@@ -50,6 +63,6 @@ def build_draft(cfg: MoeserveConfig, model: nn.Module, hf_config: Any) -> Draft 
 
     layer_id = hf_config.num_hidden_layers
     head = (random_head(hf_config, layer_id, cfg.seed) if spec.draft_path == "dummy"
-            else load_head(spec.draft_path, hf_config, layer_id))
+            else load_head(spec.draft_path, hf_config, layer_id, model.lm_head.weight))
     model.add_module("nextn_head", head)
     return Draft(head, model, 1, "head")

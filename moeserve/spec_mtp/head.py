@@ -8,7 +8,10 @@ t_{i+2}. The embedding and LM head are the target's; only the head's weights are
 File format (written by `python -m moeserve.spec_mtp.train`): DIR/model.safetensors with
 `enorm.weight`, `hnorm.weight`, `eh_proj.weight` [hidden, 2 hidden], `norm.weight` and `layer.*`
 (transformers' names of the decoder layer: q/k/v/o_proj, gate/up/down_proj, the two norms), plus
-DIR/config.json with "architecture": "NextNHead" and the target's shapes.
+DIR/config.json with "architecture": "NextNHead" and the target's shapes. A head trained with a
+draft vocabulary (draft_vocab.py) also has `draft_vocab` (sorted int64 token ids [D]) and
+"draft_vocab_size": D; its LM head is then those rows of the target's, gathered at load
+(`use_vocab`), and drafted indices map back through `vocab`. Heads without it score every token.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from moeserve.models.llama import MLP, Attention, CausalLM, DecoderLayer
 from moeserve.models.loader import WeightLoadError, load_weights
 
 HEAD_FILE, CONFIG_FILE = "model.safetensors", "config.json"
+VOCAB_TENSOR = "draft_vocab"
 _SHAPE_KEYS = ("hidden_size", "vocab_size", "num_attention_heads", "num_key_value_heads",
                "intermediate_size")
 # target architectures whose decoder block the head reuses: (qkv bias, per-head q/k norm)
@@ -52,6 +56,18 @@ class NextNHead(nn.Module):
         self.eh_proj = Linear(2 * h, h, bias=False)
         attn = Attention(cfg, layer_id, qkv_bias=qkv_bias, qk_norm=qk_norm)
         self.layer = DecoderLayer(cfg, attn, MLP(h, cfg.intermediate_size))
+        self.vocab: torch.Tensor | None = None  # draft index → token id [D]; None: every token
+        self.lm_head: Linear | None = None  # the target's LM head rows of `vocab`
+
+    def use_vocab(self, vocab: torch.Tensor, target_lm_head: torch.Tensor) -> None:
+        """Score only `vocab` (sorted ids [D]): copy those rows of the target's LM head [V, H]."""
+        h = target_lm_head.shape[1]
+        self.vocab = vocab.to(device=target_lm_head.device, dtype=torch.int64)
+        self.lm_head = Linear(h, len(vocab), bias=False, device=target_lm_head.device,
+                              dtype=target_lm_head.dtype)
+        with torch.no_grad():
+            self.lm_head.weight.copy_(target_lm_head.detach()[self.vocab])
+        self.lm_head.weight.requires_grad_(False)
 
     def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
                 fb: ForwardBatch) -> torch.Tensor:
@@ -78,18 +94,38 @@ def check_head_config(path: str, cfg: Any) -> dict:
     return head_cfg
 
 
-def load_head(path: str, cfg: Any, layer_id: int) -> NextNHead:
-    """Build the head in the current default dtype/device and load DIR/model.safetensors."""
+def load_head(path: str, cfg: Any, layer_id: int,
+              target_lm_head: torch.Tensor | None = None) -> NextNHead:
+    """Build the head in the current default dtype/device and load DIR/model.safetensors; a draft
+    vocabulary in the file gathers its rows of `target_lm_head` [V, H] (required then)."""
     from safetensors.torch import load_file
 
-    check_head_config(path, cfg)
+    head_cfg = check_head_config(path, cfg)
     file = os.path.join(path, HEAD_FILE)
     if not os.path.exists(file):
         raise WeightLoadError(f"spec.draft_path={path!r} has no {HEAD_FILE}")
     head = NextNHead(cfg, layer_id)
     dtype = torch.get_default_dtype()
-    load_weights(head, ((name, t.to(dtype)) for name, t in load_file(file).items()))
+    tensors = load_file(file)
+    vocab = tensors.pop(VOCAB_TENSOR, None)
+    load_weights(head, ((name, t.to(dtype)) for name, t in tensors.items()))
+    if vocab is not None:
+        _check_vocab(path, vocab, head_cfg, cfg.vocab_size)
+        if target_lm_head is None:
+            raise WeightLoadError(f"spec.draft_path={path!r}: a draft vocabulary needs the "
+                                  "target's LM head")
+        head.use_vocab(vocab, target_lm_head)
     return head
+
+
+def _check_vocab(path: str, vocab: torch.Tensor, head_cfg: dict, vocab_size: int) -> None:
+    """Sorted, distinct ids inside the target's vocabulary, as many as config.json says."""
+    v = vocab.to(torch.int64)
+    size = head_cfg.get("draft_vocab_size", len(v))
+    if (v.dim() != 1 or len(v) != size or not len(v) or int(v.min()) < 0
+            or int(v.max()) >= vocab_size or not bool((v[1:] > v[:-1]).all())):
+        raise WeightLoadError(f"spec.draft_path={path!r}: {VOCAB_TENSOR} must be {size} sorted "
+                              f"distinct token ids below {vocab_size}")
 
 
 def random_head(cfg: Any, layer_id: int, seed: int) -> NextNHead:

@@ -47,3 +47,22 @@ def test_rejection_sampling_emits_the_target_distribution():
         expected = [float(probs[t]) for t in support]
         expected = [e / sum(expected) * sum(counts) for e in expected]
         assert chisquare(counts, expected).pvalue > 1e-3
+
+
+def test_rejection_sampling_with_a_draft_outside_the_support():
+    """A restricted draft vocabulary can propose a token the target's processed distribution
+    excludes (outside top-k / top-p): it is never accepted and the emitted token ~ p_0."""
+    base = torch.tensor([0.4, 0.3, 0.2, 0.06, 0.04]).log()
+    params = SamplingParams(temperature=1.0, top_p=0.85)
+    p0 = target_probs(base, params)
+    outside = int(p0.argmin())
+    assert p0[outside] == 0
+    gen = torch.Generator().manual_seed(3)
+    first = [rejection_accept(torch.stack([base, base]), [outside], params, gen)[0]
+             for _ in range(4000)]
+    assert outside not in first
+    support = [t for t in range(5) if p0[t] > 0]
+    counts = [first.count(t) for t in support]
+    expected = [float(p0[t]) for t in support]
+    expected = [e / sum(expected) * len(first) for e in expected]
+    assert chisquare(counts, expected).pvalue > 1e-3
