@@ -7,10 +7,14 @@ DIR/data/ (tokens, prompt length, float32 hidden states) with a manifest that pi
 prompts and lengths, so a resumed or repeated run reuses them instead of generating again.
 
 Measured on the 2-core CPU (quiet, 2 threads, 128 prompts, 14.5k answer tokens): the project's
-offline Engine generates at 414 tok/s (128 concurrent), but the separate hidden-state forward
-then takes as long again (205 tok/s overall); transformers' batched `generate` runs at 230 tok/s
-with the hidden states captured during generation by a hook on the final norm (they match a
-separate forward to 3e-5). So `generate_hf` is the default and `EngineGenerator` the option.
+offline Engine generated at 414 tok/s in float32 (128 concurrent), but a separate transformers
+forward for the hidden states then took as long again (205 tok/s overall), while transformers'
+batched `generate` ran at 230 tok/s with the hidden states hooked out of the final norm. In
+serving's dtype (bfloat16) with the hidden states from EXTEND passes of its own runner, the
+Engine made 88 tok/s overall on a CPU busy with other work (load ~5, 1 thread), where
+`generate_hf` made 30-34 (float32) or ~50-60 (bf16 autocast) at similar load; the answers and
+hidden states are then those serving sees. So `EngineGenerator` is the default, `generate_hf`
+the option (`--generator hf`).
 """
 
 from __future__ import annotations
@@ -64,24 +68,65 @@ def chat_ids(tokenizer, prompts: list[str]) -> list[list[int]]:
 
 
 class EngineGenerator:
-    """Greedy answers from the project's offline Engine (float32, like the transformers target),
-    started once on first use and kept for every shard."""
+    """Greedy answers and hidden states from the project's offline Engine in the dtype serving
+    uses (model.dtype=auto: bfloat16 on a CPU with native bf16), started once and kept for every
+    shard. The answers are then the served target's own; the hidden states come from one EXTEND
+    pass of its runner over prompt + answer (no cached prefix), so they are the states serving
+    hands the head, and float32 copies are kept."""
 
-    def __init__(self, model_path: str, max_new: int, concurrency: int):
+    def __init__(self, model_path: str, max_new: int, concurrency: int,
+                 dtype: str = "auto", hidden_tokens: int = 2048):
         self.model_path, self.max_new, self.concurrency = model_path, max_new, concurrency
+        self.dtype, self.hidden_tokens = dtype, hidden_tokens  # tokens per hidden-state pass
+        self.tag = f"engine-{dtype}"  # in the data cache's fingerprint
         self.engine: Any = None
 
-    def __call__(self, prompt_ids: list[list[int]]) -> list[tuple[list[int], None]]:
+    def __call__(self, prompt_ids: list[list[int]]) -> list[tuple[list[int], torch.Tensor]]:
         if self.engine is None:
             from moeserve import Engine
 
-            overrides = ["device=cpu", "model.dtype=float32",
+            overrides = ["device=cpu", f"model.dtype={self.dtype}",
                          f"cache.max_running_requests={self.concurrency}"]
             self.engine = Engine(self.model_path, overrides=overrides)
         outs = self.engine.generate(
             input_ids=prompt_ids,
             sampling_params={"temperature": 0, "max_new_tokens": self.max_new})
-        return [(list(o["output_ids"]), None) for o in outs]
+        answers = [list(o["output_ids"])[: self.max_new] for o in outs]
+        self.engine.scheduler.cache.flush()  # free every slot for the hidden-state passes
+        seqs = [p + a for p, a in zip(prompt_ids, answers)]
+        return list(zip(answers, self._hidden_states(seqs)))
+
+    @torch.inference_mode()
+    def _hidden_states(self, seqs: list[list[int]]) -> list[torch.Tensor]:
+        """Final (post-norm) hidden states [L, H] float32 of each sequence, by EXTEND passes of
+        at most `hidden_tokens` tokens (one sequence at least)."""
+        from moeserve.core import ForwardMode
+
+        runner = self.engine.runner
+        mem, out, i = runner.memory, [], 0
+        while i < len(seqs):
+            group = [seqs[i]]
+            while (i + len(group) < len(seqs) and sum(map(len, group))
+                   + len(seqs[i + len(group)]) <= self.hidden_tokens):
+                group.append(seqs[i + len(group)])
+            lens = [len(s) for s in group]
+            rows = mem.req_to_token.alloc(len(group))
+            slots = mem.allocator.alloc(sum(lens))
+            try:
+                offset = 0
+                for row, n in zip(rows, lens):
+                    mem.req_to_token.write(row, 0, slots[offset: offset + n])
+                    offset += n
+                fb = runner.make_batch(ForwardMode.EXTEND, [t for s in group for t in s],
+                                       [j for n in lens for j in range(n)], slots, rows,
+                                       [0] * len(lens), lens, return_all_logits=True)
+                hidden = runner.forward_hidden(fb).float()  # [T, H]
+                out += [h.clone() for h in hidden.split(lens)]
+            finally:
+                mem.allocator.free(slots)
+                mem.req_to_token.free(rows)
+            i += len(group)
+        return out
 
     def close(self) -> None:
         if self.engine is not None:
@@ -182,29 +227,36 @@ class SplitCache:
             json.dump({"shards": self.manifest}, f, indent=1)
         os.replace(self._manifest_path() + ".tmp", self._manifest_path())
 
-    def load(self, i: int, model) -> list[dict[str, Any]]:
+    def load(self, i: int, model, topk: bool = True) -> list[dict[str, Any]]:
         records = torch.load(self.shard_path(i), weights_only=True)
-        for r in records:  # shards written before the top-k field existed
-            if "topk" not in r:
+        for r in records:  # shards written without the top-k field
+            if topk and "topk" not in r:
                 r["topk"] = target_topk(model, r["hidden"])
         return records
 
 
-def make_records(model, chunk: list[list[int]], generated: list[tuple]) -> list[dict]:
+def make_records(model, chunk: list[list[int]], generated: list[tuple],
+                 topk: bool = True) -> list[dict]:
+    """`topk`: keep the target's top-K per position (the candidate loss's negatives; a draft
+    vocabulary's loss scores all of its tokens and needs none)."""
     records = []
     for p, (a, hidden) in zip(chunk, generated, strict=True):
         if hidden is None:
             hidden = hidden_states(model, p + a)
-        records.append({"tokens": torch.tensor(p + a, dtype=torch.int32), "prompt_len": len(p),
-                        "hidden": hidden, "topk": target_topk(model, hidden)})
+        r = {"tokens": torch.tensor(p + a, dtype=torch.int32), "prompt_len": len(p),
+             "hidden": hidden}
+        if topk:
+            r["topk"] = target_topk(model, hidden)
+        records.append(r)
     return records
 
 
 def build_split(out: str, split: str, model_path: str, model, tokenizer, prompts: list[str],
                 max_new: int, generate: Callable[[list[list[int]]], list[tuple]],
                 log: Callable[[str], None] = print, deadline: float | None = None,
-                max_shards: int | None = None) -> list[dict[str, Any]]:
-    """Records {"tokens" int32 [L], "prompt_len", "hidden" float32 [L, H], "topk" int32 [L, K]}
+                max_shards: int | None = None, topk: bool = True) -> list[dict[str, Any]]:
+    """Records {"tokens" int32 [L], "prompt_len", "hidden" float32 [L, H], "topk" int32 [L, K]
+    (only with `topk`)}
     for the prompts, shard by shard, generating the shards that are not cached. Once `deadline`
     (time.time()) has passed, no new shard is started (at least one is made), so a slow CPU
     trains on less data instead of overrunning the budget; `max_shards` caps the shards used."""
@@ -212,14 +264,16 @@ def build_split(out: str, split: str, model_path: str, model, tokenizer, prompts
     cache = SplitCache(out, split)
     model_fp = model_fingerprint(model_path)
     n_shards = (len(prompt_ids) + SHARD_PROMPTS - 1) // SHARD_PROMPTS
+    tag = getattr(generate, "tag", "hf")
     if max_shards is not None:
         n_shards = min(n_shards, max_shards)
     records: list[dict[str, Any]] = []
     for i in range(n_shards):
         chunk = prompt_ids[i * SHARD_PROMPTS: (i + 1) * SHARD_PROMPTS]
-        fp = hashlib.sha256(json.dumps([model_fp, chunk, max_new]).encode()).hexdigest()[:16]
+        key = [model_fp, chunk, max_new] + ([tag] if tag != "hf" else [])  # which generator
+        fp = hashlib.sha256(json.dumps(key).encode()).hexdigest()[:16]
         if cache.has(i, fp):
-            records += cache.load(i, model)
+            records += cache.load(i, model, topk)
             continue
         if deadline is not None and records and time.time() > deadline:
             log(f"{split}: data budget spent, using {i} of {n_shards} shards")
@@ -227,7 +281,7 @@ def build_split(out: str, split: str, model_path: str, model, tokenizer, prompts
         t0 = time.time()
         generated = generate(chunk)
         t1 = time.time()
-        shard = make_records(model, chunk, generated)
+        shard = make_records(model, chunk, generated, topk)
         cache.save(i, fp, shard)
         records += shard
         n_gen = sum(len(a) for a, _ in generated)

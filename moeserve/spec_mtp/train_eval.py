@@ -66,14 +66,18 @@ def collate(records: list[dict[str, Any]], embed: torch.nn.Module,
 
 @torch.no_grad()
 def chain_correct(head, lm_head: torch.Tensor, batch: Batch, steps: int) -> list[torch.Tensor]:
-    """Per step k, [B, n] bool: the head's step-k argmax equals the label at that position."""
+    """Per step k, [B, n] bool: the head's step-k argmax equals the label at that position (over
+    the head's draft vocabulary when it has one, as serving drafts)."""
+    vocab = getattr(head, "vocab", None)
+    weight = lm_head if vocab is None else lm_head[vocab]  # [V or D, H]
     outs = head.chain(batch.embeds, batch.hidden, steps)
     correct = []
     for o in outs:
         pred = torch.empty(batch.labels.shape, dtype=torch.long)
         flat_o, flat_p = o.reshape(-1, o.shape[-1]), pred.view(-1)
         for i in range(0, flat_o.shape[0], 2048):  # [chunk, V] logits, not [B * n, V]
-            flat_p[i: i + 2048] = (flat_o[i: i + 2048] @ lm_head.T).argmax(-1)
+            idx = (flat_o[i: i + 2048] @ weight.T).argmax(-1)
+            flat_p[i: i + 2048] = idx if vocab is None else vocab[idx]
         correct.append(pred == batch.labels)
     return correct
 

@@ -190,3 +190,59 @@ def test_evaluate_counts_only_full_chains(tiny):
     answers = sum(len(r["tokens"]) - r["prompt_len"] for r in records[:2])
     assert result["starts"] == answers - 2 * 3  # per record: answer length - steps starts
     assert len(result["rows"]) == 3 and result["accept_length"][0] >= 1.0
+
+
+def test_draft_vocab_training_and_file(tiny, tmp_path):
+    """With a draft vocabulary the softmax is over its D tokens: 30 steps learn the greedy
+    answers, the file carries the sorted ids (served by spec_mtp/head.py), loading restores them,
+    and the evaluation's drafts are vocabulary tokens."""
+    from moeserve.spec_mtp.draft_vocab import pick_vocab
+    from moeserve.spec_mtp.train_eval import chain_correct
+
+    target, _, records = tiny
+    vocab = pick_vocab(records, 64, target.config.vocab_size)
+    torch.manual_seed(0)
+    trainer = train_mod.Trainer(TrainHead(target), target, records, _cfg(total_steps=30), "",
+                                vocab)
+    batch = collate(records, target.get_input_embeddings(), prompt_loss=True)
+    with torch.no_grad():
+        before, _ = train_mod.step_loss(trainer.head, batch, trainer.lm_head, trainer.cfg,
+                                        vocab=vocab)
+    for _ in range(30):
+        trainer.train_step()
+    with torch.no_grad():
+        after, accs = train_mod.step_loss(trainer.head, batch, trainer.lm_head, trainer.cfg,
+                                          vocab=vocab)
+    assert float(after) < float(before) - 1.0 and min(accs) > 0.5, (before, after, accs)
+    save_head(trainer.head, target, str(tmp_path), {"trained_steps": 30})
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    assert set(tensors) == HEAD_NAMES | {"draft_vocab"}
+    assert torch.equal(tensors["draft_vocab"], vocab)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    assert cfg["draft_vocab_size"] == 64
+    loaded, _ = load_head(str(tmp_path), target)
+    assert torch.equal(loaded.vocab, vocab)
+    lm_head = target.get_output_embeddings().weight
+    outs = loaded.chain(batch.embeds, batch.hidden, 1)[0]
+    with torch.no_grad():  # what chain_correct compares: the argmax over the vocabulary's rows
+        drafted = vocab[(outs @ lm_head[vocab].T).argmax(-1)]
+        correct = chain_correct(loaded, lm_head, batch, 1)[0]
+    assert torch.equal(correct, drafted == batch.labels)
+
+
+def test_engine_generator_answers_and_hidden_states(tiny, tiny_model):
+    """The Engine generator (float32 here) answers greedily as transformers does and its
+    runner's EXTEND passes (grouped several sequences at a time) give transformers' final
+    hidden states for prompt + answer."""
+    target, tokenizer, _ = tiny
+    ids = data.chat_ids(tokenizer, PROMPTS)
+    gen = data.EngineGenerator(tiny_model("llama"), 12, 4, dtype="float32", hidden_tokens=64)
+    try:
+        out = gen(ids)
+    finally:
+        gen.close()
+    reference = data.generate_hf(target, tokenizer, ids, max_new=12, batch=4)
+    assert [a for a, _ in out] == [a for a, _ in reference]
+    for p, (a, hidden) in zip(ids, out):
+        ref = data.hidden_states(target, p + a)
+        torch.testing.assert_close(hidden, ref, rtol=1e-4, atol=1e-4)
