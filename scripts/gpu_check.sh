@@ -23,6 +23,9 @@
 #   Qwen3-30B-A3B shapes cut to 5 layers (dummy bf16 weights), with the loopback-dispatcher rows
 #   and a profiler trace of the side stream ($OUT/tbo_trace_*.json). TBO_ARGS: more bench args;
 #   TBO_MODELS / TBO_TESTS=0 narrow it.
+#   deepep, tbo_ep, dpep_serving, eplb_skew: issue 17's multi-GPU runs (2-4 GPUs; with ep for the
+#   dispatch + combine table), in scripts/gpu_multi.sh, whose header says what each does. deepep
+#   needs DeepEP's source in .deepep/ (carried; scripts/build_deepep.sh builds it in the call).
 # The image lacks some pure-Python deps: they travel as wheels in .whl/ (not committed).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -36,6 +39,9 @@ else
 fi
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 what=${1:-all}
+case $what in
+  deepep|tbo_ep|dpep_serving|eplb_skew) exec bash scripts/gpu_multi.sh "$what";;
+esac
 nvidia-smi --query-gpu=name,memory.total --format=csv | tee "$OUT/gpu.txt"
 
 if [[ $what == tests || $what == all ]]; then

@@ -68,26 +68,25 @@ def base_overrides(args) -> list[str]:
 
 
 def run_all(path: str, args, work: str) -> dict[str, dict]:
+    """Every row, each printed once measured (a run cut short keeps the rows it finished)."""
     base = base_overrides(args)
     rows = {"none": run_variant(path, base, args, os.path.join(work, "dump_none.pt"))}
+    print_row("none", rows)
     seed = rows["none"]["dump"]
     for r in [0, *args.redundant]:
         name = "eplb" if r == 0 else f"eplb+{r}"
         rows[name] = run_variant(path, base + [f"eplb.init_placement={seed}",
                                                f"eplb.num_redundant_experts={r}"],
                                  args, os.path.join(work, f"dump_{name}.pt"))
+        print_row(name, rows)
+    print(f"dumps: {work}", flush=True)
     return rows
 
 
-def print_table(rows: dict[str, dict], title: str) -> None:
-    print(f"\n{title}")
-    print(f"{'placement':<10} {'physical':>8} {'balancedness':>12} {'decode tok/s':>13} "
-          f"{'vs none':>8} {'prefill tok/s':>14}")
-    none = rows["none"]["decode_tps"]
-    for name, r in rows.items():
-        print(f"{name:<10} {r['physical']:>8} {r['balancedness']:>12.3f} {r['decode_tps']:>13.1f} "
-              f"{r['decode_tps'] / none:>7.2f}x {r['prefill_tps']:>14.0f}")
-    print(f"dumps: {os.path.dirname(rows['none']['dump'])}")
+def print_row(name: str, rows: dict[str, dict]) -> None:
+    r, none = rows[name], rows["none"]["decode_tps"]
+    print(f"{name:<10} {r['physical']:>8} {r['balancedness']:>12.3f} {r['decode_tps']:>13.1f} "
+          f"{r['decode_tps'] / none:>7.2f}x {r['prefill_tps']:>14.0f}", flush=True)
 
 
 def main(argv: list[str] | None = None) -> dict[str, dict]:
@@ -116,22 +115,22 @@ def main(argv: list[str] | None = None) -> dict[str, dict]:
     path = args.model or make_tiny(args.arch, os.path.join(work, "model"))
     name = args.name or (os.path.basename(os.path.normpath(path)) if args.model
                          else f"tiny {args.arch}")
+    comm = "gloo, CPU" if args.device == "cpu" else "NCCL, CUDA"
+    print(f"\n{name}, router skew Zipf({args.zipf}), dp{args.ranks}×ep{args.ranks} "
+          f"({args.backend}, {comm}), {args.batch} requests ({-(-args.batch // args.ranks)}/rank)"
+          f" × {args.input} prompt tokens, {args.output} output tokens"
+          + (f"; {' '.join(args.override)}" if args.override else ""))
+    print(f"{'placement':<10} {'physical':>8} {'balancedness':>12} {'decode tok/s':>13} "
+          f"{'vs none':>8} {'prefill tok/s':>14}", flush=True)
     old = os.environ.get(ZIPF_ENV)
     os.environ[ZIPF_ENV] = str(args.zipf)  # inherited by the rank processes
     try:
-        rows = run_all(path, args, work)
+        return run_all(path, args, work)
     finally:
         if old is None:
             os.environ.pop(ZIPF_ENV)
         else:
             os.environ[ZIPF_ENV] = old
-    comm = "gloo, CPU" if args.device == "cpu" else "NCCL, CUDA"
-    print_table(rows, f"{name}, router skew Zipf({args.zipf}), dp{args.ranks}×ep{args.ranks} "
-                      f"({args.backend}, {comm}), {args.batch} requests "
-                      f"({-(-args.batch // args.ranks)}/rank) × {args.input} prompt tokens, "
-                      f"{args.output} output tokens"
-                      + (f"; {' '.join(args.override)}" if args.override else ""))
-    return rows
 
 
 if __name__ == "__main__":
