@@ -11,12 +11,11 @@ overlapped (DeepEP's communication stream). Needs >= 2 GPUs and an importable `d
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import traceback
 
 import pytest
 import torch
-from test_dispatchers import _collect, _free_port
+from test_dispatchers import run_ranks
 
 from moeserve.core import ForwardMode
 from moeserve.ep.dispatcher import LOW_LATENCY, STANDARD, create_dispatcher
@@ -161,19 +160,4 @@ def _world_sizes() -> list[int]:
 @pytest.mark.parametrize("world", _world_sizes())
 @pytest.mark.parametrize("mode", MODES)
 def test_real_deepep_equals_all_experts(world, mode):
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, mode, results))
-             for r in range(world)]
-    for p in procs:
-        p.start()
-    try:
-        errors = _collect(procs, results, 240.0)
-    finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
-    if errors:
-        pytest.fail("\n".join(f"rank {r}:\n{e}" for r, e in sorted(errors.items())))
+    run_ranks(world, mode, 240.0, worker=_worker, join_s=10.0)

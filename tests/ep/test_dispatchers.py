@@ -168,12 +168,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_ranks(world: int, backend: str, timeout_s: float = 90.0) -> None:
-    """Spawn `world` gloo ranks; fail with the first child traceback, a dead child or a hang."""
+def run_ranks(world: int, backend: str, timeout_s: float = 90.0, worker=None,
+              join_s: float = 5.0) -> None:
+    """Spawn `world` ranks of `worker(rank, world, port, backend, results)` (default: this
+    file's gloo worker); fail with the first child traceback, a dead child or a hang."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, backend, results))
+    procs = [ctx.Process(target=worker or _worker, args=(r, world, port, backend, results))
              for r in range(world)]
     for p in procs:
         p.start()
@@ -181,7 +183,7 @@ def run_ranks(world: int, backend: str, timeout_s: float = 90.0) -> None:
         errors = _collect(procs, results, timeout_s)
     finally:
         for p in procs:
-            p.join(timeout=5)
+            p.join(timeout=join_s)
             if p.is_alive():
                 p.kill()
     if errors:
