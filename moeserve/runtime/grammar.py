@@ -3,12 +3,13 @@
 Where each part runs:
 - the server process compiles every grammar once when the request arrives, so an invalid schema is
   an HTTP 400 before anything is queued;
-- the scheduler compiles it again when the request reaches it (xgrammar's compiler caches by
-  source, so repeats cost a lookup; a new schema costs milliseconds) and keeps one `GrammarMatch`
-  per request;
-- the forward worker, which runs steps in submission order, fills the token bitmask, applies it to
-  the logits (CPU or CUDA) and advances the matcher with the sampled token. The overlap loop's step
-  N+1 therefore sees step N's token without the host waiting for it.
+- the scheduler compiles it again on a helper thread (`GrammarCompiler.compile_async`; a grammar
+  seen before is taken from a cache at once) and admits the request once it is ready
+  (scheduler/grammar_intake.py); each request keeps one `GrammarMatch`;
+- the forward worker, which runs steps in submission order, applies each step's token bitmask to
+  the logits (CPU or CUDA) and hands the sampled tokens to `grammar_steps.GrammarSteps`, whose
+  helper thread advances the matchers and fills the next step's bitmask while the next forward
+  runs.
 
 A step's inputs say how many generated tokens precede the token it samples; a matcher that accepted
 more (tokens of a dropped step, after a retraction) is rolled back to that count.
@@ -18,24 +19,59 @@ from __future__ import annotations
 
 import json
 import re
+import threading
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
 
+from moeserve.host_copy import to_device
+
 KINDS = ("json_object", "json_schema", "regex", "ebnf")
+CACHE_SIZE = 256  # compiled grammars kept by GrammarCompiler (xgrammar keeps its own cache too)
 _NOISE = re.compile(r"\[[\d:]+\] \S+:\d+: |Check failed: \(.*?\) is false: ")
 
 
 class GrammarCompiler:
-    """(kind, source) → xgrammar CompiledGrammar, cached; tokenizer info is built on first use."""
+    """(kind, source) → xgrammar CompiledGrammar, cached; tokenizer info is built on first use.
+
+    `compile` runs on the caller's thread (the server's 400s); `compile_async` on one helper
+    thread (xgrammar releases the GIL while it compiles), so the scheduler's loop goes on."""
 
     def __init__(self, tokenizer: Any, vocab_size: int):
         self._tokenizer, self.vocab_size = tokenizer, vocab_size
         self._compiler: Any = None
+        self._cache: OrderedDict[tuple[str, str], Any] = OrderedDict()
+        self._lock = threading.Lock()
+        self._pool: ThreadPoolExecutor | None = None
+
+    def cached(self, spec: tuple[str, str]) -> Any | None:
+        """The compiled grammar if `spec` was compiled before (a dictionary lookup), else None."""
+        with self._lock:
+            compiled = self._cache.get(spec)
+            if compiled is not None:
+                self._cache.move_to_end(spec)
+            return compiled
+
+    def compile_async(self, spec: tuple[str, str]) -> Future:
+        """A Future of `compile(spec)` (its ValueError included), compiled on a helper thread."""
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-compile")
+        return self._pool.submit(self.compile, spec)
 
     def compile(self, spec: tuple[str, str]) -> Any:
         """Raises ValueError naming the problem (bad kind, malformed JSON, unsupported schema)."""
-        kind, source = spec
+        compiled = self.cached(spec)
+        if compiled is None:
+            compiled = self._compile(*spec)
+            with self._lock:
+                self._cache[spec] = compiled
+                if len(self._cache) > CACHE_SIZE:
+                    self._cache.popitem(last=False)
+        return compiled
+
+    def _compile(self, kind: str, source: str) -> Any:
         if kind not in KINDS:
             raise ValueError(f"unknown grammar kind {kind!r} (one of {', '.join(KINDS)})")
         if kind == "json_schema":
@@ -55,19 +91,26 @@ class GrammarCompiler:
             raise ValueError(f"invalid {kind}: {_NOISE.sub('', str(e)).strip()}") from None
 
     def _get(self) -> Any:
-        if self._compiler is None:
-            try:
-                import xgrammar as xgr
-            except ImportError:
-                raise ValueError("structured outputs need the xgrammar package") from None
-            info = xgr.TokenizerInfo.from_huggingface(self._tokenizer, vocab_size=self.vocab_size)
-            self._compiler = xgr.GrammarCompiler(info)
-        return self._compiler
+        with self._lock:
+            if self._compiler is None:
+                try:
+                    import xgrammar as xgr
+                except ImportError:
+                    raise ValueError("structured outputs need the xgrammar package") from None
+                info = xgr.TokenizerInfo.from_huggingface(self._tokenizer,
+                                                          vocab_size=self.vocab_size)
+                self._compiler = xgr.GrammarCompiler(info)
+            return self._compiler
+
+    def shutdown(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
 
 
 class GrammarMatch:
     """One request's matcher; `accepted` counts its generated tokens, `done_at` is the count at
-    which the grammar (and its stop token) completed."""
+    which the grammar (and its stop token) completed. Only one thread uses it at a time: the
+    forward worker, or the GrammarSteps helper between two of the worker's steps."""
 
     def __init__(self, compiled: Any, stop_token_ids: list[int]):
         import xgrammar as xgr
@@ -99,21 +142,24 @@ def constrained_rows(matches: list[GrammarMatch | None], generated: list[int]) -
             if m is not None and g >= 0 and m.sync(g)]
 
 
-def apply_grammars(logits: torch.Tensor, matches: list[GrammarMatch | None],
-                   rows: list[int]) -> torch.Tensor:
-    """A copy of `logits` [B, V] with disallowed tokens of `rows` at -inf (so logprobs stay raw)."""
-    import xgrammar as xgr
+def bitmask_words(vocab: int) -> int:
+    """int32 words per bitmask row (xgrammar's layout: bit j of word w is token 32 w + j)."""
+    return (vocab + 31) // 32
 
-    vocab = matches[rows[0]].vocab_size
-    bitmask = xgr.allocate_token_bitmask(logits.shape[0], vocab)  # int32 [B, ceil(V / 32)]
-    for i in rows:
-        matches[i].matcher.fill_next_token_bitmask(bitmask, i)
-    out = logits.clone()
-    xgr.apply_token_bitmask_inplace(out, bitmask.to(out.device, non_blocking=True),
-                                    vocab_size=min(vocab, out.shape[-1]), indices=rows)
+
+def apply_token_mask(logits: torch.Tensor, bits: torch.Tensor, rows: list[int], vocab: int,
+                     copy: bool) -> torch.Tensor:
+    """logits [B, V] with each constrained row's disallowed tokens at -inf, in a few vectorised
+    ops. rows: the R constrained rows (ascending); bits: their bitmasks [R, words] (int32, on
+    logits' device); vocab: the grammar's vocabulary (columns past it are left as they are).
+    `copy`: mask a copy (the raw logits are read later, for logprobs), else in place."""
+    n = min(vocab, logits.shape[-1])
+    shifts = torch.arange(32, dtype=torch.int32, device=bits.device)
+    banned = ((bits.unsqueeze(-1) >> shifts) & 1).view(len(rows), -1)[:, :n] == 0  # [R, n]
+    out = logits.clone() if copy else logits
+    if len(rows) == out.shape[0]:
+        out[:, :n].masked_fill_(banned, float("-inf"))
+    else:
+        idx = to_device(torch.tensor(rows, dtype=torch.int64), out.device)
+        out[idx, :n] = out[idx, :n].masked_fill_(banned, float("-inf"))
     return out
-
-
-def accept_tokens(matches: list[GrammarMatch | None], rows: list[int], tokens: list[int]) -> None:
-    for i in rows:
-        matches[i].accept(tokens[i])

@@ -6,6 +6,7 @@ step (scheduler/worker.py, spec_mtp/decoder.py).
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import torch
@@ -68,9 +69,16 @@ class ForwardOutput:
     # the sampled ids still on their way to the host (host_copy.PendingHost): the worker is free
     # to launch the next step before this one's tokens are read
     pending: object | None = None
+    # a Future done once the grammar matchers have accepted this step's tokens (on the
+    # grammar_steps helper thread); the scheduler reads a matcher's done_at only after it
+    grammar_accepted: Future | None = None
 
     def resolved(self) -> ForwardOutput:
-        """This output with next_token_ids on the host (waits for the step's copy)."""
+        """This output with next_token_ids on the host (waits for the step's copy) and its
+        tokens accepted by the requests' grammars."""
         if self.pending is not None:
             self.next_token_ids, self.pending = self.pending.wait(), None
+        if self.grammar_accepted is not None:
+            self.grammar_accepted.result()
+            self.grammar_accepted = None
         return self

@@ -17,12 +17,13 @@ from moeserve.core import FinishReason, ForwardMode, Req
 from moeserve.distributed import ParallelMesh, single_rank_mesh
 from moeserve.dp_attention.sync import GlobalBatchInfo, dp_sync
 from moeserve.ipc.messages import AbortReq, ControlReq, GenerateReq, TokenOutput, Wake
-from moeserve.runtime.grammar import GrammarCompiler, GrammarMatch
+from moeserve.runtime.grammar import GrammarCompiler
 from moeserve.runtime.model_runner import ModelRunner
 from moeserve.runtime.sampler import make_generator
 from moeserve.scheduler.batch import ScheduledBatch
 from moeserve.scheduler.cache import CacheManager
 from moeserve.scheduler.decode import NewTokenRatio, decodable, pick_retractions
+from moeserve.scheduler.grammar_intake import PARKED, GrammarIntake
 from moeserve.scheduler.ops import SchedulerOps
 from moeserve.scheduler.prefill import AddResult, PrefillAdder, prefill_may_wait
 from moeserve.scheduler.spec_steps import SpecPolicy
@@ -48,7 +49,6 @@ class Scheduler:
                  eos_token_ids: set[int], decode_text: Callable[[list[int]], str],
                  mesh: ParallelMesh | None = None, grammars: GrammarCompiler | None = None):
         self.cfg, self.runner, self.io = cfg, runner, io
-        self.grammars = grammars  # compiles structured-output requests' grammars (cached)
         self.mesh = mesh or single_rank_mesh(runner.device)
         self._global_idle = True  # from the last DP sync: no rank had work
         self.ops = SchedulerOps(self)  # control requests and lockstep (EPLB) operations
@@ -60,6 +60,7 @@ class Scheduler:
         # speculative decoding (the runner built a draft): verify steps and accepted blocks
         self.spec = SpecPolicy(cfg.spec) if runner.draft is not None else None
         self.stop = StopChecker(eos_token_ids, decode_text)
+        self.grammars = GrammarIntake(grammars, eos_token_ids)  # compiles off the loop
         self.ratio = NewTokenRatio(sc.init_new_token_ratio, sc.min_new_token_ratio,
                                    sc.new_token_ratio_decay)
         self.waiting: list[Req] = []
@@ -89,33 +90,32 @@ class Scheduler:
         req.device_len = len(req.input_ids)
         req.generator = make_generator(msg.sampling, self.runner.device)
         total = len(req.input_ids) + msg.sampling.max_new_tokens
-        error = self._attach_grammar(req)
-        if not error and (not req.input_ids or total > self.max_req_len):
-            error = (f"prompt ({len(req.input_ids)} tokens) + max_new_tokens "
-                     f"({msg.sampling.max_new_tokens}) exceeds the context length {self.max_req_len}")
-        if error:
-            self.io.send_outputs([TokenOutput(rid=req.rid, new_ids=[], finish_reason="abort",
-                                              prompt_tokens=len(req.input_ids), error=error)], {})
+        state = None if req.input_ids and total <= self.max_req_len else (
+            f"prompt ({len(req.input_ids)} tokens) + max_new_tokens "
+            f"({msg.sampling.max_new_tokens}) exceeds the context length {self.max_req_len}")
+        state = state or self.grammars.attach(req)  # a new grammar: parked while it compiles
+        if state not in (None, PARKED):
+            self._reject(req, state)
             return
         self.reqs[req.rid] = req
-        self.waiting.append(req)
+        if state is None:
+            self.waiting.append(req)
         if msg.sampling.stop:
             self.pending_stop_strings[req.rid] = list(msg.sampling.stop)
 
-    def _attach_grammar(self, req: Req) -> str | None:
-        """A matcher for a structured-output request; → an error message if it cannot have one."""
-        sp = req.sampling
-        if sp.grammar is None:
-            return None
-        if self.grammars is None:
-            return "this scheduler has no grammar compiler (structured outputs are off)"
-        try:
-            compiled = self.grammars.compile(sp.grammar)
-        except ValueError as e:
-            return str(e)
-        stops = set(sp.stop_token_ids) | (set() if sp.ignore_eos else self.stop.eos_token_ids)
-        req.grammar = GrammarMatch(compiled, sorted(stops))
-        return None
+    def _reject(self, req: Req, error: str) -> None:
+        self.io.send_outputs([TokenOutput(rid=req.rid, new_ids=[], finish_reason="abort",
+                                          prompt_tokens=len(req.input_ids), error=error)], {})
+
+    def _take_compiled(self, wait_s: float) -> None:
+        """Parked requests whose grammar compiled join the queue (a failed compile rejects)."""
+        for req, error in self.grammars.ready(wait_s):
+            if error is None:
+                self.waiting.append(req)
+            else:
+                self.reqs.pop(req.rid, None)
+                self.pending_stop_strings.pop(req.rid, None)
+                self._reject(req, error)
 
     def abort(self, rid: str) -> None:
         req = self.reqs.get(rid)
@@ -129,7 +129,8 @@ class Scheduler:
 
     def load(self) -> dict:
         return {"running": len(self.running) + (self.chunked is not None),
-                "waiting": len(self.waiting), "used_tokens": self.cache.used_tokens(),
+                "waiting": len(self.waiting) + len(self.grammars.parked),
+                "used_tokens": self.cache.used_tokens(),
                 "max_total_tokens": self.runner.memory.allocator.size, **self.stats,
                 **(self.spec.totals() if self.spec is not None else {})}
 
@@ -332,9 +333,11 @@ class Scheduler:
         return bool(self.waiting or self.running or self.chunked)
 
     def _recv(self, may_block: bool) -> None:
-        for msg in self.io.recv(50 if may_block and self._global_idle and not self.has_work()
-                                else 0):
+        idle = may_block and self._global_idle and not self.has_work()
+        for msg in self.io.recv(50 if idle and not self.grammars.parked else 0):
             self.handle(msg)
+        if self.grammars.parked:  # idle: nothing to run until a compile ends
+            self._take_compiled(wait_s=0.005 if idle else 0.0)
 
     def next_synced_batch(self, stop: bool) -> tuple[ScheduledBatch | None, GlobalBatchInfo]:
         """This rank's next batch after the DP sync: IDLE when only other ranks have work, None

@@ -12,7 +12,7 @@ import torch
 
 from moeserve.forward_batch import ForwardBatch
 from moeserve.host_copy import PendingHost, to_device
-from moeserve.runtime.grammar import accept_tokens, apply_grammars, constrained_rows
+from moeserve.runtime.grammar_steps import GrammarSteps, StepMask
 from moeserve.runtime.model_runner import ModelRunner
 from moeserve.runtime.penalties import LogitEdits, edit_logits
 from moeserve.runtime.sampler import greedy, logprobs_of, sample
@@ -42,6 +42,7 @@ class ForwardWorker:
             dev.index if dev.index is not None else torch.cuda.current_device())
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="forward",
                                         initializer=self._bind_device) if threaded else None
+        self.grammar = GrammarSteps(dev, self._bind_device)  # masks; matchers on a helper thread
 
     def _bind_device(self) -> None:
         """The CUDA current device is per thread and starts at 0: without this, code that uses
@@ -60,6 +61,7 @@ class ForwardWorker:
     def shutdown(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
+        self.grammar.shutdown()
 
     @torch.inference_mode()
     def run(self, fi: ForwardInput) -> ForwardOutput:
@@ -76,44 +78,40 @@ class ForwardWorker:
         """Next tokens from the step's logits (each request's last token, or every token with
         return_all_logits): edits, grammars, sampling, then `finish_step` (`defer`: see there)."""
         last = logits if not fi.return_all_logits else logits[fb.last_token_indices()]
-        rows = []
+        mask = None
         if fi.greedy_only():
             next_ids = greedy(last)
         else:
-            edited, rows = self._edit(fi, fb, last), self._grammar_rows(fi)
-            if rows:
-                edited = apply_grammars(edited, fi.grammars, rows)
+            edited = self._edit(fi, fb, last)
+            mask = self.grammar.mask(fi)  # after the forward's launch: the fill overlaps it
+            if mask is not None:  # in place unless the raw logits serve logprobs later
+                raw_needed = edited is last and any(n >= 0 for n in fi.top_logprobs_nums)
+                edited = self.grammar.apply(edited, mask, copy=raw_needed)
             next_ids = sample(edited, fi.sampling, fi.generators)  # [B]
-        out = self.finish_step(fi, fb, next_ids, last, rows, defer)
+        out = self.finish_step(fi, fb, next_ids, last, mask, defer)
         if fi.return_all_logits:
             out.logits = logits
         return out
 
     def finish_step(self, fi: ForwardInput, fb: ForwardBatch, next_ids: torch.Tensor,
-                    last: torch.Tensor | None, grammar_rows: list[int] | None = None,
+                    last: torch.Tensor | None, mask: StepMask | None = None,
                     defer: bool = False) -> ForwardOutput:
         """Write the sampled tokens into the token table (the next step reads them there) and
-        describe them for the scheduler. `defer` (CUDA; no grammar or logprobs to serve): the
-        tokens' copy to the host is only started, so this thread can launch the next step before
-        the GPU finishes this one; SubmittedStep.result() waits for it."""
+        describe them for the scheduler. `defer` (CUDA; no logprobs to serve): the tokens' copy to
+        the host is only started, so this thread can launch the next step before the GPU finishes
+        this one; SubmittedStep.result() waits for it. Constrained rows' tokens go to the grammar
+        helper thread, which accepts them once they are on the host."""
         self.runner.memory.req_to_token.token_ids[fb.req_pool_indices, fb.seq_lens] = next_ids
         wants_logprobs = last is not None and any(n >= 0 for n in fi.top_logprobs_nums)
-        if defer and self._cuda_index is not None and not grammar_rows and not wants_logprobs:
-            return ForwardOutput([], pending=PendingHost.start(next_ids))
-        out = ForwardOutput(next_ids.tolist())
-        if grammar_rows:
-            accept_tokens(fi.grammars, grammar_rows, out.next_token_ids)
-        if wants_logprobs:
-            out.logprobs, out.top_logprobs = logprobs_of(last, next_ids, fi.top_logprobs_nums)
+        if defer and self._cuda_index is not None and not wants_logprobs:
+            out = ForwardOutput([], pending=PendingHost.start(next_ids))
+        else:
+            out = ForwardOutput(next_ids.tolist())
+            if wants_logprobs:
+                out.logprobs, out.top_logprobs = logprobs_of(last, next_ids, fi.top_logprobs_nums)
+        if mask is not None:
+            out.grammar_accepted = self.grammar.after_step(mask, out.pending or out.next_token_ids)
         return out
-
-    @staticmethod
-    def _grammar_rows(fi: ForwardInput) -> list[int]:
-        """Constrained rows; each one's generated-token count is its known tokens minus prompt."""
-        if not any(fi.grammars):
-            return []
-        gen = [p + e - n for p, e, n in zip(fi.prefix_lens, fi.extend_lens, fi.prompt_lens)]
-        return constrained_rows(fi.grammars, gen)
 
     def _edit(self, fi: ForwardInput, fb: ForwardBatch, logits: torch.Tensor) -> torch.Tensor:
         """Penalties and logit_bias; logprobs keep reading the raw logits (as vLLM's do)."""
