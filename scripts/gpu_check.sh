@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Runs on a lent GPU machine (see the device tool): GPU tests, then benchmarks, logs under $OUT.
-#   scripts/gpu_check.sh [tests|kernels|tune|one_batch|profile|serving|multigpu|ep|p2p|fp8|spec|tbo|all]
+#   scripts/gpu_check.sh [tests|kernels|tune|one_batch|profile|serving|grammar|multigpu|ep|p2p|fp8|spec|tbo|all]
 #   tests: GPU tests (parity, CUDA graphs, Triton kernels in bf16); kernels: the kernel benchmark
 #   tables; tune: fused-MoE launch configs for the shipped shapes (into $OUT/moe_configs);
 #   one_batch: full-size dummy Qwen3-30B-A3B / Llama-3-8B / DeepSeek-V2-Lite decode tables with the
@@ -17,6 +17,8 @@
 #   with its MTP layer, and Llama-3-8B with a random NextN head (SPEC_ACCEPT: accept lengths).
 #   extend: MIXED/prefill step times, extend CUDA graphs vs eager, on the full Qwen3-30B-A3B shape
 #   (EXTEND_ARGS add bench.extend_step arguments).
+#   grammar: output tok/s with and without a json_schema on the same prompts, one server, 64
+#   concurrent (dummy Qwen3-30B-A3B shape; knobs in the mode's comment).
 #   tbo: two-batch overlap on one GPU: its GPU tests (side stream, bounded p2p copy kernels, forced
 #   TBO with Triton kernels), then bench.tbo_overhead: TBO forced on at ep_size=1, on/off side by
 #   side (decode at batch 64 and 256, a 4096-token prefill; eager) on DeepSeek-V3 and
@@ -205,4 +207,36 @@ if [[ $what == serving || $what == all ]]; then
     done
     kill $SERVER; wait $SERVER
   done
+fi
+
+if [[ $what == grammar ]]; then
+  # Output tok/s with and without a grammar, same prompts, one server (issue 18's measure): the
+  # dummy full-size Qwen3-30B-A3B shape; every request generates exactly 128 tokens (ignore_eos,
+  # and a json_schema that cannot complete sooner: bench/serving_grammar.py). GRAMMAR_CONC
+  # (default 64), GRAMMAR_ROUNDS (plain/grammar pairs, default 3), GRAMMAR_KIND (json|regex);
+  # SERVER_ARGS apply to the server.
+  python3 -m moeserve.tools.make_random --shape qwen3_30b_a3b --config-only --out /tmp/q3moe_full \
+    >/dev/null
+  python3 -m launch.server model.path=/tmp/q3moe_full model.load_format=dummy device=cuda \
+    server.port=31001 cache.max_running_requests=256 ${SERVER_ARGS:-} \
+    > "$OUT/server_grammar.log" 2>&1 &
+  SERVER=$!
+  for _ in $(seq 1 150); do
+    curl -sf http://127.0.0.1:31001/health >/dev/null && break
+    kill -0 $SERVER 2>/dev/null || break
+    sleep 2
+  done
+  tail -3 "$OUT/server_grammar.log"
+  if curl -sf http://127.0.0.1:31001/health >/dev/null; then
+    c=${GRAMMAR_CONC:-64}
+    timeout 480 python3 -m moeserve.bench.serving_grammar --base-url http://127.0.0.1:31001 \
+      --num-prompts $((c * 2)) --max-concurrency $c --random-input-len 256 \
+      --random-output-len 128 --random-range-ratio 1.0 --rounds ${GRAMMAR_ROUNDS:-3} \
+      --grammar ${GRAMMAR_KIND:-json} \
+      --tokenizer /tmp/q3moe_full --output-file "$OUT/grammar.jsonl" 2>&1 \
+      | grep -v -E "Warning|warn" | tee "$OUT/grammar.log"
+  else
+    echo "grammar server did not start"
+  fi
+  kill $SERVER; wait $SERVER
 fi

