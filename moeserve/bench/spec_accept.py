@@ -2,17 +2,24 @@
 speed with and without speculation, on chat prompts the draft head was not trained on.
 
     python -m moeserve.bench.spec_accept --draft-path DIR [--model DIR] --steps 1 2 3 4 \
-        --max-new-tokens 128 --prompts 8 --concurrency 16
+        --max-new-tokens 128 --prompts 8 --concurrency 16 [--repeat 3] [--threads 1]
 
 Rows: `off` (plain decoding) and one per chain length N: batch-1 decode tok/s (requests one at a
 time; time to first token excluded via a 1-token run of the same prompt), the accept length
 (tokens per verify pass), the share of drafts accepted, and served tok/s with `concurrency`
 requests in flight. Outputs are also checked against plain decoding (greedy: they must be equal).
+
+On a CPU shared with other work, `--repeat R` runs the whole cycle (off, N=...) R times and
+reports each row's median speeds, so that a neighbour's burst does not land on one row only;
+the load average before and after is printed. `--threads` fixes torch's threads (0: its
+default): with a busy neighbour a 2-thread team on 2 cores waits on the busy core.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import statistics
 import time
 
 from moeserve import Engine
@@ -49,7 +56,26 @@ def _served(eng: Engine, chats: list[list[int]], max_new: int, concurrency: int)
     return sum(len(o["output_ids"]) for o in outs) / (time.perf_counter() - t0)
 
 
+def _load() -> str:
+    return "load %.2f %.2f %.2f" % os.getloadavg()
+
+
+def _run(args, n: int, base: list[str], prompts: list[str]) -> dict:
+    spec = [] if n == 0 else ["spec.algorithm=nextn", f"spec.num_steps={n}",
+                              f"spec.draft_path={quote_override(args.draft_path)}"]
+    with Engine(args.model, base + spec) as eng:
+        chats = _chat(eng, prompts)
+        tok_s, outs, metas = _batch1(eng, chats, args.max_new_tokens)
+        served = _served(eng, chats, args.max_new_tokens, args.concurrency)
+    return {"b1": tok_s, "served": served, "outs": outs,
+            "verify": sum(m.get("spec_verify_steps", 0) for m in metas),
+            "accepted": sum(m.get("spec_accepted_tokens", 0) for m in metas),
+            "drafts": sum(m.get("spec_draft_tokens", 0) for m in metas)}
+
+
 def main(argv: list[str] | None = None) -> None:
+    import torch
+
     from moeserve.spec_mtp.prompts import heldout_prompts
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -59,40 +85,47 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--prompts", type=int, default=8)
     p.add_argument("--concurrency", type=int, default=16)
+    p.add_argument("--repeat", type=int, default=1, help="cycles over the rows (medians)")
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--override", action="append", default=[])
     args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     base = [*args.override, f"cache.max_running_requests={max(args.concurrency, 16)}"]
     prompts = heldout_prompts(args.prompts)
-    rows, reference = [], None
-    for n in [0, *args.steps]:
-        spec = [] if n == 0 else ["spec.algorithm=nextn", f"spec.num_steps={n}",
-                                  f"spec.draft_path={quote_override(args.draft_path)}"]
-        with Engine(args.model, base + spec) as eng:
-            chats = _chat(eng, prompts)
-            tok_s, outs, metas = _batch1(eng, chats, args.max_new_tokens)
-            served = _served(eng, chats, args.max_new_tokens, args.concurrency)
-        if n == 0:
-            reference = outs
-        verify = sum(m.get("spec_verify_steps", 0) for m in metas)
-        accepted = sum(m.get("spec_accepted_tokens", 0) for m in metas)
-        drafts = sum(m.get("spec_draft_tokens", 0) for m in metas)
-        rows.append((("off" if n == 0 else f"N={n}"), tok_s, accepted / verify if verify else None,
-                     (accepted - verify) / drafts if drafts else None, served,
-                     outs == reference))
-        print(f"{rows[-1][0]}: batch-1 {tok_s:.1f} tok/s, accept length "
-              f"{rows[-1][2] if rows[-1][2] is None else round(rows[-1][2], 2)}, served "
-              f"{served:.1f} tok/s, outputs = off: {rows[-1][5]}", flush=True)
-    off_b1, off_served = rows[0][1], rows[0][4]
-    print(f"\n{len(prompts)} held-out chat prompts, {args.max_new_tokens} new tokens, greedy; "
-          f"served: {2 * args.concurrency} requests at {args.concurrency} in flight")
+    configs = [0, *args.steps]
+    runs: dict[int, list[dict]] = {n: [] for n in configs}
+    print(f"{_load()}; torch threads {torch.get_num_threads()}", flush=True)
+    for rep in range(args.repeat):
+        for n in configs:
+            r = _run(args, n, base, prompts)
+            runs[n].append(r)
+            same = r["outs"] == runs[0][0]["outs"]
+            acc = r["accepted"] / r["verify"] if r["verify"] else None
+            print(f"[{rep + 1}/{args.repeat}] {'off' if n == 0 else f'N={n}'}: batch-1 "
+                  f"{r['b1']:.1f} tok/s, accept length {acc if acc is None else round(acc, 2)}, "
+                  f"served {r['served']:.1f} tok/s, outputs = off: {same}; {_load()}", flush=True)
+    _table(args, configs, runs, len(prompts))
+
+
+def _table(args, configs: list[int], runs: dict[int, list[dict]], n_prompts: int) -> None:
+    med = {n: (statistics.median(r["b1"] for r in runs[n]),
+               statistics.median(r["served"] for r in runs[n])) for n in configs}
+    off_b1, off_served = med[0]
+    print(f"\n{n_prompts} held-out chat prompts, {args.max_new_tokens} new tokens, greedy; "
+          f"served: {2 * args.concurrency} requests at {args.concurrency} in flight; "
+          f"medians of {args.repeat} cycle(s); {_load()}")
     print("| spec | batch-1 tok/s | vs off | accept length | drafts accepted | served tok/s | "
           "vs off | outputs = off |")
     print("|---|---|---|---|---|---|---|---|")
-    for name, b1, acc, share, served, same in rows:
-        acc_s = "-" if acc is None else f"{acc:.2f}"
-        share_s = "-" if share is None else f"{100 * share:.0f}%"
-        print(f"| {name} | {b1:.1f} | {b1 / off_b1:.2f}x | {acc_s} | {share_s} | {served:.1f} | "
-              f"{served / off_served:.2f}x | {same} |")
+    for n in configs:
+        r0, (b1, served) = runs[n][0], med[n]
+        same = all(r["outs"] == runs[0][0]["outs"] for r in runs[n])
+        acc = f"{r0['accepted'] / r0['verify']:.2f}" if r0["verify"] else "-"
+        share = (f"{100 * (r0['accepted'] - r0['verify']) / r0['drafts']:.0f}%"
+                 if r0["drafts"] else "-")
+        print(f"| {'off' if n == 0 else f'N={n}'} | {b1:.1f} | {b1 / off_b1:.2f}x | {acc} | "
+              f"{share} | {served:.1f} | {served / off_served:.2f}x | {same} |")
 
 
 if __name__ == "__main__":

@@ -70,7 +70,7 @@ def chain_correct(head, lm_head: torch.Tensor, batch: Batch, steps: int) -> list
     the head's draft vocabulary when it has one, as serving drafts)."""
     vocab = getattr(head, "vocab", None)
     weight = lm_head if vocab is None else lm_head[vocab]  # [V or D, H]
-    outs = head.chain(batch.embeds, batch.hidden, steps)
+    outs = head.chain(batch.embeds, batch.hidden, steps, first=int(batch.start.min()))
     correct = []
     for o in outs:
         pred = torch.empty(batch.labels.shape, dtype=torch.long)

@@ -43,21 +43,31 @@ class _ChainKV:
         return self.k, self.v
 
 
-def chain_mask(n: int, step: int, dtype: torch.dtype) -> torch.Tensor:
-    """Additive mask [1, 1, n, step * n] for the queries of chain step `step` (1-based).
+def block_start(step: int, first: int, n: int) -> int:
+    """First position chain step `step` computes: every position for step 1 (its keys are the
+    teacher-forced context), else first + step - 1, the first position whose chain starts at or
+    after `first` (earlier ones start in the prompt and count in no loss)."""
+    return 0 if step == 1 else min(first + step - 1, n)
 
-    Keys are laid out step-major: block s holds step s's keys for positions 0..n-1. Query j
-    (chain start p = j - step + 1) may see block 1 at positions <= p, and block s >= 2 only at
-    position p + s - 1. Every query sees at least its own key, so no row is empty.
+
+def chain_mask(n: int, step: int, dtype: torch.dtype, first: int = 0) -> torch.Tensor:
+    """Additive mask [1, 1, n - a_step, n + sum_{s=2..step} (n - a_s)] for the queries of chain
+    step `step` (1-based), a_s = block_start(s, first, n).
+
+    Keys are laid out step-major: block 1 holds step 1's keys for positions 0..n-1, block s >= 2
+    step s's keys for positions a_s..n-1. Query j (chain start p = j - step + 1 >= first) may see
+    block 1 at positions <= p, and block s >= 2 only at position p + s - 1. Every query sees at
+    least its own key, so no row is empty.
     """
-    j = torch.arange(n).view(n, 1)
-    m = torch.arange(n).view(1, n)
-    blocks = [m <= j - step + 1]
-    blocks += [m == j - step + s for s in range(2, step + 1)]
-    allowed = torch.cat(blocks, dim=1)  # [n, step * n]
+    j = torch.arange(block_start(step, first, n), n).view(-1, 1)
+    blocks = [torch.arange(n).view(1, n) <= j - step + 1]
+    for s in range(2, step + 1):
+        m = torch.arange(block_start(s, first, n), n).view(1, -1)
+        blocks.append(m == j - step + s)
+    allowed = torch.cat(blocks, dim=1)  # [queries, keys]
     mask = torch.zeros(allowed.shape, dtype=dtype)
     mask.masked_fill_(~allowed, torch.finfo(dtype).min)
-    return mask.view(1, 1, n, step * n)
+    return mask.view(1, 1, *allowed.shape)
 
 
 class TrainHead(nn.Module):
@@ -106,22 +116,28 @@ class TrainHead(nn.Module):
         return self.norm(y[0] if isinstance(y, tuple) else y)
 
     def chain(self, embeds: torch.Tensor, hidden: torch.Tensor, steps: int,
-              detach: bool = False) -> list[torch.Tensor]:
-        """Outputs of chain steps 1..steps at every position (see the module docstring).
+              detach: bool = False, first: int = 0) -> list[torch.Tensor]:
+        """Outputs [B, n, H] of chain steps 1..steps (see the module docstring): step 1 at every
+        position, step k >= 2 at the positions whose chain starts at or after `first` (zeros
+        before: on this CPU skipping the prompt's chains saves ~10% of a training step).
 
         embeds [B, n, H] = embed(t_{j+1}); hidden [B, n, H] = target h_j. Step k's hidden input at
         position j is step k-1's output at j-1; `detach` stops gradients through that feedback.
         """
         b, n, _ = embeds.shape
         positions = torch.arange(n, device=embeds.device).unsqueeze(0)
-        rope = self.rotary(embeds, positions)
+        cos, sin = self.rotary(embeds, positions)
         e = self.enorm(embeds)
         kv = _ChainKV()
         outs: list[torch.Tensor] = []
         h_in = hidden
         for k in range(1, steps + 1):
-            o = self.step(e, h_in, chain_mask(n, k, embeds.dtype).to(embeds.device), rope, kv,
-                          positions)
+            a = block_start(k, first, n)
+            mask = chain_mask(n, k, embeds.dtype, first).to(embeds.device)
+            o = self.step(e[:, a:], h_in[:, a:], mask, (cos[:, a:], sin[:, a:]), kv,
+                          positions[:, a:])
+            if a:
+                o = torch.cat([o.new_zeros(b, a, o.shape[-1]), o], dim=1)
             outs.append(o)
             prev = o.detach() if detach else o
             h_in = torch.cat([torch.zeros_like(prev[:, :1]), prev[:, :-1]], dim=1)  # shift right

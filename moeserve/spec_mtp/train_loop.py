@@ -47,7 +47,8 @@ def step_loss(head: TrainHead, batch, lm_head: torch.Tensor, cfg: dict[str, Any]
     among the scored tokens. With `vocab` (sorted ids [D]) `lm_head` holds its rows [D, H] and
     the softmax is over them; otherwise cfg["negatives"] None scores the full vocabulary and an
     int only `candidates` (the LM head is 90% of a full-vocabulary step's time on this CPU)."""
-    outs = head.chain(batch.embeds, batch.hidden, cfg["chain_steps"], detach=cfg["detach"])
+    outs = head.chain(batch.embeds, batch.hidden, cfg["chain_steps"], detach=cfg["detach"],
+                      first=int(batch.start.min()))
     loss = torch.zeros(())
     accs = []
     weight, cand = lm_head, None

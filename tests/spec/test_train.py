@@ -61,12 +61,34 @@ def _cfg(**kw):
 
 
 def test_chain_mask_layout():
-    allowed = chain_mask(5, 2, torch.float32)[0, 0] == 0  # [5 queries, 2 blocks x 5 keys]
-    # step 2 at j=3 started at p=2: teacher-forced keys 0..2 and its own step-2 key at 3
-    assert allowed[3].nonzero().flatten().tolist() == [0, 1, 2, 5 + 3]
-    step3 = chain_mask(6, 3, torch.float32)[0, 0] == 0
-    assert step3[4].nonzero().flatten().tolist() == [0, 1, 2, 6 + 3, 12 + 4]
+    allowed = chain_mask(5, 2, torch.float32)[0, 0] == 0  # [4 queries j=1..4, 5 + 4 keys]
+    assert allowed.shape == (4, 9)
+    # step 2 at j=3 started at p=2: teacher-forced keys 0..2 and its own step-2 key at 3 (block 2
+    # holds positions 1..4 at columns 5..8)
+    assert allowed[3 - 1].nonzero().flatten().tolist() == [0, 1, 2, 5 + 3 - 1]
+    step3 = chain_mask(6, 3, torch.float32)[0, 0] == 0  # queries j=2..5; blocks 6, 5, 4 keys
+    assert step3[4 - 2].nonzero().flatten().tolist() == [0, 1, 2, 6 + 3 - 1, 11 + 4 - 2]
     assert step3.any(dim=1).all()  # no empty row (no NaN for positions without a chain)
+    late = chain_mask(6, 3, torch.float32, first=2)[0, 0] == 0  # j=4..5; blocks 6, 3, 2 keys
+    assert late.shape == (2, 11)
+    assert late[0].nonzero().flatten().tolist() == [0, 1, 2, 6 + 0, 9 + 0]  # j=4, p=2
+
+
+def test_chain_from_first_equals_full_chain(tiny):
+    """Skipping chains that start before `first` changes no output of the ones after it."""
+    target, _, records = tiny
+    head = TrainHead(target).eval()
+    batch = collate(records[:3], target.get_input_embeddings())
+    first = int(batch.start.min())
+    assert first > 2
+    with torch.no_grad():
+        torch.nn.init.normal_(head.eh_proj.weight, std=0.05)
+        full = head.chain(batch.embeds, batch.hidden, steps=3)
+        late = head.chain(batch.embeds, batch.hidden, steps=3, first=first)
+    for k, (a, b) in enumerate(zip(full, late), 1):
+        start = 0 if k == 1 else first + k - 1
+        torch.testing.assert_close(b[:, start:], a[:, start:], rtol=1e-4, atol=1e-5)
+        assert not b[:, :start].any()
 
 
 def test_chain_equals_serving_order(tiny):
