@@ -56,6 +56,10 @@ class ModelConfig:
     # CUDA: RMSNorm (+ residual), q/k norm + rope and the softmax router top-k as Triton kernels
     # (kernels/triton_ops.py); false: torch ops
     gpu_kernels: bool = True
+    # CUDA: launch the decode-path Triton kernels (small ops, GEMVs, attention, fused MoE) as
+    # programmatic dependent launches, so each one's launch and weight loads overlap the previous
+    # kernel (kernels/pdl.py). None: where the GPU (sm90+) and Triton support it
+    pdl: bool | None = None
 
 
 @dataclass(frozen=True)
@@ -315,6 +319,8 @@ def validate(cfg: MoeserveConfig) -> MoeserveConfig:
     _check_positive("cuda_graph.max_bs", cfg.cuda_graph.max_bs, False)
     if (cfg.cuda_graph.max_extend_tokens or 0) < 0:
         raise ConfigError("cuda_graph.max_extend_tokens", "must be >= 0 (0: extend runs eager)")
+    if cfg.model.pdl and cfg.device == "cpu":
+        raise ConfigError("model.pdl", "programmatic dependent launch needs a CUDA device (sm90+)")
     if cfg.cuda_graph.enabled and cfg.device == "cpu":
         raise ConfigError("cuda_graph.enabled", "CUDA graphs need a CUDA device (device=cpu)")
     _check_positive("model.context_length", cfg.model.context_length)

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Runs on a lent GPU machine (see the device tool): GPU tests, then benchmarks, logs under $OUT.
-#   scripts/gpu_check.sh [tests|kernels|tune|one_batch|profile|serving|grammar|multigpu|ep|p2p|fp8|spec|tbo|all]
+#   scripts/gpu_check.sh [tests|kernels|tune|one_batch|profile|serving|grammar|multigpu|ep|p2p|fp8|spec|tbo|pdl|all]
 #   tests: GPU tests (parity, CUDA graphs, Triton kernels in bf16); kernels: the kernel benchmark
 #   tables; tune: fused-MoE launch configs for the shipped shapes (into $OUT/moe_configs);
 #   one_batch: full-size dummy Qwen3-30B-A3B / Llama-3-8B / DeepSeek-V2-Lite decode tables with the
@@ -25,6 +25,9 @@
 #   Qwen3-30B-A3B shapes cut to 5 layers (dummy bf16 weights), with the loopback-dispatcher rows
 #   and a profiler trace of the side stream ($OUT/tbo_trace_*.json). TBO_ARGS: more bench args;
 #   TBO_MODELS / TBO_TESTS=0 narrow it.
+#   pdl: programmatic dependent launch: its kernel-chain test, one_batch Qwen3-30B-A3B with PDL
+#   against model.pdl=false in one run (PDL_BATCHES, default 1 64 256), then the PDL graph test
+#   of 7 architectures and the Triton kernels' CUDA tests.
 #   deepep, tbo_ep, dpep_serving, eplb_skew: issue 17's multi-GPU runs (2-4 GPUs; with ep for the
 #   dispatch + combine table), in scripts/gpu_multi.sh, whose header says what each does. deepep
 #   needs DeepEP's source in .deepep/ (carried; scripts/build_deepep.sh builds it in the call).
@@ -121,6 +124,23 @@ if [[ $what == spec ]]; then
       --override $2 --override cache.max_total_tokens=80000 2>&1 \
       | grep -v -E "Warning|warn|capturing" | tee -a "$OUT/spec_step.log" | tail -8
   done
+fi
+
+if [[ $what == pdl ]]; then
+  timeout 120 python3 -m pytest tests/kernels/test_pdl.py -q -p no:cacheprovider 2>&1 \
+    | grep -v -E "Warning|warn" | tee "$OUT/pdl_tests.log" | grep -E "passed|failed|^E " | tail -12
+  python3 -m moeserve.tools.make_random --shape qwen3_30b_a3b --config-only \
+    --out /tmp/qwen3_30b_a3b >/dev/null
+  timeout 330 python3 -m moeserve.bench.one_batch --model /tmp/qwen3_30b_a3b \
+    --batch ${PDL_BATCHES:-1 64 256} --input-len 512 --output-len 32 \
+    --compare-with model.pdl=false -o model.load_format=dummy -o device=cuda \
+    -o cache.max_total_tokens=150000 2>&1 | grep -v -E "Warning|warn|capturing" \
+    | tee "$OUT/pdl_one_batch.log"
+  timeout 300 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_gemv.py \
+    tests/kernels/test_triton_ops.py tests/kernels/test_fused_moe_small.py \
+    tests/kernels/test_triton_attention.py tests/kernels/test_fused_moe.py \
+    tests/gpu/test_cuda_graph.py::test_pdl_graphs_are_token_identical_to_plain_eager_launches 2>&1 | grep -v -E "Warning|warn" \
+    | tee -a "$OUT/pdl_tests.log" | grep -E "passed|failed|^FAILED|^E " | tail -20
 fi
 
 if [[ $what == tbo ]]; then

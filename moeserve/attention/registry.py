@@ -13,9 +13,10 @@ _BACKENDS = {
 }
 
 
-def create_attention_backend(name: str, *args) -> AttentionBackend:
-    """`args` go to the backend's constructor (the cpu backend takes the compiled kernels)."""
+def create_attention_backend(name: str, *args, **kwargs) -> AttentionBackend:
+    """`args` and `kwargs` go to the backend's constructor (the cpu backend takes the compiled
+    kernels, the triton one `pdl`)."""
     if name not in _BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; choose from {sorted(_BACKENDS)}")
     module, cls = _BACKENDS[name].split(":")
-    return getattr(importlib.import_module(module), cls)(*args)
+    return getattr(importlib.import_module(module), cls)(*args, **kwargs)

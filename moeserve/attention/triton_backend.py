@@ -46,8 +46,9 @@ class TritonAttentionBackend(AttentionBackend):
     graph_safe = True
     extend_graph_safe = True  # extend reads only ExtendMetadata tensors (static in a graph)
 
-    def __init__(self, num_kv_splits: int | None = None):
+    def __init__(self, num_kv_splits: int | None = None, pdl: bool = False):
         self.num_kv_splits = num_kv_splits  # None: by batch size (`kv_splits`)
+        self.pdl = pdl  # decode kernels as programmatic dependent launches (kernels/pdl.py)
 
     def kv_splits(self, batch: int, programs_per_request: int) -> int:
         """Enough splits that small batches still fill the GPU (~2 programs per SM on an H200's
@@ -91,7 +92,7 @@ class TritonAttentionBackend(AttentionBackend):
         k_buf = pool.key_buffer(spec.layer_id)
         v_buf = None if v is None else pool.value_buffer(spec.layer_id)  # None: MLA, V in K
         if not kv_stored:
-            store_kv(k, v, fb.out_cache_loc, k_buf, v_buf)
+            store_kv(k, v, fb.out_cache_loc, k_buf, v_buf, pdl=self.pdl)
         dk = spec.head_dim if v is not None else spec.v_head_dim  # MLA: main part R; rest rope
         out = q.new_empty((q.shape[0], spec.num_heads, spec.v_head_dim))  # [T, H, Dv]
         if q.shape[0] == 0:
@@ -106,7 +107,8 @@ class TritonAttentionBackend(AttentionBackend):
             part_lse = torch.empty((b, spec.num_heads, splits), dtype=torch.float32,
                                    device=q.device)
             decode_attention(q, k_buf, v_buf, table, fb.req_pool_indices, fb.seq_lens,
-                             spec.scaling, dk, spec.v_head_dim, out, part_out, part_lse)
+                             spec.scaling, dk, spec.v_head_dim, out, part_out, part_lse,
+                             pdl=self.pdl)
             return out
         meta: ExtendMetadata = fb.attn_metadata
         extend_attention(q, k_buf, v_buf, table, fb.req_pool_indices, meta.qo_start,

@@ -246,7 +246,7 @@ def _weights_line(runner: ModelRunner) -> str:
 
 
 def _speedup_table(decode: dict[str, dict[int, float]]) -> None:
-    """Decode tok/s of the FP8 run against the bf16 run, per batch."""
+    """Decode tok/s of the first run (e.g. FP8) against another (e.g. bf16), per batch."""
     (fp8, a), (bf16, b) = decode.items()
     print(f"| {'batch':>5} | {fp8 + ' tok/s':>12} | {bf16 + ' tok/s':>12} | {'speedup':>7} |")
     for batch in a:
@@ -268,6 +268,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--compare-quantization", action="store_true",
                    help="run as configured (e.g. FP8 from model.quantization=auto|fp8), then "
                         "again with model.quantization=none (bf16), and print the decode speedup")
+    p.add_argument("--compare-with", action="append", default=[], metavar="OVERRIDE",
+                   help="run again with this extra override (e.g. model.pdl=false), rows "
+                        "labelled by it, and print the decode speedup against it; repeatable")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("-o", "--override", action="append", default=[])
     p.add_argument("--profile", action="store_true",
@@ -305,6 +308,12 @@ def main(argv: list[str] | None = None) -> None:
         bf16 = str(runner.dtype).replace("torch.", "")
         _, decode_bf16 = _bench_runner(runner, args, bw, bf16)
         _speedup_table({label: decode, bf16: decode_bf16})
+    for extra in args.compare_with:
+        del runner
+        _free(dev)
+        runner = ModelRunner(compose([*overrides, extra]), path)
+        _, decode_other = _bench_runner(runner, args, bw, extra)
+        _speedup_table({label: decode, extra: decode_other})
     if args.compare_hf:
         dummy = cfg.model.load_format == "dummy"
         del runner

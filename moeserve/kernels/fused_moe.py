@@ -21,6 +21,7 @@ import triton.language as tl
 
 from moeserve.kernels.fused_moe_small import SMALL_MAX_PAIRS, fused_moe_small
 from moeserve.kernels.moe_config import down_config, get_moe_config
+from moeserve.kernels.pdl import launch_kwargs, pdl_wait
 
 # Up to this many pairs one single-program kernel sorts them (one launch for decode); above it
 # three parallel kernels count, lay out and scatter them (`_align_parallel`).
@@ -36,7 +37,8 @@ def max_padded_pairs(num_pairs: int, num_local: int, block_m: int) -> int:
 
 
 def moe_align_block_size(topk_ids: torch.Tensor, block_m: int, first_expert: int,
-                         num_local: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                         num_local: int, pdl: bool = False
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """topk_ids [T, K] global ids → (sorted_ids int32 [P], expert_ids int32 [P / block_m],
     num_tokens_post_padded int32 [1]), P = `max_padded_pairs`.
 
@@ -46,13 +48,14 @@ def moe_align_block_size(topk_ids: torch.Tensor, block_m: int, first_expert: int
 
     One token (batch-1 decode) whose K distinct experts all fit: block k holds pair k alone, in
     pair order, with expert -1 where that expert is not local (`_align_one_token`: a parallel
-    kernel; the sorting one ran ~7 µs there, ×48 layers of a batch-1 step)."""
+    kernel; the sorting one ran ~7 µs there, ×48 layers of a batch-1 step). `pdl`: those two
+    single-launch paths as programmatic dependent launches (kernels/pdl.py)."""
     topk_ids, n = topk_ids.contiguous(), topk_ids.numel()
     p = max_padded_pairs(n, num_local, block_m)
     if topk_ids.shape[0] == 1 and p == n * block_m:
-        return _align_one_token(topk_ids, block_m, first_expert, num_local)
+        return _align_one_token(topk_ids, block_m, first_expert, num_local, pdl)
     if n <= TRITON_ALIGN_MAX_PAIRS:
-        return _align_triton(topk_ids, block_m, first_expert, num_local, p)
+        return _align_triton(topk_ids, block_m, first_expert, num_local, p, pdl)
     return _align_parallel(topk_ids, block_m, first_expert, num_local, p)
 
 
@@ -128,7 +131,7 @@ def _align_scatter_kernel(ids_ptr, cursor_ptr, sorted_ptr, num_pairs, first_expe
     tl.store(sorted_ptr + dest, pairs, mask=ok)
 
 
-def _align_triton(topk_ids, block_m, first_expert, num_local, p):
+def _align_triton(topk_ids, block_m, first_expert, num_local, p, pdl=False):
     n, dev = topk_ids.numel(), topk_ids.device
     sorted_ids = torch.empty(p, dtype=torch.int32, device=dev)
     expert_ids = torch.empty(p // block_m, dtype=torch.int32, device=dev)
@@ -138,25 +141,26 @@ def _align_triton(topk_ids, block_m, first_expert, num_local, p):
     _align_kernel[(1,)](topk_ids, sorted_ids, expert_ids, num_post, n, first_expert, num_local,
                         p // block_m, BLOCK_M=block_m, BLOCK_E=block_e, CHUNK=chunk,
                         CHUNK_B=max(16, 2048 // block_m), num_warps=8 if chunk * block_e > 4096
-                        else 4)
+                        else 4, **launch_kwargs(pdl))
     return sorted_ids, expert_ids, num_post
 
 
-def _align_one_token(topk_ids, block_m, first_expert, num_local):
+def _align_one_token(topk_ids, block_m, first_expert, num_local, pdl=False):
     k, dev = topk_ids.numel(), topk_ids.device
     sorted_ids = torch.empty(k * block_m, dtype=torch.int32, device=dev)
     expert_ids = torch.empty(k, dtype=torch.int32, device=dev)
     num_post = torch.empty(1, dtype=torch.int32, device=dev)
     _align_one_token_kernel[(1,)](topk_ids, sorted_ids, expert_ids, num_post, first_expert,
                                   num_local, K=k, BLOCK_K=max(16, triton.next_power_of_2(k)),
-                                  BLOCK_M=block_m)
+                                  BLOCK_M=block_m, **launch_kwargs(pdl))
     return sorted_ids, expert_ids, num_post
 
 
 @triton.jit
 def _align_one_token_kernel(ids_ptr, sorted_ptr, expert_ptr, num_post_ptr, first_expert,
                             num_local, K: tl.constexpr, BLOCK_K: tl.constexpr,
-                            BLOCK_M: tl.constexpr):
+                            BLOCK_M: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl_wait(USE_PDL)
     kk = tl.arange(0, BLOCK_K)
     ok = kk < K
     local = tl.load(ids_ptr + kk, mask=ok, other=0) - first_expert
@@ -206,9 +210,10 @@ def _local_one_hot(ids_ptr, pairs, num_pairs, first_expert, num_local, experts):
 @triton.jit(do_not_specialize=["num_pairs", "num_blocks"])
 def _align_kernel(ids_ptr, sorted_ptr, expert_ptr, num_post_ptr, num_pairs, first_expert,
                   num_local, num_blocks, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr,
-                  CHUNK: tl.constexpr, CHUNK_B: tl.constexpr):
+                  CHUNK: tl.constexpr, CHUNK_B: tl.constexpr, USE_PDL: tl.constexpr):
     # NOTE: one program; every output element is written exactly once (no ordering between
     # threads is needed): padding, unused blocks and pair slots are disjoint.
+    pdl_wait(USE_PDL)
     experts = tl.arange(0, BLOCK_E)
     lanes = tl.arange(0, CHUNK)
     counts = tl.zeros([BLOCK_E], dtype=tl.int32)
@@ -249,12 +254,14 @@ def _moe_gemm_kernel(a_ptr, b_ptr, c_ptr, weight_ptr, sorted_ptr, expert_ptr, nu
                      WEIGHTED: tl.constexpr, EVEN_K: tl.constexpr, FP8: tl.constexpr,
                      SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr,
                      BLOCK_SIZE_M: tl.constexpr, BLOCK_SIZE_N: tl.constexpr,
-                     BLOCK_SIZE_K: tl.constexpr, GROUP_SIZE_M: tl.constexpr):
+                     BLOCK_SIZE_K: tl.constexpr, GROUP_SIZE_M: tl.constexpr,
+                     USE_PDL: tl.constexpr):
     """c[pair, n] = a[pair // ROW_DIV] @ b[expert, n]^T for the pairs of one expert block.
     GATED: b holds [gate | up] rows (N each), c = silu(gate) * up. WEIGHTED: c *= weight[pair].
     FP8: a and b are e4m3; a row's scale per SCALE_BK channels is as[row, k // SCALE_BK] and b's
     per SCALE_BN x SCALE_BK block bs[expert, n // SCALE_BN, k // SCALE_BK] (BLOCK_SIZE_K divides
     SCALE_BK); gate and up are blocked separately, up's scale rows start at `up_scale_rows`."""
+    pdl_wait(USE_PDL)
     pid = tl.program_id(0)
     num_pid_n = tl.cdiv(N, BLOCK_SIZE_N)
     in_group = GROUP_SIZE_M * num_pid_n  # GROUP_SIZE_M m-blocks share each B tile while in L2
@@ -319,8 +326,9 @@ def _moe_gemm_kernel(a_ptr, b_ptr, c_ptr, weight_ptr, sorted_ptr, expert_ptr, nu
 
 @triton.jit
 def _sum_local_pairs_kernel(y_ptr, ids_ptr, out_ptr, first_expert, num_local, H,
-                            TOP_K: tl.constexpr, BLOCK_H: tl.constexpr):
+                            TOP_K: tl.constexpr, BLOCK_H: tl.constexpr, USE_PDL: tl.constexpr):
     """out[t] = sum_k y[t*K + k] over local pairs: other rows were never written (masked load)."""
+    pdl_wait(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     h_ok = offs < H
@@ -333,7 +341,7 @@ def _sum_local_pairs_kernel(y_ptr, ids_ptr, out_ptr, first_expert, num_local, H,
 
 
 def _grouped_gemm(a, b, c, weights, sorted_ids, expert_ids, num_post, row_div, gated, cfg,
-                  a_scale=None, b_scale=None, block=(128, 128)):
+                  a_scale=None, b_scale=None, block=(128, 128), pdl=False):
     """c [T*K, N] by pair id ← a rows (pair // row_div) @ b[expert]^T; b [E, N or 2N, Kdim].
     With a_scale [rows, Kdim/bk] and b_scale [E, scale rows, Kdim/bk]: FP8 operands in (bn, bk)
     blocks; gated b's scale rows are gate's ceil(N/bn) then up's."""
@@ -356,14 +364,14 @@ def _grouped_gemm(a, b, c, weights, sorted_ids, expert_ids, num_post, row_div, g
         WEIGHTED=weights is not None, EVEN_K=kdim % bk == 0, FP8=fp8, SCALE_BN=block[0],
         SCALE_BK=block[1], BLOCK_SIZE_M=bm,
         BLOCK_SIZE_N=bn, BLOCK_SIZE_K=bk, GROUP_SIZE_M=cfg["GROUP_SIZE_M"],
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch_kwargs(pdl))
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
               topk_weights: torch.Tensor, first_expert: int = 0, num_local: int | None = None,
               config: dict | None = None, w13_scale: torch.Tensor | None = None,
               w2_scale: torch.Tensor | None = None, block: tuple[int, int] = (128, 128),
-              small_path: bool | None = None) -> torch.Tensor:
+              small_path: bool | None = None, pdl: bool = False) -> torch.Tensor:
     """sum_k w[t,k] * (silu(x[t] @ gate_e^T) * (x[t] @ up_e^T)) @ w2_e^T over the pairs whose
     e = ids[t,k] - first_expert is in [0, num_local): [T, H] in x.dtype (fp32 accumulation).
 
@@ -375,7 +383,8 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: to
     w2_scale [E, ceil(H/bn), ceil(I/bk)]; the sorted path quantizes activations per token and bk
     channels, the small one does not (W8A16).
     `small_path`: the GEMV kernels of fused_moe_small (True) or the sorted grouped GEMMs
-    (False); None picks GEMV for T*K <= SMALL_MAX_PAIRS pairs. `config` is the sorted path's."""
+    (False); None picks GEMV for T*K <= SMALL_MAX_PAIRS pairs. `config` is the sorted path's.
+    `pdl`: programmatic dependent launches (kernels/pdl.py)."""
     t, h = x.shape
     e_local, two_i, _ = w13.shape
     inter_size, k = two_i // 2, topk_ids.shape[1]
@@ -388,18 +397,20 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: to
         small_path = t * k <= SMALL_MAX_PAIRS
     if small_path:
         return fused_moe_small(x, w13, w2, topk_ids, topk_weights, first_expert, num_local,
-                               w13_scale=w13_scale, w2_scale=w2_scale, block=tuple(block))
+                               w13_scale=w13_scale, w2_scale=w2_scale, block=tuple(block),
+                               pdl=pdl)
     cfg = config or get_moe_config(e_local, h, inter_size, k, x.dtype, t)
     ids = topk_ids.contiguous()
     sorted_ids, expert_ids, num_post = moe_align_block_size(ids, cfg["BLOCK_SIZE_M"],
-                                                            first_expert, num_local)
+                                                            first_expert, num_local, pdl)
     inter = x.new_empty((t * k, inter_size))  # [T*K, I] by pair; non-local rows never written
     weights = topk_weights.to(torch.float32).contiguous().view(-1)
     y = x.new_empty((t * k, h))  # [T*K, H] weighted by pair
     if w13_scale is None:
-        _grouped_gemm(x, w13, inter, None, sorted_ids, expert_ids, num_post, k, True, cfg)
+        _grouped_gemm(x, w13, inter, None, sorted_ids, expert_ids, num_post, k, True, cfg,
+                      pdl=pdl)
         _grouped_gemm(inter, w2, y, weights, sorted_ids, expert_ids, num_post, 1, False,
-                      down_config(cfg))
+                      down_config(cfg), pdl=pdl)
     else:
         from moeserve.kernels.fp8 import quant_fp8_per_token_group
 
@@ -413,5 +424,6 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: to
     out = x.new_empty((t, h))
     block_h = min(1024, triton.next_power_of_2(h))
     _sum_local_pairs_kernel[(t, triton.cdiv(h, block_h))](y, ids, out, first_expert, num_local,
-                                                          h, TOP_K=k, BLOCK_H=block_h)
+                                                          h, TOP_K=k, BLOCK_H=block_h,
+                                                          **launch_kwargs(pdl))
     return out

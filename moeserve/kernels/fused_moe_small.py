@@ -35,6 +35,7 @@ import triton.language as tl
 from moeserve.kernels.fp8_format import FP8, Block, scale_shape
 from moeserve.kernels.gemv import (FP8_TILE_ELEMS, MIN_BLOCK_K, TILE_ELEMS, GemvConfig,
                                    block_k_for, block_n_for, interpreter_block)
+from moeserve.kernels.pdl import launch_kwargs, pdl_wait
 
 # T*K up to this: the GEMV path (fused_moe's auto choice), decode at batch <= 4 for K = 8. H200,
 # bf16, CUDA graph, L2 flushed (bench.moe_kernels), Qwen3-30B-A3B experts, GEMV vs sorted µs:
@@ -88,10 +89,12 @@ def fused_moe_small(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_i
                     topk_weights: torch.Tensor, first_expert: int, num_local: int,
                     config: SmallMoeConfig | None = None, w13_scale: torch.Tensor | None = None,
                     w2_scale: torch.Tensor | None = None,
-                    block: Block = (128, 128)) -> torch.Tensor:
+                    block: Block = (128, 128), pdl: bool = False) -> torch.Tensor:
     """`fused_moe`'s result (same arguments) by the two GEMV kernels: out [T, H] in x.dtype,
     inter rows rounded to x.dtype as the bf16 sorted path rounds them. FP8 experts (w13_scale
-    and w2_scale in fused_moe's layout): weight-only, x and inter are not quantized."""
+    and w2_scale in fused_moe's layout): weight-only, x and inter are not quantized. `pdl`:
+    programmatic dependent launches (kernels/pdl.py; the expert ids come from the previous
+    kernel, so nothing loads before the wait)."""
     t, h = x.shape
     inter_size, k = w13.shape[1] // 2, topk_ids.shape[1]
     assert w13.stride(2) == 1 and w2.stride(2) == 1 and w2.shape[1:] == (h, inter_size)
@@ -115,13 +118,13 @@ def fused_moe_small(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_i
         x, w13, s13, ids, inter, first_expert, num_local, h, inter_size, x.stride(0),
         w13.stride(0), w13.stride(1), *s13_strides, triton.cdiv(inter_size, block[0]),
         TOP_K=k, BLOCK_N=gu.block_n, BLOCK_K=gu.block_k, EVEN_K=h % gu.block_k == 0, FP8=fp8,
-        SCALE_BN=block[0], SCALE_BK=block[1], num_warps=gu.num_warps)
+        SCALE_BN=block[0], SCALE_BK=block[1], num_warps=gu.num_warps, **launch_kwargs(pdl))
     out = x.new_empty((t, h))
     _down_kernel[(t, triton.cdiv(h, dn.block_n))](
         inter, w2, s2, ids, weights, out, first_expert, num_local, h, inter_size, w2.stride(0),
         w2.stride(1), *s2_strides, TOP_K=k, BLOCK_TOPK=triton.next_power_of_2(k),
         BLOCK_N=dn.block_n, BLOCK_K=dn.block_k, EVEN_K=inter_size % dn.block_k == 0, FP8=fp8,
-        SCALE_BN=block[0], SCALE_BK=block[1], num_warps=dn.num_warps)
+        SCALE_BN=block[0], SCALE_BK=block[1], num_warps=dn.num_warps, **launch_kwargs(pdl))
     return out
 
 
@@ -147,11 +150,12 @@ def _gate_up_kernel(x_ptr, w_ptr, s_ptr, ids_ptr, inter_ptr, first_expert, num_l
                     inter_size, stride_xm, stride_we, stride_wn, stride_se, stride_sn,
                     up_scale_rows, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr,
                     BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, FP8: tl.constexpr,
-                    SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr):
+                    SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr, USE_PDL: tl.constexpr):
     """Program (pair, n-block): inter[pair, n] = silu(x[t] . gate_e[n]) * (x[t] . up_e[n]).
     Products accumulate per lane in [BLOCK_N, BLOCK_K] float32 and are reduced once at the end
     (no cross-thread reduction inside the loop). FP8: s [E, 2 * up_scale_rows, K blocks], gate's
     scale rows then up's; the program's rows share one of each, a step one scale column."""
+    pdl_wait(USE_PDL)
     pair = tl.program_id(0)
     local = tl.load(ids_ptr + pair) - first_expert
     if (local < 0) | (local >= num_local):
@@ -199,13 +203,14 @@ def _down_kernel(inter_ptr, w_ptr, s_ptr, ids_ptr, weights_ptr, out_ptr, first_e
                  hidden, inter_size, stride_we, stride_wn, stride_se, stride_sn,
                  TOP_K: tl.constexpr, BLOCK_TOPK: tl.constexpr, BLOCK_N: tl.constexpr,
                  BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, FP8: tl.constexpr,
-                 SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr):
+                 SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr, USE_PDL: tl.constexpr):
     """Program (token, n-block): out[t, n] = sum over t's local pairs of
     weight[t, k] * (inter[t*K + k] . w2_e[n]). The K pairs are one axis of each step's
     [BLOCK_TOPK, BLOCK_N, BLOCK_K] tile: every expert's rows are requested at once, and a
     non-local (or padding) pair's loads are masked off, so it reads nothing. FP8: s [E, H
     blocks, I blocks]; each pair's expert has one scale row for the program's rows and one
     scale column per step (BLOCK_K <= SCALE_BK)."""
+    pdl_wait(USE_PDL)
     t = tl.program_id(0)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     kk = tl.arange(0, BLOCK_TOPK)

@@ -44,6 +44,7 @@ import triton
 import triton.language as tl
 
 from moeserve.kernels.fp8_format import FP8, FP8_BLOCK, Block, as_block, scale_shape
+from moeserve.kernels.pdl import launch_kwargs, pdl_wait
 
 GEMV_MAX_M = 8  # rows the kernel takes: each weight element costs M fp32 FMAs
 LINEAR_MAX_M = 1  # rows at which it beats cuBLAS (H200, module docstring): Linear's limit
@@ -106,10 +107,11 @@ def gemv_fp8_config(n: int, k: int, block: Block, device: torch.device) -> GemvC
 
 
 def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
-         config: GemvConfig | None = None) -> torch.Tensor:
+         config: GemvConfig | None = None, pdl: bool = False) -> torch.Tensor:
     """x [M, K] (unit column stride) @ w [N, K]^T (unit column stride) + bias [N] → [M, N] in
     x.dtype, float32 accumulation; M <= GEMV_MAX_M. `config`: launch geometry (default
-    `gemv_config`)."""
+    `gemv_config`). `pdl`: a programmatic dependent launch (kernels/pdl.py) whose first weight
+    tile loads before the wait, so w must be a parameter nothing writes during the forward."""
     m, k = x.shape
     n = w.shape[0]
     _check_shapes("gemv", x, w, bias)
@@ -117,17 +119,19 @@ def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
     if m == 0 or n == 0:
         return out
     cfg = config or gemv_config(n, k, x.device)
-    _launch(x, w, None, bias, out, cfg, (1, 1))
+    _launch(x, w, None, bias, out, cfg, (1, 1), pdl)
     return out
 
 
 def gemv_fp8(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
              bias: torch.Tensor | None = None, block: int | Block = FP8_BLOCK,
-             config: GemvConfig | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+             config: GemvConfig | None = None, out: torch.Tensor | None = None,
+             pdl: bool = False) -> torch.Tensor:
     """Weight-only FP8: x [M, K] (bf16/fp16/fp32 as it is, unit column stride) @ (w * w_scale)^T
     + bias [N] → [M, N] in x.dtype, float32 accumulation; M <= GEMV_MAX_M. w [N, K] e4m3 (unit
     column stride), w_scale [ceil(N/bn), ceil(K/bk)] float32 (real = stored * scale, partial
-    edge blocks allowed). `out`: write into this [M, N] view (unit column stride)."""
+    edge blocks allowed). `out`: write into this [M, N] view (unit column stride). `pdl`: as in
+    `gemv`."""
     m, k = x.shape
     n = w.shape[0]
     bn, bk = as_block(block)
@@ -144,7 +148,7 @@ def gemv_fp8(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
     cfg = config or gemv_fp8_config(n, k, (bn, bk), x.device)
     if bn % cfg.block_n:
         raise ValueError(f"gemv_fp8: block_n {cfg.block_n} must divide the scale block {bn}")
-    _launch(x, w, w_scale, bias, out, cfg, (bn, bk))
+    _launch(x, w, w_scale, bias, out, cfg, (bn, bk), pdl)
     return out
 
 
@@ -154,12 +158,12 @@ def _check_shapes(name: str, x: torch.Tensor, w: torch.Tensor, bias: torch.Tenso
     assert x.stride(1) == 1 and w.stride(1) == 1 and (bias is None or bias.is_contiguous())
 
 
-def _launch(x, w, w_scale, bias, out, cfg: GemvConfig, block: Block) -> None:
+def _launch(x, w, w_scale, bias, out, cfg: GemvConfig, block: Block, pdl: bool) -> None:
     """One launch over cdiv(N, block_n) programs; w_scale None: a float weight."""
     (m, k), n = x.shape, w.shape[0]
     grid = (triton.cdiv(n, cfg.block_n),)
     common = dict(M=m, BLOCK_M=triton.next_power_of_2(m), BLOCK_N=cfg.block_n,
-                  HAS_BIAS=bias is not None, num_warps=cfg.num_warps)
+                  HAS_BIAS=bias is not None, num_warps=cfg.num_warps, **launch_kwargs(pdl))
     b = out if bias is None else bias
     if w_scale is None:
         _gemv_kernel[grid](x, w, b, out, n, k, x.stride(0), w.stride(0), out.stride(0),
@@ -175,40 +179,59 @@ def _launch(x, w, w_scale, bias, out, cfg: GemvConfig, block: Block) -> None:
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, N, K, stride_xm, stride_wn, stride_om,
                  M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr):
+                 BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr,
+                 USE_PDL: tl.constexpr):
     """Program n-block: each [BLOCK_N, BLOCK_K] tile of w is loaded once and dotted with the M
-    rows of x (statically unrolled), partial sums per step added into acc [BLOCK_M, BLOCK_N]."""
+    rows of x (statically unrolled), partial sums per step added into acc [BLOCK_M, BLOCK_N].
+    The first tile loads before the PDL wait (weights only)."""
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     rows = tl.arange(0, BLOCK_M)
     # rows past N wrap to valid ones (no mask along N); their results are never stored
     w_ptrs = w_ptr + (offs_n % N).to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        if EVEN_K:
-            w = tl.load(w_ptrs).to(tl.float32)
-        else:
-            k_ok = offs_k < K - k0
-            w = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0).to(tl.float32)
-        for m in tl.static_range(M):
-            if EVEN_K:
-                xm = tl.load(x_ptr + m * stride_xm + k0 + offs_k)
-            else:
-                xm = tl.load(x_ptr + m * stride_xm + k0 + offs_k, mask=k_ok, other=0.0)
-            part = tl.sum(w * xm.to(tl.float32)[None, :], axis=1)  # [BN]
-            acc = tl.where(rows[:, None] == m, acc + part[None, :], acc)
+    w = _load_tile(w_ptrs, offs_k[None, :], K, EVEN_K)
+    pdl_wait(USE_PDL)
+    acc = _gemv_step(tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), w.to(tl.float32), x_ptr,
+                     offs_k, rows, K, stride_xm, M, EVEN_K)
+    for k0 in range(BLOCK_K, K, BLOCK_K):
         w_ptrs += BLOCK_K
+        wk = _load_tile(w_ptrs, offs_k[None, :], K - k0, EVEN_K).to(tl.float32)
+        acc = _gemv_step(acc, wk, x_ptr + k0, offs_k, rows, K - k0, stride_xm, M, EVEN_K)
     _store_rows(acc, b_ptr, out_ptr, offs_n, rows, N, stride_om, M, HAS_BIAS)
+
+
+@triton.jit
+def _load_tile(ptrs, offs_k, k_left, EVEN_K: tl.constexpr):
+    """A weight tile whose columns offs_k < k_left are real (the rest 0 where K is uneven)."""
+    if EVEN_K:
+        return tl.load(ptrs)
+    return tl.load(ptrs, mask=offs_k < k_left, other=0.0)
+
+
+@triton.jit
+def _gemv_step(acc, w, x_ptr, offs_k, rows, k_left, stride_xm, M: tl.constexpr,
+               EVEN_K: tl.constexpr):
+    """acc[m] += w [BN, BK] . x[m, :BK] for the M rows of x (x_ptr at this step's columns)."""
+    for m in tl.static_range(M):
+        if EVEN_K:
+            xm = tl.load(x_ptr + m * stride_xm + offs_k)
+        else:
+            xm = tl.load(x_ptr + m * stride_xm + offs_k, mask=offs_k < k_left, other=0.0)
+        part = tl.sum(w * xm.to(tl.float32)[None, :], axis=1)  # [BN]
+        acc = tl.where(rows[:, None] == m, acc + part[None, :], acc)
+    return acc
 
 
 @triton.jit
 def _gemv_fp8_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, N, K, stride_xm, stride_wn, stride_sn,
                      stride_om, M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      GROUPS: tl.constexpr, SUB: tl.constexpr, EVEN_K: tl.constexpr,
-                     HAS_BIAS: tl.constexpr, SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr):
+                     HAS_BIAS: tl.constexpr, SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr,
+                     USE_PDL: tl.constexpr):
     """Program n-block of e4m3 w [N, K] with scales s [ceil(N/SCALE_BN), ceil(K/SCALE_BK)]:
     K steps of GROUPS x SUB columns, each group inside one scale block (SUB <= SCALE_BK, both
-    powers of two); this program's scale row is the one of its first row."""
+    powers of two); this program's scale row is the one of its first row. The first tile loads
+    before the PDL wait (weights only)."""
     BLOCK_K: tl.constexpr = GROUPS * SUB
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_g = tl.arange(0, GROUPS)
@@ -222,30 +245,40 @@ def _gemv_fp8_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, N, K, stride_xm, strid
         acc = tl.zeros([BLOCK_N, GROUPS, SUB], dtype=tl.float32)
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        if EVEN_K:
-            w = tl.load(w_ptrs)
-        else:
-            w = tl.load(w_ptrs, mask=(offs_k < K - k0)[None, :, :], other=0.0)
-        w = w.to(tl.float32)
-        # [G]: each group's block scale (groups past K: 0, their x and w are masked to 0 too)
-        s = tl.load(s_row + (k0 + offs_g * SUB) // SCALE_BK, mask=offs_g * SUB < K - k0,
-                    other=0.0)
-        for m in tl.static_range(M):
-            if EVEN_K:
-                xm = tl.load(x_ptr + m * stride_xm + k0 + offs_k)
-            else:
-                xm = tl.load(x_ptr + m * stride_xm + k0 + offs_k, mask=offs_k < K - k0, other=0.0)
-            xs = (xm.to(tl.float32) * s[:, None])[None, :, :]  # the scales folded into x
-            if M == 1:
-                acc += w * xs
-            else:
-                part = tl.sum(tl.sum(w * xs, axis=2), axis=1)  # [BN]
-                acc = tl.where(rows[:, None] == m, acc + part[None, :], acc)
+    w = _load_tile(w_ptrs, offs_k[None, :, :], K, EVEN_K)
+    pdl_wait(USE_PDL)
+    acc = _fp8_step(acc, w, s_row, x_ptr, 0, offs_g, offs_k, rows, K, stride_xm, M, SUB,
+                    SCALE_BK, EVEN_K)
+    for k0 in range(BLOCK_K, K, BLOCK_K):
         w_ptrs += BLOCK_K
+        w = _load_tile(w_ptrs, offs_k[None, :, :], K - k0, EVEN_K)
+        acc = _fp8_step(acc, w, s_row, x_ptr, k0, offs_g, offs_k, rows, K, stride_xm, M, SUB,
+                        SCALE_BK, EVEN_K)
     if M == 1:
         acc = tl.sum(tl.sum(acc, axis=2), axis=1)[None, :]  # [1, BN]
     _store_rows(acc, b_ptr, out_ptr, offs_n, rows, N, stride_om, M, HAS_BIAS)
+
+
+@triton.jit
+def _fp8_step(acc, w, s_row, x_ptr, k0, offs_g, offs_k, rows, K, stride_xm, M: tl.constexpr,
+              SUB: tl.constexpr, SCALE_BK: tl.constexpr, EVEN_K: tl.constexpr):
+    """One K step of the FP8 GEMV: w [BN, G, SUB] e4m3 at columns k0..; the groups' block
+    scales folded into x."""
+    w = w.to(tl.float32)
+    # [G]: each group's block scale (groups past K: 0, their x and w are masked to 0 too)
+    s = tl.load(s_row + (k0 + offs_g * SUB) // SCALE_BK, mask=offs_g * SUB < K - k0, other=0.0)
+    for m in tl.static_range(M):
+        if EVEN_K:
+            xm = tl.load(x_ptr + m * stride_xm + k0 + offs_k)
+        else:
+            xm = tl.load(x_ptr + m * stride_xm + k0 + offs_k, mask=offs_k < K - k0, other=0.0)
+        xs = (xm.to(tl.float32) * s[:, None])[None, :, :]  # the scales folded into x
+        if M == 1:
+            acc += w * xs
+        else:
+            part = tl.sum(tl.sum(w * xs, axis=2), axis=1)  # [BN]
+            acc = tl.where(rows[:, None] == m, acc + part[None, :], acc)
+    return acc
 
 
 @triton.jit

@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from moeserve.kernels.gemv import GEMV_DTYPES, block_k_for
+from moeserve.kernels.pdl import launch_kwargs, pdl_wait
 
 ROUTER_MAX_EXPERTS = 1024  # E the last program holds in registers
 
@@ -31,12 +32,14 @@ def _arrival_counter(device: torch.device) -> torch.Tensor:
     return torch.zeros(1, dtype=torch.int32, device=device)
 
 
-def router_topk(x: torch.Tensor, w: torch.Tensor, k: int,
-                renormalize: bool) -> tuple[torch.Tensor, torch.Tensor] | None:
+def router_topk(x: torch.Tensor, w: torch.Tensor, k: int, renormalize: bool,
+                pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor] | None:
     """One token: logits = x [1, H] @ w [E, H]^T (rounded to x.dtype), then the float32 softmax's
     top-k → (weights [1, k] float32, ids [1, k] int64), as `TritonOps.topk_softmax` on the
     linear's output. None where it does not apply (more rows, another dtype, E too large): the
-    caller runs the two-launch path. Graph-safe: shapes decide, no host sync."""
+    caller runs the two-launch path. Graph-safe: shapes decide, no host sync. `pdl`: a
+    programmatic dependent launch (kernels/pdl.py) whose first row step of w (a parameter)
+    loads before the wait."""
     if (x.dim() != 2 or x.shape[0] != 1 or x.dtype not in GEMV_DTYPES or w.dtype != x.dtype
             or w.dim() != 2 or w.shape[1] != x.shape[1] or w.shape[0] > ROUTER_MAX_EXPERTS
             or x.stride(1) != 1 or w.stride(1) != 1 or not 0 < k <= w.shape[0]):
@@ -50,7 +53,7 @@ def router_topk(x: torch.Tensor, w: torch.Tensor, k: int,
     _router_topk_kernel[(e,)](
         x, w, logits, weights, ids, _arrival_counter(x.device), h, w.stride(0), E=e, K=k,
         RENORM=bool(renormalize), BLOCK_H=block_k, BLOCK_E=block_e,
-        BLOCK_K=triton.next_power_of_2(k), num_warps=4)
+        BLOCK_K=triton.next_power_of_2(k), num_warps=4, **launch_kwargs(pdl))
     return weights, ids
 
 
@@ -82,15 +85,20 @@ def softmax_topk_store(x, weights, ids, t, E: tl.constexpr, K: tl.constexpr,
 @triton.jit
 def _router_topk_kernel(x_ptr, w_ptr, logits, weights, ids, counter, H, stride_w,
                         E: tl.constexpr, K: tl.constexpr, RENORM: tl.constexpr,
-                        BLOCK_H: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+                        BLOCK_H: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+                        USE_PDL: tl.constexpr):
     """Program e: logit e in float32 over BLOCK_H steps of the row (as the GEMV's one-row
     programs), rounded to x's dtype; the last program to arrive selects."""
     n = tl.program_id(0)
     offs = tl.arange(0, BLOCK_H)
-    acc = tl.zeros([BLOCK_H], dtype=tl.float32)
-    for h0 in range(0, H, BLOCK_H):
+    w_row = w_ptr + n.to(tl.int64) * stride_w
+    w = tl.load(w_row + offs, mask=offs < H, other=0.0)  # weights: before the PDL wait
+    pdl_wait(USE_PDL)
+    xv = tl.load(x_ptr + offs, mask=offs < H, other=0.0)
+    acc = w.to(tl.float32) * xv.to(tl.float32)
+    for h0 in range(BLOCK_H, H, BLOCK_H):
         ok = offs < H - h0
-        w = tl.load(w_ptr + n.to(tl.int64) * stride_w + h0 + offs, mask=ok, other=0.0)
+        w = tl.load(w_row + h0 + offs, mask=ok, other=0.0)
         xv = tl.load(x_ptr + h0 + offs, mask=ok, other=0.0)
         acc += w.to(tl.float32) * xv.to(tl.float32)
     tl.store(logits + n, tl.sum(acc, axis=0).to(logits.dtype.element_ty))
@@ -104,7 +112,7 @@ def _router_topk_kernel(x_ptr, w_ptr, logits, weights, ids, counter, H, stride_w
 
 def grouped_topk(logits: torch.Tensor, k: int, sigmoid: bool, bias: torch.Tensor | None,
                  num_groups: int, topk_groups: int, top2_sum: bool, renormalize: bool,
-                 scale: float) -> tuple[torch.Tensor, torch.Tensor] | None:
+                 scale: float, pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor] | None:
     """DeepSeek's router per token in one launch: sigmoid or softmax scores, the choice steered
     by `bias`, only the experts of the `topk_groups` best of `num_groups` groups (group score:
     its max, or the sum of its top two), top-k by choice, weights = the chosen scores
@@ -124,7 +132,7 @@ def grouped_topk(logits: torch.Tensor, k: int, sigmoid: bool, bias: torch.Tensor
             logits, logits if bias is None else bias, weights, ids, scale, E=e, K=k,
             SIGMOID=sigmoid, HAS_BIAS=bias is not None, G=num_groups, TG=topk_groups,
             TOP2=top2_sum, RENORM=renormalize, BLOCK_K=triton.next_power_of_2(k),
-            num_warps=4 if e >= 256 else 2)
+            num_warps=4 if e >= 256 else 2, **launch_kwargs(pdl))
     return weights, ids
 
 
@@ -132,8 +140,9 @@ def grouped_topk(logits: torch.Tensor, k: int, sigmoid: bool, bias: torch.Tensor
 def _grouped_topk_kernel(logits, bias, weights, ids, scale, E: tl.constexpr, K: tl.constexpr,
                          SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr, G: tl.constexpr,
                          TG: tl.constexpr, TOP2: tl.constexpr, RENORM: tl.constexpr,
-                         BLOCK_K: tl.constexpr):
+                         BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
     """One token. Ties anywhere go to the lower id (group or expert)."""
+    pdl_wait(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     e = tl.arange(0, E)
     x = tl.load(logits + t * E + e)

@@ -22,6 +22,8 @@ import torch
 try:  # optional: only installs with Triton have the triton attention backend
     import triton
     import triton.language as tl
+
+    from moeserve.kernels.pdl import launch_kwargs, pdl_wait
 except ImportError:  # pragma: no cover - CPU installs
     triton = None
 
@@ -46,10 +48,11 @@ def block_dim(n: int) -> int:
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor | None, loc: torch.Tensor, k_buf: torch.Tensor,
-             v_buf: torch.Tensor | None) -> None:
+             v_buf: torch.Tensor | None, pdl: bool = False) -> None:
     """k_buf[loc] = k and v_buf[loc] = v (cast to the pool dtype) in one launch.
 
     k: [T, Hkv, Dk], v: [T, Hkv, Dv] or None (MLA), loc: [T] slots; last dims contiguous.
+    `pdl`: a programmatic dependent launch (kernels/pdl.py).
     """
     t, hkv, dk = k.shape
     if t == 0:
@@ -67,7 +70,7 @@ def store_kv(k: torch.Tensor, v: torch.Tensor | None, loc: torch.Tensor, k_buf: 
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1),
         HEADS=hkv, DK=dk, DV=dv, HAS_V=has_v, BLOCK_T=block_t, BLOCK_K=block_k,
-        BLOCK_V=block_v, num_warps=4,
+        BLOCK_V=block_v, num_warps=4, **launch_kwargs(pdl),
     )
 
 
@@ -83,7 +86,7 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor |
                      req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
                      seq_lens: torch.Tensor, scale: float, dk: int, dv: int,
                      out: torch.Tensor, part_out: torch.Tensor, part_lse: torch.Tensor,
-                     fuse_reduce: bool = True) -> None:
+                     fuse_reduce: bool = True, pdl: bool = False) -> None:
     """One query per request over its KV positions [0, seq_len): out = softmax(q k^T * scale) v.
 
     q: [B, H, Dq] (Dq = dk + dpe), k_buf: [slots + 1, Hkv, >= Dq], v_buf: [slots + 1, Hkv, dv]
@@ -91,7 +94,8 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor |
     scratch part_out: [B, H, S, dv] float32, part_lse: [B, H, S] float32, S = number of KV splits.
     fuse_reduce: the last split of each (request, head block) to finish combines the splits in
     the same launch (one launch fewer per layer: what a batch-1 step is bound by); else a second
-    kernel does. Launches only from tensors and shapes (CUDA-graph safe).
+    kernel does. Launches only from tensors and shapes (CUDA-graph safe). `pdl`: programmatic
+    dependent launches (kernels/pdl.py).
     """
     b, h, dq = q.shape
     if b == 0:
@@ -121,7 +125,7 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor |
         HEADS_PER_PROG=heads_per_prog, PROGS_PER_KV=progs_per_kv, NUM_SPLITS=splits,
         BLOCK_H=block_h, BLOCK_N=32 if big else 64, BLOCK_D=block_dim(dk),
         BLOCK_DPE=block_dim(max(dpe, 1)), BLOCK_DV=block_dim(dv), HAS_PE=dpe > 0,
-        V_IS_K=v_is_k, FUSE_REDUCE=fuse, num_warps=4, num_stages=2,
+        V_IS_K=v_is_k, FUSE_REDUCE=fuse, num_warps=4, num_stages=2, **launch_kwargs(pdl),
     )
     if fuse:
         return
@@ -130,7 +134,7 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor |
         part_out.stride(0), part_out.stride(1), part_out.stride(2),
         part_lse.stride(0), part_lse.stride(1), out.stride(0), out.stride(1), dv,
         NUM_SPLITS=splits, BLOCK_S=triton.next_power_of_2(splits),
-        BLOCK_DV=triton.next_power_of_2(dv), num_warps=4,
+        BLOCK_DV=triton.next_power_of_2(dv), num_warps=4, **launch_kwargs(pdl),
     )
 
 
@@ -152,8 +156,9 @@ if triton is not None:
                          stride_kbt, stride_kbh, stride_vbt, stride_vbh,
                          HEADS: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                          HAS_V: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
-                         BLOCK_V: tl.constexpr):
+                         BLOCK_V: tl.constexpr, USE_PDL: tl.constexpr):
         """Program: BLOCK_T tokens, their K (and V) rows of every KV head as [BLOCK_T, heads*D]."""
+        pdl_wait(USE_PDL)
         offs_t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
         mask_t = offs_t < num_tokens
         slots = tl.load(loc_ptr + offs_t, mask=mask_t, other=0).to(tl.int64)
@@ -223,12 +228,13 @@ if triton is not None:
         HEADS_PER_PROG: tl.constexpr, PROGS_PER_KV: tl.constexpr, NUM_SPLITS: tl.constexpr,
         BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
         BLOCK_DPE: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_PE: tl.constexpr,
-        V_IS_K: tl.constexpr, FUSE_REDUCE: tl.constexpr,
+        V_IS_K: tl.constexpr, FUSE_REDUCE: tl.constexpr, USE_PDL: tl.constexpr,
     ):
         """Stage 1, program (request, head block, split): the query heads of the block (all on
         one KV head) over the split's KV positions; online softmax in base 2, float32. Writes the
         split's normalised output and log2-sum-exp (-inf, with a zero output, when empty).
         FUSE_REDUCE: the group's last split to arrive then does stage 2 for the block's heads."""
+        pdl_wait(USE_PDL)
         b = tl.program_id(0)
         hb = tl.program_id(1)
         split = tl.program_id(2)
@@ -312,8 +318,9 @@ if triton is not None:
                               stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
                               stride_ob, stride_oh, dv,
                               NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
-                              BLOCK_DV: tl.constexpr):
+                              BLOCK_DV: tl.constexpr, USE_PDL: tl.constexpr):
         """Stage 2, program (request, head): the splits' outputs weighted by their sum-exp."""
+        pdl_wait(USE_PDL)
         b = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1)
         offs_s = tl.arange(0, BLOCK_S)

@@ -29,6 +29,7 @@ try:  # optional: only the CUDA image has Triton
     import triton.language as tl
 
     from moeserve.kernels.gemv import GEMV_DTYPES, LINEAR_MAX_M, gemv
+    from moeserve.kernels.pdl import launch_kwargs, pdl_wait
     from moeserve.kernels.router_topk import grouped_topk, router_topk, softmax_topk_store
 except ImportError:  # pragma: no cover - CPU installs
     triton = None
@@ -43,7 +44,11 @@ def _warps(block: int, per_warp: int, most: int) -> int:
 
 class TritonOps:
     """One-launch replacements of small torch op chains. Tensors are on one CUDA device (the
-    current one: Triton launches there), or on the CPU under the interpreter; see `usable`."""
+    current one: Triton launches there), or on the CPU under the interpreter; see `usable`.
+    `pdl`: launch them as programmatic dependent launches (kernels/pdl.py; CUDA sm90+ only)."""
+
+    def __init__(self, pdl: bool = False):
+        self.pdl = pdl
 
     def usable(self, t: torch.Tensor) -> bool:
         """Whether the kernels can run on t's device (CUDA, or the CPU under the interpreter)."""
@@ -65,7 +70,7 @@ class TritonOps:
         x2 = x.reshape(-1, k)  # [M, K]
         if x2.stride(1) != 1:
             x2 = x2.contiguous()
-        return gemv(x2, weight, bias).view(*x.shape[:-1], weight.shape[0])
+        return gemv(x2, weight, bias, pdl=self.pdl).view(*x.shape[:-1], weight.shape[0])
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
                  residual: torch.Tensor | None = None):
@@ -84,7 +89,8 @@ class TritonOps:
             _rms_norm_kernel[(t,)](
                 out, out if res_out is None else res_out, x, x.stride(0),
                 x if residual is None else residual, weight, eps, N=n,
-                HAS_RES=residual is not None, BLOCK=block, num_warps=_warps(block, 256, 16))
+                HAS_RES=residual is not None, BLOCK=block, num_warps=_warps(block, 256, 16),
+                **launch_kwargs(self.pdl))
         return out if residual is None else (out, res_out)
 
     def qk_norm_rope(self, qkv: torch.Tensor, num_q: int, num_k: int, head_dim: int,
@@ -133,14 +139,14 @@ class TritonOps:
             STORE=store is not None, BLOCK_V=triton.next_power_of_2(num_k * head_dim),
             num_warps=_warps(half * block_heads, 256, 8),
             # no FMA contraction: x1 * cos + x2 * -sin rounds as the torch path's mul, mul, add
-            enable_fp_fusion=False)
+            enable_fp_fusion=False, **launch_kwargs(self.pdl))
 
     def router_topk(self, x: torch.Tensor, weight: torch.Tensor, k: int, renormalize: bool):
         """One token's router linear and softmax top-k in one launch (kernels/router_topk.py):
         (weights, ids) as `topk_softmax(linear(x, weight))`, or None where it does not apply."""
         if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
             return None
-        return router_topk(x, weight, k, renormalize)
+        return router_topk(x, weight, k, renormalize, pdl=self.pdl)
 
     def grouped_topk(self, logits: torch.Tensor, cfg: RouterConfig,
                      correction_bias: torch.Tensor | None):
@@ -148,7 +154,7 @@ class TritonOps:
         None where its shapes or dtypes do not fit (the caller runs torch ops)."""
         return grouped_topk(logits, cfg.top_k, cfg.scoring == "sigmoid", correction_bias,
                             cfg.num_groups, cfg.topk_groups, cfg.group_score == "top2_sum",
-                            cfg.renormalize, cfg.routed_scaling_factor)
+                            cfg.renormalize, cfg.routed_scaling_factor, pdl=self.pdl)
 
     def topk_softmax(self, logits: torch.Tensor, k: int, renormalize: bool):
         """logits [T, E] (any float dtype) → (weights [T, k] float32, ids [T, k] int64) of the
@@ -162,7 +168,8 @@ class TritonOps:
             block = triton.next_power_of_2(e)
             _topk_softmax_kernel[(t,)](
                 weights, ids, logits, E=e, K=k, RENORM=bool(renormalize), BLOCK_E=block,
-                BLOCK_K=triton.next_power_of_2(k), num_warps=_warps(block, 128, 8))
+                BLOCK_K=triton.next_power_of_2(k), num_warps=_warps(block, 128, 8),
+                **launch_kwargs(self.pdl))
         return weights, ids
 
 
@@ -170,13 +177,15 @@ if triton is not None:
 
     @triton.jit
     def _rms_norm_kernel(out, res_out, x, x_stride, res, weight, eps, N: tl.constexpr,
-                         HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
+                         HAS_RES: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
         """One row: the sum rounded to x's dtype (and stored), normalised in float32, rounded,
         times the weight in float32, rounded: RMSNorm's torch rounding sequence."""
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         mask = cols < N
         dt = x.dtype.element_ty
+        w = tl.load(weight + cols, mask=mask, other=0.0).to(tl.float32)  # a parameter
+        pdl_wait(USE_PDL)
         v = tl.load(x + row * x_stride + cols, mask=mask, other=0.0).to(tl.float32)
         if HAS_RES:
             r = tl.load(res + row * N + cols, mask=mask, other=0.0).to(tl.float32)
@@ -185,7 +194,6 @@ if triton is not None:
             v = s.to(tl.float32)
         rstd = tl.rsqrt(tl.sum(v * v, axis=0) / N + eps)
         h = (v * rstd).to(dt).to(tl.float32)
-        w = tl.load(weight + cols, mask=mask, other=0.0).to(tl.float32)
         tl.store(out + row * N + cols, (w * h).to(dt), mask=mask)
 
     @triton.jit
@@ -203,11 +211,13 @@ if triton is not None:
                              NUM_Q: tl.constexpr, NUM_HEADS: tl.constexpr, D: tl.constexpr,
                              ROT: tl.constexpr, HAS_NORM: tl.constexpr, BLOCK_HEADS: tl.constexpr,
                              BLOCK_HALF: tl.constexpr, BLOCK_REST: tl.constexpr,
-                             HAS_REST: tl.constexpr, STORE: tl.constexpr, BLOCK_V: tl.constexpr):
+                             HAS_REST: tl.constexpr, STORE: tl.constexpr, BLOCK_V: tl.constexpr,
+                             USE_PDL: tl.constexpr):
         """BLOCK_HEADS heads of one token, each held as its two rotated halves and the
         unrotated rest: the rope partners sit in registers (no read of a channel another thread
         may have written). STORE: the k heads also go to k_buf[loc[t]], and the token's v heads
         (by the first head block's program) to v_buf[loc[t]]."""
+        pdl_wait(USE_PDL)
         t = tl.program_id(0).to(tl.int64)
         heads = tl.program_id(1) * BLOCK_HEADS + tl.arange(0, BLOCK_HEADS)  # [BH]
         HALF: tl.constexpr = ROT // 2
@@ -263,8 +273,10 @@ if triton is not None:
 
     @triton.jit
     def _topk_softmax_kernel(weights, ids, logits, E: tl.constexpr, K: tl.constexpr,
-                             RENORM: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+                             RENORM: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+                             USE_PDL: tl.constexpr):
         """One token: float32 softmax, then K rounds of (max, lowest id holding it, mask it)."""
+        pdl_wait(USE_PDL)
         t = tl.program_id(0).to(tl.int64)
         e = tl.arange(0, BLOCK_E)
         x = tl.load(logits + t * E + e, mask=e < E, other=float("-inf")).to(tl.float32)

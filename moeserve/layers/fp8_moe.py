@@ -107,7 +107,8 @@ class Fp8MoEExperts(MoEExperts):
         cfg = get_moe_config(self.num_local, x.shape[1], self.intermediate_size,
                              topk_ids.shape[1], x.dtype, x.shape[0], self.config_dir)
         return fused_moe(x, self.w13, self.w2, topk_ids, topk_weights, self.first_expert,
-                         self.num_local, cfg, self.w13_scale_inv, self.w2_scale_inv, self.block)
+                         self.num_local, cfg, self.w13_scale_inv, self.w2_scale_inv, self.block,
+                         pdl=self.pdl)
 
     def forward_reference(self, x: torch.Tensor, topk_ids: torch.Tensor,
                           topk_weights: torch.Tensor, masked: bool | None = None) -> torch.Tensor:

@@ -42,6 +42,7 @@ class MoEExperts(nn.Module):
     """
 
     cpu_kernels: CpuKernels | None = None  # set on CPU models (kernels.cpu_ops): small batches
+    gpu_ops: Any = None  # TritonOps on CUDA models: its `pdl` flag applies to the fused MoE
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int,
                  first_expert: int = 0, num_local: int | None = None,
@@ -132,7 +133,11 @@ class MoEExperts(nn.Module):
         cfg = get_moe_config(self.num_local, x.shape[1], self.intermediate_size,
                              topk_ids.shape[1], x.dtype, x.shape[0], self.config_dir)
         return fused_moe(x, self.w13, self.w2, topk_ids, topk_weights, self.first_expert,
-                         self.num_local, cfg)
+                         self.num_local, cfg, pdl=self.pdl)
+
+    @property
+    def pdl(self) -> bool:
+        return self.gpu_ops is not None and self.gpu_ops.pdl
 
     def forward_grouped(self, x: torch.Tensor, topk_ids: torch.Tensor,
                         topk_weights: torch.Tensor) -> torch.Tensor:

@@ -42,6 +42,20 @@ def moe_backend_name(cfg: MoeserveConfig, device: torch.device, interpret: bool)
     return name
 
 
+def use_pdl(cfg: MoeserveConfig, device: torch.device) -> bool:
+    """model.pdl resolved: None is on where the device supports programmatic dependent launch
+    (kernels/pdl.py); true where it does not is refused."""
+    if cfg.model.pdl is False or device.type != "cuda":
+        return False
+    from moeserve.kernels.pdl import pdl_supported
+
+    ok = pdl_supported(device)
+    if cfg.model.pdl and not ok:
+        raise ConfigError("model.pdl", "programmatic dependent launch needs an sm90+ GPU and "
+                          "Triton >= 3.4 (tl.extra.cuda.gdc_wait)")
+    return ok
+
+
 def use_cuda_graphs(cfg: MoeserveConfig, device: torch.device, attention_graph_safe: bool,
                     dispatcher) -> tuple[bool, str]:
     """(on, why): on CUDA by default where the decode step can be captured; an explicit

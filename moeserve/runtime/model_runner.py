@@ -21,7 +21,7 @@ from moeserve.layers.moe import ExpertRecorder
 from moeserve.models.loader import WeightLoadError
 from moeserve.models.quantization import resolve_quant_plan
 from moeserve.models.registry import model_class
-from moeserve.runtime.kernel_choice import (attention_backend_name, moe_backend_name,
+from moeserve.runtime.kernel_choice import (attention_backend_name, moe_backend_name, use_pdl,
                                             use_cuda_graphs)
 from moeserve.runtime.kv_memory import init_kv_memory, kv_layout
 from moeserve.runtime.moe_setup import build_moe_parallel, num_logical_experts
@@ -96,6 +96,7 @@ class ModelRunner:
         self.cpu_kernels = self._cpu_kernels()
         if self.cpu_kernels is not None:
             attach_cpu_kernels(self.model, self.cpu_kernels)
+        self.pdl = use_pdl(cfg, self.device)  # programmatic dependent launches (kernels/pdl.py)
         self.gpu_ops = self._gpu_ops()
         self.attn_backend = self._attention_backend()
         self.greedy_head = self._greedy_head()
@@ -157,6 +158,8 @@ class ModelRunner:
     def _attention_backend(self):
         name = attention_backend_name(self.cfg, self.device, self.cpu_kernels is not None,
                                       env().triton_interpret)
+        if name == "triton":
+            return create_attention_backend(name, pdl=self.pdl)
         return create_attention_backend(name, *([self.cpu_kernels] if name == "cpu" else []))
 
     def _gpu_ops(self):
@@ -167,7 +170,7 @@ class ModelRunner:
         from moeserve.kernels.attach import attach_ops
         from moeserve.kernels.triton_ops import TritonOps
 
-        ops = TritonOps()
+        ops = TritonOps(pdl=self.pdl)
         attach_ops(self.model, "gpu_ops", ops)
         return ops
 

@@ -43,6 +43,19 @@ def test_graph_decode_is_token_identical_to_eager(tiny_model, arch, num_prompts)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("num_prompts", [1, 8])
+def test_pdl_graphs_are_token_identical_to_plain_eager_launches(tiny_model, arch, num_prompts):
+    """Programmatic dependent launches (kernels/pdl.py) change when kernels start, never what
+    they compute: graphs of PDL launches equal eager steps without PDL."""
+    path = tiny_model(arch)
+    prompts = prompts_of_lengths([5, 17, 9, 30, 3, 12, 21, 8][:num_prompts], 30000, seed=4)
+    plain = _generate(path, prompts, ["cuda_graph.enabled=false", "model.pdl=false"])
+    pdl = _generate(path, prompts, ["cuda_graph.enabled=true", "cuda_graph.max_bs=16",
+                                    "cuda_graph.max_extend_tokens=0", "model.pdl=true"])
+    assert pdl == plain
+
+
+@pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("lengths", [[32], [5, 17, 9, 30, 3, 12, 21, 31]])  # 32 and 128 tokens
 def test_extend_graphs_are_token_identical_to_eager(tiny_model, arch, lengths):
     path = tiny_model(arch)

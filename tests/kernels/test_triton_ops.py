@@ -336,7 +336,8 @@ def test_sparse_moe_block_uses_ops(monkeypatch, tokens):
     x = rand(tokens, 32)
     assert OPS.usable(x)
     block(x)
-    assert attach_ops(block, "gpu_ops", OPS) == 2  # the block (top-k) and its router linear
+    # the block (top-k), its router linear and its experts (their launches take ops.pdl)
+    assert attach_ops(block, "gpu_ops", OPS) == 3
     with torch.no_grad():
         block(x)
     (ref_w, ref_ids), (w, ids) = routed

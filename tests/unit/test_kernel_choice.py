@@ -12,7 +12,7 @@ from moeserve.config import ConfigError, compose
 from moeserve.core import ForwardMode
 from moeserve.runtime.cuda_graph import CudaGraphRunner, decode_buckets
 from moeserve.runtime.kernel_choice import (attention_backend_name, moe_backend_name,
-                                            use_cuda_graphs)
+                                            use_cuda_graphs, use_pdl)
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 
@@ -35,6 +35,16 @@ def test_triton_on_cpu_needs_the_interpreter(override, key):
             moe_backend_name(cfg, CPU, False)
     assert (attention_backend_name(cfg, CPU, True, True) if key.startswith("attention")
             else moe_backend_name(cfg, CPU, True)) == "triton"
+
+
+def test_pdl_off_on_cpu_and_refused_where_asked_for():
+    assert use_pdl(compose(), CPU) is False
+    assert use_pdl(compose(["model.pdl=false"]), CUDA) is False  # never probes the device
+    with pytest.raises(ConfigError, match="model.pdl"):
+        compose(["device=cpu", "model.pdl=true"])
+    if not torch.cuda.is_available():
+        with pytest.raises(ConfigError, match="model.pdl"):
+            use_pdl(compose(["model.pdl=true"]), CUDA)
 
 
 def test_graphs_default_on_cuda_only_where_capturable():
