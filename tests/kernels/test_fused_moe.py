@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from moeserve.kernels import fused_moe as fm
+from moeserve.kernels import moe_align as ma
 from moeserve.kernels import moe_config
 from moeserve.layers.moe import MoEExperts, MoEParallel
 
@@ -119,8 +120,8 @@ def test_align_block_size_layout(path, t, k, e, block_m, first, num_local, monke
     orig = torch.empty
     monkeypatch.setattr(torch, "empty", lambda *a, **kw: orig(*a, **kw).fill_(-7))  # poison
     ids = _inputs(t, 16, 16, e, k, seed=t, stray=True)[3]
-    p = fm.max_padded_pairs(ids.numel(), num_local, block_m)
-    s, ex, post = getattr(fm, path)(ids, block_m, first, num_local, p)
+    p = ma.max_padded_pairs(ids.numel(), num_local, block_m)
+    s, ex, post = getattr(ma, path)(ids, block_m, first, num_local, p)
     s, ex, post, n = s.cpu().long(), ex.cpu().long(), int(post), ids.numel()
     assert s.shape == (p,) and ex.shape == (p // block_m,) and post % block_m == 0
     local = (ids.cpu() - first).flatten()
@@ -141,7 +142,7 @@ def test_align_block_size_layout(path, t, k, e, block_m, first, num_local, monke
 def test_align_one_token_blocks_in_pair_order(first, num_local):
     """Batch-1 decode: block k holds pair k alone; a non-local expert's block is -1 (skipped)."""
     ids = torch.tensor([[9, 2, 15, 5]], device=DEVICE)
-    s, ex, post = fm.moe_align_block_size(ids, 16, first, num_local)
+    s, ex, post = ma.moe_align_block_size(ids, 16, first, num_local)
     assert s.shape == (64,) and ex.shape == (4,) and int(post) == 64
     blocks = s.view(4, 16).cpu()
     assert blocks[:, 0].tolist() == [0, 1, 2, 3] and (blocks[:, 1:] == 4).all()
@@ -154,12 +155,12 @@ def test_align_one_token_blocks_in_pair_order(first, num_local):
 
 def test_align_paths_agree():
     ids = _inputs(97, 16, 16, 32, 5, seed=9, stray=True)[3]
-    p = fm.max_padded_pairs(ids.numel(), 20, 32)
-    a = fm._align_triton(ids, 32, 4, 20, p)
-    b = fm._align_torch(ids, 32, 4, 20, p)
+    p = ma.max_padded_pairs(ids.numel(), 20, 32)
+    a = ma._align_triton(ids, 32, 4, 20, p)
+    b = ma._align_torch(ids, 32, 4, 20, p)
     assert all(torch.equal(u, v) for u, v in zip(a, b))
     # the parallel kernels place an expert's pairs in any order: the same runs, sorted equal
-    c = fm._align_parallel(ids, 32, 4, 20, p)
+    c = ma._align_parallel(ids, 32, 4, 20, p)
     assert torch.equal(c[1], b[1]) and torch.equal(c[2], b[2])
     runs_b, runs_c = b[0].view(-1, 32), c[0].view(-1, 32)
     for e in range(20):
@@ -171,7 +172,7 @@ def test_align_paths_agree():
 def test_fused_moe_many_pairs_equals_loop():
     """Past TRITON_ALIGN_MAX_PAIRS (the parallel align), EP-local masking."""
     x, w13, w2, ids, w = _inputs(160, 32, 24, 16, 8, seed=11, num_local=10)
-    assert ids.numel() > fm.TRITON_ALIGN_MAX_PAIRS
+    assert ids.numel() > ma.TRITON_ALIGN_MAX_PAIRS
     out = fm.fused_moe(x, w13, w2, ids, w, 3, 10, small_path=False)
     _check(out, x, w13, w2, ids, w, 3)
 
