@@ -24,6 +24,9 @@ class Env:
     disable_march_native: bool  # MOESERVE_DISABLE_MARCH_NATIVE: build them without -march=native
     disable_bf16_head: bool  # MOESERVE_DISABLE_BF16_HEAD: the AVX512-BF16 greedy LM head
     disable_onednn_bf16: bool  # MOESERVE_DISABLE_ONEDNN_BF16: oneDNN's bf16 linear prepack
+    # MOESERVE_DISABLE_CPU_LINEAR: the C bf16-weight linear (bf16 models where oneDNN's prepack
+    # is off; model.dtype=auto then picks float32 on CPUs without native bf16)
+    disable_cpu_linear: bool
     # MOESERVE_TEST_REBALANCE_PAUSE_S=S (tests only, default 0): in a live EPLB rebalance the last
     # EP rank logs a line and sleeps S seconds after the load all-reduce, before the weight moves
     # (its peers wait for it in their transfers), so a fault test can kill a rank mid-rebalance
@@ -44,6 +47,7 @@ class Env:
                    disable_march_native=_flag("MOESERVE_DISABLE_MARCH_NATIVE"),
                    disable_bf16_head=_flag("MOESERVE_DISABLE_BF16_HEAD"),
                    disable_onednn_bf16=_flag("MOESERVE_DISABLE_ONEDNN_BF16"),
+                   disable_cpu_linear=_flag("MOESERVE_DISABLE_CPU_LINEAR"),
                    test_rebalance_pause_s=float(
                        os.environ.get("MOESERVE_TEST_REBALANCE_PAUSE_S") or 0),
                    test_zipf_router=float(os.environ.get("MOESERVE_TEST_ZIPF_ROUTER") or 0))

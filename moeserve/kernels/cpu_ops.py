@@ -8,7 +8,8 @@ ties to the installed torch.
 
 Portability: a build is used only after a run-time probe tried it (`cpu_probe`, in a child
 process, so an illegal instruction kills the probe and not the server): first the -march=native
-build, then a portable one; the AVX512-BF16 greedy head only where the probe ran it. Where no
+build, then (x86-64) an AVX2 + FMA one, then a portable one; the AVX512-BF16 greedy head only
+where the probe ran it. Where no
 compiler is found, every build fails or its probe, `load_cpu_kernels` returns None (one log line)
 and the torch ops run instead. MOESERVE_DISABLE_CPU_KERNELS / _MARCH_NATIVE / _BF16_HEAD force each
 step off (env.py), so the fallbacks are tested on any CPU.
@@ -22,6 +23,7 @@ import hashlib
 import json
 import logging
 import os
+import platform
 import shlex
 import shutil
 import signal
@@ -37,9 +39,16 @@ from moeserve.kernels.attach import attach_ops
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("cpu_decode.c")
-CFLAGS = ["-O3", "-ffp-contract=off", "-fno-math-errno", "-fopenmp-simd", "-shared", "-fPIC"]
-NATIVE = ["-march=native"]  # tried first; the portable build (CFLAGS alone) after it
+SOURCES = [Path(__file__).with_name("cpu_decode.c"), Path(__file__).with_name("cpu_linear.c")]
+CFLAGS = ["-O3", "-ffp-contract=off", "-fno-math-errno", "-shared", "-fPIC"]
+# threads for ms_linear_w16 (torch's libgomp.so.1 is already loaded, so one OpenMP runtime); a
+# compiler without an OpenMP runtime (clang without libomp) builds with the simd pragmas only
+OPENMP = (["-fopenmp"], ["-fopenmp-simd"])
+NATIVE = ["-march=native"]  # tried first
+# then, on x86-64, what an AVX2 machine's -march=native gives the kernels (their v8f vectors are
+# one AVX register, FMA in the matmuls), e.g. where the compiler does not know this CPU or the
+# native build fails its probe; the portable build (CFLAGS alone: SSE2) last
+AVX2 = ["-mavx2", "-mfma", "-mf16c"]
 PROBE_TIMEOUT_S = 300.0
 _DT = {torch.float32: 0, torch.bfloat16: 1}
 
@@ -53,9 +62,12 @@ _SIGNATURES = {
     "ms_moe_experts": [_P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, ctypes.c_int],
     "ms_has_bf16_dot": [],
     "ms_lm_head_argmax": [_P, _P, _P, _I, _I, _I],
+    "ms_linear_w16": [_P, _P, _P, _P, _I, _I, _I, _I, ctypes.c_int],
+    "ms_linear_w16_fma": [],
 }
 
-_RESTYPES = {"ms_qk_norm_rope": _I, "ms_has_bf16_dot": _I, "ms_lm_head_argmax": _I}
+_RESTYPES = {"ms_qk_norm_rope": _I, "ms_has_bf16_dot": _I, "ms_lm_head_argmax": _I,
+             "ms_linear_w16": _I, "ms_linear_w16_fma": _I}
 
 
 def supports(dtype: torch.dtype) -> bool:
@@ -73,6 +85,8 @@ class CpuKernels:
             fn.argtypes, fn.restype = argtypes, _RESTYPES.get(name)
         self._lib = lib
         self.has_bf16_dot = bf16_head and bool(lib.ms_has_bf16_dot())  # the greedy LM head
+        # `linear` built for AVX2 + FMA (elsewhere it runs, slower, on generic vectors)
+        self.fast_linear = bool(lib.ms_linear_w16_fma())
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
                  residual: torch.Tensor | None = None):
@@ -158,6 +172,29 @@ class CpuKernels:
                                  first_expert, e, _DT[x.dtype])
         return out
 
+    def pack_linear(self, weight: torch.Tensor) -> torch.Tensor:
+        """A linear weight [N, K] as `linear` reads it: bf16 [ceil(N / 16), K, 16], zero rows
+        past N (rounded to bf16 when it is not)."""
+        n, k = weight.shape
+        padded = torch.zeros((-(-n // 16) * 16, k), dtype=torch.bfloat16)
+        padded[:n] = weight
+        return padded.view(-1, 16, k).transpose(1, 2).contiguous()
+
+    def linear(self, x: torch.Tensor, packed: torch.Tensor, n: int,
+               bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x [..., K] (float32 or bf16) · W^T (+ bias) → [..., n] in x's dtype, from `packed`
+        (pack_linear) in float32 arithmetic on torch's intra-op thread count."""
+        k = x.shape[-1]
+        assert packed.shape[1:] == (k, 16) and packed.dtype == torch.bfloat16
+        x2 = x.reshape(-1, k).contiguous()
+        if bias is not None:
+            assert bias.dtype == x.dtype and bias.is_contiguous()
+        out = torch.empty((x2.shape[0], n), dtype=x.dtype)
+        if self._lib.ms_linear_w16(out.data_ptr(), x2.data_ptr(), packed.data_ptr(), _ptr(bias),
+                                   x2.shape[0], n, k, torch.get_num_threads(), _DT[x.dtype]):
+            raise MemoryError(f"ms_linear_w16: no memory for {x2.shape[0]} x {k} activations")
+        return out.view(*x.shape[:-1], n)
+
     def pack_greedy_head(self, weight: torch.Tensor) -> torch.Tensor:
         """An LM head weight [V, H] bf16 in the layout of `greedy_head`: [ceil(V / 16), H / 2,
         16, 2], zero rows past V."""
@@ -182,8 +219,34 @@ class CpuKernels:
 
 def attach_cpu_kernels(model: torch.nn.Module, kernels: CpuKernels) -> int:
     """Give the kernels to every module that can use them (those declaring a `cpu_kernels`
-    attribute: norms, attention, MoE routers); returns how many."""
-    return attach_ops(model, "cpu_kernels", kernels)
+    attribute: norms, attention, MoE routers, linears); returns how many. bf16 linears without
+    oneDNN's prepack get their weight packed for `CpuKernels.linear` (pack_bf16_linears)."""
+    count = attach_ops(model, "cpu_kernels", kernels)
+    pack_bf16_linears(model, kernels)
+    return count
+
+
+def pack_bf16_linears(model: torch.nn.Module, kernels: CpuKernels) -> int:
+    """bf16 weights, float32 arithmetic: each bf16 `Linear` that oneDNN did not prepack (CPUs
+    without AVX512-BW/BF16, e.g. AVX2-only x86, or MOESERVE_DISABLE_ONEDNN_BF16) runs
+    `CpuKernels.linear` instead of torch's bf16 matmul (emulated AVX2, one thread: SmolLM2's MLP
+    3072 x 576 at 16 tokens, 4.9 ms torch bf16 / 1.6 ms torch float32 / 0.83 ms this kernel).
+    Off with MOESERVE_DISABLE_CPU_LINEAR; returns how many were packed."""
+    from moeserve.layers.linear import Linear
+
+    if env().disable_cpu_linear:
+        log_forced_off("MOESERVE_DISABLE_CPU_LINEAR", "the bf16-weight linear kernel")
+        return 0
+    if not kernels.fast_linear:
+        return 0
+    linears = [m for m in model.modules() if isinstance(m, Linear) and m.packed is None
+               and m.weight.dtype == torch.bfloat16 and m.weight.device.type == "cpu"]
+    for m in linears:
+        m.w16 = kernels.pack_linear(m.weight.detach())
+    if linears:
+        logger.info("%d bf16 linear layers run the bf16-weight kernel (float32 arithmetic)",
+                    len(linears))
+    return len(linears)
 
 
 def _ptr(x: torch.Tensor | None) -> int | None:
@@ -192,8 +255,8 @@ def _ptr(x: torch.Tensor | None) -> int | None:
 
 def load_cpu_kernels(cache_dir: str, cc: str | None = None) -> CpuKernels | None:
     """The kernels, compiled with `cc` (a command line; default `cc`, else `gcc`, else `clang`)
-    into `cache_dir` on first use: the -march=native build if it passes its probe, else the
-    portable build if that does; None without a compiler or when both fail (logged)."""
+    into `cache_dir` on first use: the first build that passes its probe of -march=native,
+    AVX2 + FMA (x86-64) and portable flags; None without a compiler or when all fail (logged)."""
     e = env()
     return _load(cache_dir, cc, e.disable_cpu_kernels, e.disable_march_native,
                  e.disable_bf16_head)
@@ -211,12 +274,17 @@ def _load(cache_dir: str, cc: str | None, off: bool, no_native: bool,
         return None
     if no_native:
         log_forced_off("MOESERVE_DISABLE_MARCH_NATIVE", "the -march=native build")
-    for arch in ([] if no_native else [NATIVE]) + [[]]:
+    for arch in ([] if no_native else [NATIVE]) + _x86_tiers() + [[]]:
         kernels = build_and_probe(cache_dir, shlex.split(cc), arch, no_head)
         if kernels is not None:
+            logger.info("CPU decode kernels: the build with %s", " ".join(arch) or "portable flags")
             return kernels
     logger.warning("CPU decode kernels off (no build passed its probe): torch ops instead")
     return None
+
+
+def _x86_tiers() -> list[list[str]]:
+    return [AVX2] if platform.machine().lower() in ("x86_64", "amd64") else []
 
 
 def build_and_probe(cache_dir: str, cc: list[str], arch: list[str],
@@ -224,11 +292,16 @@ def build_and_probe(cache_dir: str, cc: list[str], arch: list[str],
     """One build (CFLAGS + `arch`), keyed by source, compiler, flags and this CPU's features
     (-march=native code may not run on another CPU), loaded only if its probe passed; the
     probe's verdict is cached next to the library."""
-    flags = [*CFLAGS, *arch]
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join([*cc, *flags]).encode()
-                         + _cpu_features().encode()).hexdigest()[:16]
-    target = Path(cache_dir) / "kernels" / f"cpu_decode-{key}.so"
-    if not target.exists() and not _build(cc, flags, target):
+    target = None
+    for omp in OPENMP:
+        flags = [*CFLAGS, *omp, *arch]
+        key = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES)
+                             + " ".join([*cc, *flags]).encode()
+                             + _cpu_features().encode()).hexdigest()[:16]
+        target = Path(cache_dir) / "kernels" / f"cpu_decode-{key}.so"
+        if target.exists() or _build(cc, flags, target, quiet=omp is not OPENMP[-1]):
+            break
+    else:
         return None
     verdict = _probe(target)
     if not verdict["kernels"]:
@@ -287,11 +360,11 @@ def signal_name(num: int) -> str:
         return f"signal {num}"
 
 
-def _build(cc: list[str], flags: list[str], target: Path) -> bool:
+def _build(cc: list[str], flags: list[str], target: Path, quiet: bool = False) -> bool:
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
-    cmd = [*cc, *flags, "-o", tmp, str(SOURCE), "-lm"]
+    cmd = [*cc, *flags, "-o", tmp, *map(str, SOURCES), "-lm"]
     try:
         result = subprocess.run(cmd, capture_output=True, text=True)
         error = result.stderr.strip()[-2000:] if result.returncode else None
@@ -299,7 +372,8 @@ def _build(cc: list[str], flags: list[str], target: Path) -> bool:
         error = str(e)
     if error is not None:
         os.unlink(tmp)
-        logger.warning("building the CPU decode kernels failed (%s): %s", " ".join(cmd), error)
+        (logger.info if quiet else logger.warning)(
+            "building the CPU decode kernels failed (%s): %s", " ".join(cmd), error)
         return False
     os.replace(tmp, target)  # atomic: concurrent builders (ranks, tests) never see half a file
     return True

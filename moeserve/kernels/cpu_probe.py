@@ -48,6 +48,7 @@ def check_kernels(k) -> None:
 
         _check_attention(k, dt, tol, g)
         _check_experts(k, dt, tol, g)
+        _check_linear(k, dt, tol, g)
 
 
 def _check_attention(k, dt: torch.dtype, tol: float, g: torch.Generator) -> None:
@@ -82,6 +83,22 @@ def _check_experts(k, dt: torch.dtype, tol: float, g: torch.Generator) -> None:
             act = torch.nn.functional.silu(gu[:inter]) * gu[inter:]
             ref[i] += wts[i, j] * (w2[ids[i, j]].float() @ act)
     _close(out, ref, f"moe_experts {dt}", tol * 4)
+
+
+def _check_linear(k, dt: torch.dtype, tol: float, g: torch.Generator) -> None:
+    """Rows past a tile (13 = 6 + 6 + 1), outputs past a block (37 = 2 x 16 + 5), a bias, two
+    threads (the OpenMP split; one runs where the build has no OpenMP)."""
+    x = torch.randn(13, 24, generator=g).to(dt)
+    w = (torch.randn(37, 24, generator=g) * 0.2).to(BF16)
+    bias = torch.randn(37, generator=g).to(dt)
+    ref = x.float() @ w.float().T + bias.float()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        out = k.linear(x, k.pack_linear(w), 37, bias)
+    finally:
+        torch.set_num_threads(threads)
+    _close(out, ref, f"linear {dt}", tol)
 
 
 def check_bf16_head(k) -> None:

@@ -13,6 +13,7 @@ from torch import nn
 from moeserve.env import env, log_forced_off
 
 if TYPE_CHECKING:  # importing it imports Triton
+    from moeserve.kernels.cpu_ops import CpuKernels
     from moeserve.kernels.triton_ops import TritonOps
 
 logger = logging.getLogger(__name__)
@@ -32,6 +33,8 @@ class Linear(nn.Linear):
 
     packed: torch.Tensor | None = None
     gpu_ops: TritonOps | None = None  # set on CUDA models (kernels.triton_ops)
+    cpu_kernels: CpuKernels | None = None  # set on CPU models (kernels.cpu_ops)
+    w16: torch.Tensor | None = None  # the weight packed for cpu_kernels.linear (bf16, no oneDNN)
 
     def pack(self) -> bool:
         """Prepack for CPU bf16 (the only dtype where oneDNN matches F.linear bit for bit);
@@ -47,6 +50,8 @@ class Linear(nn.Linear):
             out = self.gpu_ops.linear(x, self.weight, self.bias)
             if out is not None:
                 return out
+        if self.w16 is not None and x.dtype == torch.bfloat16:
+            return self.cpu_kernels.linear(x, self.w16, self.out_features, self.bias)
         if self.packed is None or x.dtype != torch.bfloat16:
             return super().forward(x)
         x2 = x.reshape(-1, x.shape[-1])  # [T, in]

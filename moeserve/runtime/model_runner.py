@@ -16,7 +16,7 @@ from moeserve.host_copy import to_device
 from moeserve.distributed import ParallelMesh, single_rank_mesh
 from moeserve.kernels.cpu_ops import CpuKernels, attach_cpu_kernels, load_cpu_kernels, supports
 from moeserve.env import env
-from moeserve.layers.linear import pack_linears
+from moeserve.layers.linear import onednn_bf16_linear_works, pack_linears
 from moeserve.layers.moe import ExpertRecorder
 from moeserve.models.loader import WeightLoadError
 from moeserve.models.quantization import resolve_quant_plan
@@ -49,14 +49,31 @@ def cpu_has_native_bf16() -> bool:
     return any(getattr(torch.cpu, c, lambda: False)() for c in checks)
 
 
-def resolve_dtype(name: str, hf_config, device: torch.device) -> torch.dtype:
-    """auto: on CPU bfloat16 where the CPU has native bf16 (as vLLM's CPU backend: decode there is
-    bound by reading the weights, and bf16 halves them; SmolLM2 batch-16 decode 126 → 61 ms/step
-    on 2 cores), else float32; on GPUs the checkpoint's 16-bit dtype. Parity tests pin float32."""
+def cpu_bf16_is_fast(use_cpu_kernels: bool = True) -> bool:
+    """bf16 linears run fast here: oneDNN's prepack on a CPU with native bf16, or, where the
+    prepack is off (AVX2-only x86), the C bf16-weight linear built for AVX2 + FMA
+    (kernels/cpu_linear.c). Where the prepack works without native bf16 (AVX-512 without BF16)
+    it would run the linears, which was not measured: float32 there, as before."""
+    if onednn_bf16_linear_works():
+        return cpu_has_native_bf16()
+    e = env()
+    if not use_cpu_kernels or e.disable_cpu_linear:
+        return False
+    kernels = load_cpu_kernels(e.cache_dir, e.cc)
+    return kernels is not None and kernels.fast_linear
+
+
+def resolve_dtype(name: str, hf_config, device: torch.device,
+                  use_cpu_kernels: bool = True) -> torch.dtype:
+    """auto: on CPU bfloat16 where bf16 linears are fast (cpu_bf16_is_fast; as vLLM's CPU
+    backend: decode there is bound by reading the weights, and bf16 halves them; SmolLM2 batch-16
+    decode 126 → 61 ms/step on 2 cores; emulated AVX2 + FMA without native bf16, 1 thread:
+    187 → 110, docs/reliability.md), else float32; on GPUs the checkpoint's 16-bit dtype. Parity
+    tests pin float32."""
     if name != "auto":
         return _DTYPES[name]
     if device.type == "cpu":
-        return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
+        return torch.bfloat16 if cpu_bf16_is_fast(use_cpu_kernels) else torch.float32
     ckpt = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
     ckpt = _DTYPES.get(str(ckpt).replace("torch.", ""), torch.bfloat16)
     return torch.bfloat16 if ckpt == torch.float32 else ckpt
@@ -77,7 +94,8 @@ class ModelRunner:
         self.mesh = mesh or single_rank_mesh(resolve_device(cfg.device))
         self.device = self.mesh.device
         self.hf_config = load_hf_config(model_path)
-        self.dtype = resolve_dtype(cfg.model.dtype, self.hf_config, self.device)
+        self.dtype = resolve_dtype(cfg.model.dtype, self.hf_config, self.device,
+                                   cfg.model.cpu_kernels)
         self.moe_parallel = build_moe_parallel(
             cfg, self.mesh, self.hf_config, self.dtype,
             moe_backend_name(cfg, self.device, env().triton_interpret), recorder)

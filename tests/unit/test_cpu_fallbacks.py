@@ -6,6 +6,7 @@ paths compute (and, in float32, what transformers computes)."""
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 from pathlib import Path
 
@@ -14,7 +15,8 @@ import torch
 from parity import (extend_batch, hf_logits, hf_model, make_runner, prefill_logits,
                     prompts_of_lengths, rel_err)
 
-from moeserve.kernels.cpu_ops import NATIVE, build_and_probe, load_cpu_kernels
+from moeserve.env import log_forced_off
+from moeserve.kernels.cpu_ops import NATIVE, _x86_tiers, build_and_probe, load_cpu_kernels
 from moeserve.layers.linear import Linear, onednn_bf16_linear_works
 
 CC = shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
@@ -52,13 +54,16 @@ def test_probe_catches_a_build_that_crashes(cache, tmp_path, caplog):
                       "{ __builtin_trap(); }\n")
     with caplog.at_level(logging.INFO):
         assert load_cpu_kernels(cache, f"{CC} -include {header}") is None
-    assert caplog.text.count("failed their probe") == 2  # -march=native, then portable
+    # -march=native (unless forced off), AVX2 + FMA (x86-64), then portable
+    native = 0 if os.environ.get("MOESERVE_DISABLE_MARCH_NATIVE") == "1" else 1
+    assert caplog.text.count("failed their probe") == native + len(_x86_tiers()) + 1
     assert "killed by SIG" in caplog.text
 
 
 @needs_cc
 def test_disable_march_native_builds_portable(cache, monkeypatch, caplog):
     monkeypatch.setenv("MOESERVE_DISABLE_MARCH_NATIVE", "1")
+    log_forced_off.cache_clear()  # it logs once per process
     with caplog.at_level(logging.INFO):
         k = load_cpu_kernels(cache)
     assert k is not None and not k.has_bf16_dot  # AVX512-BF16 needs -march flags
@@ -116,6 +121,9 @@ def test_each_fallback_matches_the_fast_path_bf16(tiny_model, cache, monkeypatch
     path = tiny_model("qwen3_moe")
     prompts = prompts_of_lengths([12, 5, 9], 30000, seed=5)
     fast = make_runner(path, BF16)
+    if onednn_bf16_linear_works():  # preferred to the C bf16-weight linear where it works
+        assert all(m.packed is not None and m.w16 is None
+                   for m in fast.model.modules() if isinstance(m, Linear))
     fast_logits, fast_ids = _greedy_and_logits(fast, prompts)
     monkeypatch.setenv(var, "1")
     slow = make_runner(path, BF16)
@@ -131,3 +139,58 @@ def test_each_fallback_matches_the_fast_path_bf16(tiny_model, cache, monkeypatch
     top2 = fast_logits.float().topk(2, dim=-1).values
     clear = (top2[:, 0] - top2[:, 1]) > 0.05  # tokens not decided by bf16 noise
     assert torch.equal(ids[clear], fast_ids[clear])
+
+
+# ---- bf16 weights with float32 arithmetic (CPUs without native bf16) ----------------------------
+@needs_cc
+def test_auto_dtype_without_fast_bf16(cache, monkeypatch):
+    """As on an AVX2-only CPU (oneDNN's bf16 prepack off): model.dtype=auto is bfloat16 where the
+    C bf16-weight linear is built for AVX2 + FMA, float32 once it (or every kernel) is off."""
+    from moeserve.runtime.model_runner import cpu_bf16_is_fast, resolve_dtype
+
+    monkeypatch.delenv("CC", raising=False)  # the compiler found on PATH (needs_cc)
+    monkeypatch.setenv("MOESERVE_DISABLE_ONEDNN_BF16", "1")
+    kernels = load_cpu_kernels(cache)
+    assert cpu_bf16_is_fast() == kernels.fast_linear == bool(_x86_tiers())
+    assert not cpu_bf16_is_fast(use_cpu_kernels=False)  # model.cpu_kernels=false
+    for var, value in (("MOESERVE_DISABLE_CPU_LINEAR", "1"), ("MOESERVE_DISABLE_CPU_KERNELS", "1"),
+                       ("CC", "/nonexistent/bin/cc")):
+        monkeypatch.setenv(var, value)
+        assert resolve_dtype("auto", None, torch.device("cpu")) == torch.float32
+        monkeypatch.delenv(var)
+
+
+@needs_cc
+@pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])
+def test_bf16_weight_linear_and_its_fallback(tiny_model, cache, monkeypatch, arch):
+    """oneDNN off: every bf16 Linear runs the C kernel (its packed weight is the parameter's);
+    MOESERVE_DISABLE_CPU_LINEAR=1 on top: torch's bf16 F.linear. Same clear greedy tokens,
+    logits within bf16 noise of each other and of transformers in float32, each run's greedy =
+    argmax of its logits (no AVX512-BF16 head, as on an AVX2 CPU)."""
+    monkeypatch.delenv("CC", raising=False)  # the compiler found on PATH (needs_cc)
+    monkeypatch.setenv("MOESERVE_DISABLE_ONEDNN_BF16", "1")
+    monkeypatch.setenv("MOESERVE_DISABLE_BF16_HEAD", "1")
+    path = tiny_model(arch)
+    prompts = prompts_of_lengths([12, 5, 9], 30000, seed=5)
+    fast = make_runner(path, BF16)
+    if not fast.cpu_kernels.fast_linear:
+        pytest.skip("the linear kernel is not built for AVX2 + FMA here")
+    linears = [m for m in fast.model.modules() if isinstance(m, Linear)]
+    assert linears and all(m.w16 is not None and m.packed is None for m in linears)
+    k = linears[0].weight.shape[1]
+    assert torch.equal(linears[0].w16.transpose(1, 2).reshape(-1, k)[: linears[0].out_features],
+                       linears[0].weight.detach())
+    fast_logits, fast_ids = _greedy_and_logits(fast, prompts)
+    monkeypatch.setenv("MOESERVE_DISABLE_CPU_LINEAR", "1")
+    slow = make_runner(path, BF16)
+    assert all(m.w16 is None for m in slow.model.modules() if isinstance(m, Linear))
+    logits, ids = _greedy_and_logits(slow, prompts)
+    assert torch.equal(ids, logits.float().argmax(-1))
+    assert torch.equal(fast_ids, fast_logits.float().argmax(-1))
+    assert rel_err(logits, fast_logits) < 3e-2
+    top2 = logits.float().topk(2, dim=-1).values
+    clear = (top2[:, 0] - top2[:, 1]) > 0.05
+    assert torch.equal(ids[clear], fast_ids[clear])
+    ref = hf_model(path)
+    hf_last = torch.stack([hf_logits(ref, p)[-1] for p in prompts])
+    assert rel_err(fast_logits, hf_last) < 3e-2 and rel_err(logits, hf_last) < 3e-2

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from moeserve.kernels.cpu_ops import NATIVE, build_and_probe, load_cpu_kernels
+from moeserve.kernels.cpu_ops import AVX2, NATIVE, _x86_tiers, build_and_probe, load_cpu_kernels
 from moeserve.layers.moe import MoEExperts
 from moeserve.layers.norm import RMSNorm, rms_norm_heads
 from moeserve.layers.rotary import RotaryEmbedding
@@ -18,15 +18,17 @@ from moeserve.layers.router import RouterConfig, select_experts
 BF16, F32 = torch.bfloat16, torch.float32
 
 
-# Every build the loader may pick: -march=native, the portable fallback, and clang's (the tests
-# below run on each, so the fallback build is checked on any machine).
-BUILDS = {"gcc-native": ("gcc", NATIVE), "gcc-portable": ("gcc", []),
+# Every build the loader may pick: -march=native, AVX2 + FMA (x86-64), the portable fallback, and
+# clang's (the tests below run on each, so the fallback builds are checked on any machine).
+BUILDS = {"gcc-native": ("gcc", NATIVE), "gcc-avx2": ("gcc", AVX2), "gcc-portable": ("gcc", []),
           "clang-native": ("clang", NATIVE), "clang-portable": ("clang", [])}
 
 
 @pytest.fixture(scope="module", params=list(BUILDS))
 def kernels(request, tmp_path_factory):
     cc, arch = BUILDS[request.param]
+    if arch == AVX2 and not _x86_tiers():
+        pytest.skip("the AVX2 build is tried on x86-64 only")
     compiler = shutil.which(cc) or (shutil.which("cc") if cc == "gcc" else None)
     if compiler is None:
         pytest.skip(f"no {cc} here")
@@ -256,6 +258,42 @@ def test_greedy_head_declines_nan(kernels):
     x = torch.randn(2, 16, generator=_gen(8)).to(BF16)
     x[1, 3] = float("nan")
     assert kernels.greedy_head(x, kernels.pack_greedy_head(w), 40) is None
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16])
+@pytest.mark.parametrize("m,n,k", [(1, 37, 24), (6, 16, 7), (13, 100, 64), (17, 576, 96)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_bf16_weight_linear_matches_float64(kernels, dtype, m, n, k, threads):
+    """bf16 weights, float32 arithmetic: tiles of 6 rows and blocks of 16 outputs with tails, a
+    bias, one or two OpenMP threads; the float32 result is within float32 sum-order noise of
+    float64 math on the same bf16 weights, the bf16 one rounds that (one bf16 step at most)."""
+    g = _gen(9)
+    w = (torch.randn(n, k, generator=g) * 0.2).to(BF16)
+    x = torch.randn(2, m, k, generator=g).to(dtype)  # [..., K]: leading dims are flattened
+    bias = torch.randn(n, generator=g).to(dtype)
+    ref = x.double() @ w.double().T + bias.double()  # [2, m, n]
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = kernels.linear(x, kernels.pack_linear(w), n, bias)
+        no_bias = kernels.linear(x, kernels.pack_linear(w), n)
+    finally:
+        torch.set_num_threads(old)
+    assert out.shape == (2, m, n) and out.dtype == dtype
+    if dtype == F32:
+        torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(no_bias.double(), ref - bias.double(), rtol=1e-5, atol=1e-5)
+    else:
+        assert_bf16_same_rounding(out, ref.to(BF16))
+
+
+def test_bf16_weight_linear_matches_torch_bf16_linear(kernels):
+    """What a bf16 model's Linear computed before (F.linear in bf16): the same values up to the
+    sum order (one bf16 step at most, for a few)."""
+    g = _gen(10)
+    w = (torch.randn(300, 128, generator=g) * 0.1).to(BF16)
+    x = torch.randn(16, 128, generator=g).to(BF16)
+    assert_bf16_same_rounding(kernels.linear(x, kernels.pack_linear(w), 300), F.linear(x, w))
 
 
 @pytest.mark.parametrize("cc", ["false", "no-such-compiler-here"])
