@@ -40,7 +40,9 @@ class ConfigError(ValueError):
 class ModelConfig:
     name: str = "embedded"  # the conf/model/ option; only "embedded" may leave path unset
     path: str | None = None  # HF-format folder; None (name=embedded): the embedded SmolLM2-135M
-    dtype: str = "auto"  # auto: checkpoint 16-bit dtype on CUDA; CPU: bf16 if native, else float32
+    # auto: the checkpoint's 16-bit dtype on CUDA; on CPU bf16 where bf16 linears are fast (native
+    # bf16 with oneDNN's prepack, or the AVX2 + FMA C linear of kernels/cpu_linear.c), else float32
+    dtype: str = "auto"
     load_format: str = "safetensors"  # dummy: random weights from config.json alone
     context_length: int | None = None  # None: max_position_embeddings of the checkpoint
     load_mtp: bool = False  # load the DeepSeek NextN (MTP) layer weights when present
