@@ -13,6 +13,13 @@ Per step with constrained requests:
 
 No two threads touch a matcher at once: the worker waits for the job before step 1, and the
 scheduler reads `done_at` only after the Future that `after_step` returns (the tokens accepted).
+
+A speculative verify step (spec_mtp/decoder.py) scores N+1 positions per request, the last token
+then N drafts: `verify_mask` walks each constrained request's matcher along its drafts, filling
+the bitmask at every position the grammar reaches (then rolls the matcher back), so the target's
+distribution at position j is the one plain decoding would mask after accepting d_1..d_j; a draft
+the grammar refuses is never accepted, since its target row gives it -inf. `accept_blocks` then
+advances the matchers by the emitted tokens, on the worker thread, before the step returns.
 """
 
 from __future__ import annotations
@@ -41,6 +48,15 @@ class StepMask:
     @property
     def vocab(self) -> int:
         return self.matches[0].vocab_size
+
+
+@dataclass
+class VerifyMask:
+    """A verify step's masks: `reqs` the constrained requests (batch indices), `mask` their N+1
+    rows each, indexing the flat [B (N+1)] logits."""
+
+    reqs: list[int]
+    mask: StepMask
 
 
 @dataclass
@@ -111,6 +127,49 @@ class GrammarSteps:
                                             initializer=self._bind)
         self._job = self._pool.submit(self._advance, mask, tokens, accepted)
         return accepted
+
+    def verify_mask(self, fi: ForwardInput, drafts: torch.Tensor) -> VerifyMask | None:
+        """Bitmasks for a verify step over [x_L, d_1..d_N] per request (drafts [B, N], any
+        device; the constrained requests' rows are read to the host); None if no request is
+        constrained. Positions after the first draft the grammar refuses (or after it completes)
+        repeat the last filled row: acceptance stops before them."""
+        if not any(fi.grammars):
+            return None
+        self.wait()
+        self._prefilled = None  # matchers move by whole blocks here: fill afresh next time
+        gen = [p + 1 - n for p, n in zip(fi.prefix_lens, fi.prompt_lens)]  # before position L's
+        reqs = constrained_rows(fi.grammars, gen)
+        if not reqs:
+            return None
+        n = drafts.shape[1]
+        w = n + 1
+        host = drafts[torch.tensor(reqs, device=drafts.device)].tolist()
+        matches = [fi.grammars[i] for i in reqs]
+        bits = self._alloc(len(reqs) * w, matches[0].vocab_size)
+        for k, (m, d) in enumerate(zip(matches, host)):
+            walked, base = 0, k * w
+            for j in range(w):
+                if j and m.matcher.is_terminated():  # d_j completed it: the request ends there
+                    bits[base + j: base + w] = bits[base + j - 1]
+                    break
+                m.matcher.fill_next_token_bitmask(bits, base + j)
+                if j == n or not m.matcher.accept_token(d[j]):
+                    bits[base + j + 1: base + w] = bits[base + j]
+                    break
+                walked += 1
+            if walked:
+                m.matcher.rollback(walked)
+        self.stats["filled_rows"] += len(reqs) * w
+        rows = [i * w + j for i in reqs for j in range(w)]
+        return VerifyMask(reqs, StepMask(rows, [m for m in matches for _ in range(w)], bits))
+
+    @staticmethod
+    def accept_blocks(vm: VerifyMask, grammars: list, blocks: list[list[int]]) -> None:
+        """Advance each constrained request's matcher by its emitted tokens (drafts accepted, then
+        the target's own); `done_at` marks where a grammar completed inside the block."""
+        for i in vm.reqs:
+            for t in blocks[i]:
+                grammars[i].accept(t)
 
     def wait(self) -> None:
         """Until the queued job has run (its error raised here)."""

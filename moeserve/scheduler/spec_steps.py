@@ -24,12 +24,13 @@ class SpecPolicy:
 
     def width(self, reqs: list[Req]) -> int:
         """New positions per request this decode step: num_steps + 1 to verify, or 1 (a plain
-        step) for batches above spec.max_batch_size and for requests whose logits are edited or
-        constrained (penalties, logit_bias, grammars: their verification is not built)."""
+        step) for batches above spec.max_batch_size and for requests whose logits are edited
+        (penalties, logit_bias: their verification is not built). Grammars verify: each draft
+        position is masked as plain decoding would mask it (runtime/grammar_steps.verify_mask)."""
         c = self.cfg
         if c.max_batch_size and len(reqs) > c.max_batch_size:
             return 1
-        if any(r.grammar is not None or r.sampling.edits_logits for r in reqs):
+        if any(r.sampling.edits_logits for r in reqs):
             return 1
         return c.num_steps + 1
 

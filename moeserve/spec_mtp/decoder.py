@@ -125,15 +125,24 @@ class SpecDecoder:
                                slots.reshape(-1), rows.repeat_interleave(w),
                                [p + i for p in fi.prefix_lens for i in range(w)], [1] * (b * w),
                                False, fi.global_mode, fi.global_num_tokens, seq_lens_dev=flat + 1)
+        grammar = self.worker.grammar
+        vmask = grammar.verify_mask(fi, drafts)  # constrained requests: masks along the drafts
         logits, hidden, tokens = self._verify_forward(fi, fb)  # [B (N+1), V], [.., H], [..]
+        scored = logits  # what acceptance reads: the logits, masked where a grammar applies
+        if vmask is not None:  # logprobs keep the raw distribution (as plain steps do)
+            raw_needed = any(n >= 0 for n in fi.top_logprobs_nums)
+            scored = grammar.apply(logits, vmask.mask, copy=raw_needed)
+            tokens = greedy(scored)
         tokens = tokens.view(b, w)  # the target's argmax at every position
         accepted = greedy_accept(tokens, drafts)  # [B]
         sampled = [i for i, p in enumerate(fi.sampling) if not p.is_greedy]
         if sampled:
-            self._resample(fi, logits.view(b, w, -1), drafts, tokens, accepted, sampled)
+            self._resample(fi, scored.view(b, w, -1), drafts, tokens, accepted, sampled)
         table[rows[:, None], positions + 1] = tokens
         host = torch.cat([accepted[:, None], tokens], dim=1).tolist()  # one device → host copy
         spec_tokens = [r[1 : r[0] + 2] for r in host]
+        if vmask is not None:
+            grammar.accept_blocks(vmask, fi.grammars, spec_tokens)
         out = ForwardOutput([t[0] for t in spec_tokens], spec_tokens=spec_tokens)
         if any(n >= 0 for n in fi.top_logprobs_nums):
             self._logprobs(out, fi, logits.view(b, w, -1), spec_tokens)
