@@ -24,20 +24,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-static inline float bf16_load(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-static inline uint16_t bf16_store(float f) { /* round to nearest even, NaN → 0x7FC0 (as torch) */
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
+#include "cpu_bf16.h"
 
 static inline int64_t esize(int dt) { return dt ? 2 : 4; }
 

@@ -27,20 +27,7 @@
 #define TILE_M 6
 #define BLOCK_N 16
 
-static inline float w16_f32(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-static inline uint16_t f32_w16(float f) { /* round to nearest even, NaN → 0x7FC0 (as torch) */
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
+#include "cpu_bf16.h"
 
 /* acc [mt][16] = x[0:mt] (rows ldx floats apart) · the block's 16 columns over k channels. (Also
  * tried: chunks of 256 channels so a block's weights stay in L1 across the tiles: no change.) */
@@ -73,8 +60,8 @@ static inline __attribute__((always_inline)) void tile(float (*acc)[BLOCK_N], co
     for (int64_t c = 0; c < k; c++) {
         v8f w0, w1;
         for (int j = 0; j < 8; j++) {
-            w0[j] = w16_f32(wb[c * BLOCK_N + j]);
-            w1[j] = w16_f32(wb[c * BLOCK_N + 8 + j]);
+            w0[j] = bf16_load(wb[c * BLOCK_N + j]);
+            w1[j] = bf16_load(wb[c * BLOCK_N + 8 + j]);
         }
         for (int m = 0; m < mt; m++) {
             float xs = x[m * ldx + c];
@@ -95,10 +82,10 @@ static void store_rows(void *out, int64_t n, int64_t rows, int64_t n0, int64_t c
         for (int64_t j = 0; j < cols; j++) {
             float v = acc[m][j];
             if (bias)
-                v += dt ? w16_f32(((const uint16_t *)bias)[n0 + j])
+                v += dt ? bf16_load(((const uint16_t *)bias)[n0 + j])
                         : ((const float *)bias)[n0 + j];
             if (dt)
-                ((uint16_t *)out)[m * n + n0 + j] = f32_w16(v);
+                ((uint16_t *)out)[m * n + n0 + j] = bf16_store(v);
             else
                 ((float *)out)[m * n + n0 + j] = v;
         }
@@ -121,7 +108,7 @@ int64_t ms_linear_w16(void *out, const void *x, const uint16_t *w_packed, const 
     if (dt) { /* bf16 activations widened once: every block re-reads them */
         conv = malloc((size_t)(m * k) * sizeof(float));
         if (!conv && m * k) return -1;
-        for (int64_t i = 0; i < m * k; i++) conv[i] = w16_f32(((const uint16_t *)x)[i]);
+        for (int64_t i = 0; i < m * k; i++) conv[i] = bf16_load(((const uint16_t *)x)[i]);
         xf = conv;
     }
     int64_t blocks = (n + BLOCK_N - 1) / BLOCK_N;

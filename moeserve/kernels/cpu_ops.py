@@ -40,6 +40,7 @@ from moeserve.kernels.attach import attach_ops
 logger = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).with_name("cpu_decode.c"), Path(__file__).with_name("cpu_linear.c")]
+HEADERS = [Path(__file__).with_name("cpu_bf16.h")]  # included by the sources: part of the key
 CFLAGS = ["-O3", "-ffp-contract=off", "-fno-math-errno", "-shared", "-fPIC"]
 # threads for ms_linear_w16 (torch's libgomp.so.1 is already loaded, so one OpenMP runtime); a
 # compiler without an OpenMP runtime (clang without libomp) builds with the simd pragmas only
@@ -295,7 +296,7 @@ def build_and_probe(cache_dir: str, cc: list[str], arch: list[str],
     target = None
     for omp in OPENMP:
         flags = [*CFLAGS, *omp, *arch]
-        key = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES)
+        key = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES + HEADERS)
                              + " ".join([*cc, *flags]).encode()
                              + _cpu_features().encode()).hexdigest()[:16]
         target = Path(cache_dir) / "kernels" / f"cpu_decode-{key}.so"
