@@ -6,7 +6,6 @@ tool_choice required and named are constrained by the tools' schemas (no tool pa
 from __future__ import annotations
 
 import json
-import random
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -14,29 +13,12 @@ import pytest
 pytest.importorskip("xgrammar")
 jsonschema = pytest.importorskip("jsonschema")
 
+from moeserve.bench.grammar_schemas import hand_written, schemas  # noqa: E402
+
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 SERVER_ARGS: list[str] = []
 MODEL = "smollm2-135m-instruct"
-
-
-def _schemas() -> list[dict]:
-    """Nested objects, enums, bounded arrays, required fields, bounded numbers and patterns."""
-    s = lambda n: {"type": "string", "maxLength": n}  # noqa: E731
-    obj = lambda props, req=None: {"type": "object", "properties": props,  # noqa: E731
-                                   "required": list(props) if req is None else req}
-    return [
-        obj({"name": s(20), "address": obj({"city": s(20), "zip": {
-            "type": "integer", "minimum": 0, "maximum": 99999}})}),
-        obj({"color": {"enum": ["red", "green", "blue"]},
-             "size": {"type": "string", "enum": ["S", "M", "L"]}}),
-        obj({"tags": {"type": "array", "items": s(12), "minItems": 2, "maxItems": 4}}),
-        obj({"id": {"type": "integer", "minimum": 1, "maximum": 1000},
-             "active": {"type": "boolean"}, "note": s(30)}, req=["id", "active"]),
-        obj({"items": {"type": "array", "minItems": 1, "maxItems": 3, "items": obj({
-            "sku": {"type": "string", "pattern": "^[A-Z]{3}[0-9]{2}$"},
-            "qty": {"type": "integer", "minimum": 1, "maximum": 9}})}}),
-    ]
 
 
 def _ask(schema: dict) -> list[dict]:
@@ -63,42 +45,6 @@ def client(server):
     return openai.OpenAI(api_key="unused", base_url=server.url + "/v1", timeout=120, max_retries=0)
 
 
-def _generated_schemas(n: int, seed: int = 0) -> list[dict]:
-    """n random object schemas built from the same parts (strings with a length bound, bounded
-    integers, enums, booleans, bounded arrays, one nested object), a random required subset."""
-    rng = random.Random(seed)
-    words = ["red", "blue", "north", "south", "small", "large", "open", "closed", "cat", "dog"]
-
-    def leaf() -> dict:
-        kind = rng.choice(["string", "integer", "enum", "boolean", "array"])
-        if kind == "string":
-            return {"type": "string", "maxLength": rng.randrange(4, 13)}
-        if kind == "integer":
-            lo = rng.randrange(-50, 50)
-            return {"type": "integer", "minimum": lo, "maximum": lo + rng.randrange(1, 500)}
-        if kind == "enum":
-            return {"enum": rng.sample(words, rng.randrange(2, 5))}
-        if kind == "boolean":
-            return {"type": "boolean"}
-        lo = rng.randrange(0, 3)
-        return {"type": "array", "items": {"type": "string", "maxLength": 8},
-                "minItems": lo, "maxItems": lo + rng.randrange(1, 3)}
-
-    def obj(props: dict) -> dict:
-        required = rng.sample(sorted(props), rng.randrange(1, len(props) + 1))
-        return {"type": "object", "properties": props, "required": required}
-
-    out = []
-    for _ in range(n):
-        names = rng.sample(["name", "kind", "count", "tags", "ok", "place", "level", "note"],
-                           rng.randrange(2, 5))
-        props = {k: leaf() for k in names}
-        if rng.random() < 0.5:
-            props["detail"] = obj({k: leaf() for k in rng.sample(["a", "b", "c"], 2)})
-        out.append(obj(props))
-    return out
-
-
 def _create_all(client, requests: list[dict]) -> list:
     """All requests in flight at once (the server batches them), results in order."""
     with ThreadPoolExecutor(len(requests)) as pool:
@@ -109,22 +55,22 @@ def _create_all(client, requests: list[dict]) -> list:
 def test_json_schema_outputs_validate(client):
     """20 schemas (the hand-written 5 and 15 generated): 20/20 valid with json_schema, fewer
     unconstrained (the same prompts; SmolLM2 rarely manages it on its own)."""
-    schemas = _schemas() + _generated_schemas(15)
-    kw = [dict(model=MODEL, messages=_ask(s), temperature=0, max_tokens=300) for s in schemas]
+    specs = schemas()
+    kw = [dict(model=MODEL, messages=_ask(s), temperature=0, max_tokens=300) for s in specs]
     constrained = _create_all(client, [k | {"response_format": _fmt(s)}
-                                       for k, s in zip(kw, schemas)])
-    for out, schema in zip(constrained, schemas):
+                                       for k, s in zip(kw, specs)])
+    for out, schema in zip(constrained, specs):
         assert out.finish_reason == "stop", out.message.content
         jsonschema.validate(json.loads(out.message.content), schema)
     free = _create_all(client, kw)
-    unconstrained = sum(_valid(o.message.content, s) for o, s in zip(free, schemas))
-    print(f"\nvalid JSON for the schema: {len(schemas)}/{len(schemas)} with json_schema, "
-          f"{unconstrained}/{len(schemas)} unconstrained")
-    assert unconstrained < len(schemas)
+    unconstrained = sum(_valid(o.message.content, s) for o, s in zip(free, specs))
+    print(f"\nvalid JSON for the schema: {len(specs)}/{len(specs)} with json_schema, "
+          f"{unconstrained}/{len(specs)} unconstrained")
+    assert unconstrained < len(specs)
 
 
 def test_json_schema_n_and_streaming(client):
-    schema = _schemas()[4]
+    schema = hand_written()[4]
     kw = dict(model=MODEL, messages=_ask(schema), response_format=_fmt(schema), max_tokens=160,
               temperature=0.8, seed=7, n=3)
     for c in client.chat.completions.create(**kw).choices:
@@ -147,7 +93,7 @@ def test_json_object_parses(client):
 
 
 def test_completions_json_schema_and_regex(client):
-    schema = _schemas()[1]
+    schema = hand_written()[1]
     out = client.completions.create(model=MODEL, prompt="A T-shirt as JSON: ", max_tokens=60,
                                     temperature=0, extra_body={"response_format": _fmt(schema)})
     jsonschema.validate(json.loads(out.choices[0].text), schema)
