@@ -293,21 +293,26 @@ def build_and_probe(cache_dir: str, cc: list[str], arch: list[str],
     """One build (CFLAGS + `arch`), keyed by source, compiler, flags and this CPU's features
     (-march=native code may not run on another CPU), loaded only if its probe passed; the
     probe's verdict is cached next to the library."""
-    target = None
-    for omp in OPENMP:
+    verdict: dict = {}
+    for omp in OPENMP:  # an OpenMP build that fails to build, load or probe: the simd-only one
         flags = [*CFLAGS, *omp, *arch]
         key = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES + HEADERS)
                              + " ".join([*cc, *flags]).encode()
                              + _cpu_features().encode()).hexdigest()[:16]
         target = Path(cache_dir) / "kernels" / f"cpu_decode-{key}.so"
-        if target.exists() or _build(cc, flags, target, quiet=omp is not OPENMP[-1]):
+        last = omp is OPENMP[-1]
+        if not (target.exists() or _build(cc, flags, target, quiet=not last)):
+            continue
+        verdict = _probe(target)
+        if verdict["kernels"]:
             break
+        if not last:  # e.g. OpenMP code without its runtime: undefined __kmpc_* at load
+            logger.info("CPU decode kernels built with %s failed their probe (%s): without "
+                        "OpenMP threads instead", " ".join(omp), verdict["detail"])
     else:
-        return None
-    verdict = _probe(target)
-    if not verdict["kernels"]:
-        logger.warning("CPU decode kernels built with %s failed their probe: %s",
-                       " ".join(arch) or "portable flags", verdict["detail"])
+        if verdict:
+            logger.warning("CPU decode kernels built with %s failed their probe: %s",
+                           " ".join(arch) or "portable flags", verdict["detail"])
         return None
     head = verdict["bf16_head"]
     if head and no_head:

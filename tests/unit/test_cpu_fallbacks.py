@@ -54,10 +54,27 @@ def test_probe_catches_a_build_that_crashes(cache, tmp_path, caplog):
                       "{ __builtin_trap(); }\n")
     with caplog.at_level(logging.INFO):
         assert load_cpu_kernels(cache, f"{CC} -include {header}") is None
-    # -march=native (unless forced off), AVX2 + FMA (x86-64), then portable
+    # -march=native (unless forced off), AVX2 + FMA (x86-64), then portable; each with OpenMP
+    # and then without
     native = 0 if os.environ.get("MOESERVE_DISABLE_MARCH_NATIVE") == "1" else 1
-    assert caplog.text.count("failed their probe") == native + len(_x86_tiers()) + 1
+    assert caplog.text.count("failed their probe") == 2 * (native + len(_x86_tiers()) + 1)
     assert "killed by SIG" in caplog.text
+
+
+@needs_cc
+def test_openmp_build_that_cannot_load_falls_back_to_simd_only(cache, tmp_path, caplog):
+    """OpenMP code whose runtime is missing (a compiler that accepts -fopenmp but links no
+    runtime, as zig's clang does: undefined __kmpc_* symbols at load) fails its probe; the same
+    flags without OpenMP threads (-fopenmp-simd, no _OPENMP) are built and used instead."""
+    header = tmp_path / "needs_runtime.h"
+    header.write_text("#ifdef _OPENMP\nextern void ms_missing_runtime(void);\n"
+                      "__attribute__((constructor)) static void ms_needs(void) "
+                      "{ ms_missing_runtime(); }\n#endif\n")
+    with caplog.at_level(logging.INFO):
+        kernels = build_and_probe(cache, [CC, "-include", str(header)], [])
+    assert kernels is not None
+    assert "without OpenMP threads instead" in caplog.text
+    assert "ms_missing_runtime" in caplog.text
 
 
 @needs_cc
