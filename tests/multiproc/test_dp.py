@@ -196,6 +196,24 @@ def staggered(seed: int = 2) -> tuple[list[list[int]], list[dict]]:
 ONE = ([[11, 12, 13, 14, 15]], [{**GREEDY, "max_new_tokens": 12}])
 
 
+def constrained(seed: int = 3) -> tuple[list[list[int]], list[dict]]:
+    """Structured outputs beside plain requests: a regex that completes, the same regex with a
+    stop string inside its reply, a JSON schema and an EBNF grammar (pinned to both ranks by the
+    policy's spread over 6 requests)."""
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(100, 3000) for _ in range(4 + i)] for i in range(6)]
+    regex = ("regex", "(yes|no), [a-z]{2,8}")
+    schema = ("json_schema", '{"type": "object", "properties": {"n": {"type": "integer", '
+                             '"minimum": 0, "maximum": 999}}, "required": ["n"]}')
+    ebnf = ("ebnf", 'root ::= ("cat" | "dog") " " [0-9]+ "."')
+    params = [{"temperature": 0, "max_new_tokens": 20, "grammar": regex},
+              {"temperature": 0, "max_new_tokens": 20, "grammar": regex, "stop": [", "]},
+              {"temperature": 0, "max_new_tokens": 20, "grammar": schema},
+              {"temperature": 0, "max_new_tokens": 20, "grammar": ebnf},
+              {**GREEDY, "max_new_tokens": 9}, {**GREEDY, "max_new_tokens": 14}]
+    return [prompts[0], prompts[0]] + prompts[2:], params
+
+
 def ids_of(outs: list[dict]) -> list[list[int]]:
     return [o["output_ids"] for o in outs]
 
@@ -213,7 +231,8 @@ def reference(tiny_model):
                 cache[arch] = {"path": path, **{
                     name: ids_of(eng.generate(input_ids=w[0], sampling_params=w[1]))
                     for name, w in (("workload", workload()), ("one", ONE),
-                                    ("long_short", long_short), ("staggered", staggered()))}}
+                                    ("long_short", long_short), ("staggered", staggered()),
+                                    ("constrained", constrained()))}}
         return cache[arch]
 
     return get
@@ -285,6 +304,19 @@ def test_dp2_requests_finish_at_different_steps(dp_engine):
     outs = eng.generate(input_ids=prompts, sampling_params=params)
     assert ids_of(outs) == ref["staggered"]
     assert [o["meta"]["completion_tokens"] for o in outs] == [p["max_new_tokens"] for p in params]
+
+
+@pytest.mark.timeout(90)
+def test_dp2_structured_outputs_match_single_process(dp_engine):
+    """Grammars compile and mask on whichever rank serves the request, idle steps on the other
+    included; a stop string inside a constrained reply cuts it as in one process."""
+    eng, ref = dp_engine
+    prompts, params = constrained()
+    outs = eng.generate(input_ids=prompts, sampling_params=params)
+    assert ids_of(outs) == ref["constrained"]
+    assert outs[0]["meta"]["finish_reason"] == "stop"  # the regex completed
+    assert re.fullmatch("(yes|no), [a-z]{2,8}", outs[0]["text"]), outs[0]["text"]
+    assert outs[1]["text"] == outs[0]["text"].split(", ")[0]  # stopped at ", "
 
 
 @pytest.mark.timeout(60)
