@@ -24,6 +24,7 @@ import torch
 
 from moeserve.core import ForwardMode
 from moeserve.forward_batch import ForwardBatch
+from moeserve.runtime.grammar_steps import VerifyMask
 from moeserve.runtime.sampler import greedy, logprobs_of
 from moeserve.runtime.step import ForwardInput, ForwardOutput
 from moeserve.spec_mtp.accept import greedy_accept, rejection_accept
@@ -127,12 +128,9 @@ class SpecDecoder:
                                False, fi.global_mode, fi.global_num_tokens, seq_lens_dev=flat + 1)
         grammar = self.worker.grammar
         vmask = grammar.verify_mask(fi, drafts)  # constrained requests: masks along the drafts
-        logits, hidden, tokens = self._verify_forward(fi, fb)  # [B (N+1), V], [.., H], [..]
-        scored = logits  # what acceptance reads: the logits, masked where a grammar applies
-        if vmask is not None:  # logprobs keep the raw distribution (as plain steps do)
-            raw_needed = any(n >= 0 for n in fi.top_logprobs_nums)
-            scored = grammar.apply(logits, vmask.mask, copy=raw_needed)
-            tokens = greedy(scored)
+        # [B (N+1), V] raw logits (for logprobs), the ones acceptance reads (masked where a
+        # grammar applies), [.., H], the argmax of the latter [..]
+        logits, scored, hidden, tokens = self._verify_forward(fi, fb, vmask)
         tokens = tokens.view(b, w)  # the target's argmax at every position
         accepted = greedy_accept(tokens, drafts)  # [B]
         sampled = [i for i, p in enumerate(fi.sampling) if not p.is_greedy]
@@ -149,21 +147,27 @@ class SpecDecoder:
         pick = torch.arange(b, device=rows.device) * w + accepted
         return out, fb, hidden, tokens.view(-1), pick
 
-    def _verify_forward(self, fi: ForwardInput, fb: ForwardBatch):
-        """The verify pass → (logits [T, V] or None, hidden [T, H], argmax [T]). Greedy-only
-        batches on an eager CPU runner with the fused greedy LM head (as plain greedy decode
-        steps use: the argmax without writing T x V logits) get no logits."""
+    def _verify_forward(self, fi: ForwardInput, fb: ForwardBatch, vmask: VerifyMask | None):
+        """The verify pass → (logits [T, V] or None, the same with `vmask` applied (in place
+        unless logprobs need the raw ones), hidden [T, H], argmax of the masked logits [T]).
+        Greedy-only batches (no grammar among them) on an eager CPU runner with the fused greedy
+        LM head (as plain greedy decode steps use: the argmax without writing T x V logits) get
+        no logits."""
         runner = self.runner
         if runner.graph_runner is None and runner.greedy_head is not None and fi.greedy_only():
             hidden = runner.forward_hidden(fb)
             ids = runner.cpu_kernels.greedy_head(hidden, runner.greedy_head,
                                                  runner.hf_config.vocab_size)
             if ids is not None:
-                return None, hidden, ids
+                return None, None, hidden, ids
             logits = runner.model.compute_logits(hidden)  # some logit is NaN
         else:
             logits, hidden = runner.forward_with_hidden(fb)
-        return logits, hidden, greedy(logits)
+        scored = logits
+        if vmask is not None:  # logprobs keep the raw distribution (as plain steps do)
+            raw_needed = any(n >= 0 for n in fi.top_logprobs_nums)
+            scored = self.worker.grammar.apply(logits, vmask.mask, copy=raw_needed)
+        return logits, scored, hidden, greedy(scored)
 
     @staticmethod
     def _resample(fi: ForwardInput, logits: torch.Tensor, drafts: torch.Tensor,
