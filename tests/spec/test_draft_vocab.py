@@ -147,8 +147,8 @@ def test_bf16_verify_through_the_greedy_head(tiny_model, tmp_path):
         spec, without_logits = eng.scheduler.worker.spec, []
         real = spec._verify_forward
 
-        def spy(fi, fb):
-            out = real(fi, fb)
+        def spy(fi, fb, vmask):
+            out = real(fi, fb, vmask)
             without_logits.append(out[0] is None)
             return out
 
