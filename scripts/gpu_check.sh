@@ -8,10 +8,11 @@
 #   bench alone; p2p: the p2p kernels' tests, per-kernel sweep, EP bench and DP check; profile:
 #   profiler tables of a batch-64 decode step of a 4-layer Qwen3-30B-A3B shape; PROFILE=1 adds
 #   profiler tables to ep). ONE_BATCH_MODELS / ONE_BATCH_ARGS / ONE_BATCH_HF=0 narrow the one_batch mode.
-#   fp8: one_batch FP8 vs bf16 on a DeepSeek-V3 shape cut to 3 dense + 4 MoE layers (dummy
-#   weights, decode graphs only), the FP8 GEMM vs bf16 tables on DeepSeek-V3 shapes (FP8_SWEEP=1
-#   adds a launch-config sweep), the FP8 tests (kernels, layers, the W8A16 GEMV and small-MoE
-#   kernels, tiny DeepSeek-V3 FP8 served with quantization=auto); knobs in the mode's comment.
+#   fp8: the FP8 GPU tests first (the W8A16 GEMV and small-MoE kernels, FP8 + PDL graphs against
+#   plain eager launches, kernels, layers, tiny DeepSeek-V3 FP8 served with quantization=auto),
+#   then one_batch FP8 vs bf16 on a DeepSeek-V3 shape cut to 3 dense + 4 MoE layers (dummy
+#   weights, decode graphs only) and the FP8 GEMM vs bf16 tables on DeepSeek-V3 shapes
+#   (FP8_SWEEP=1 adds a launch-config sweep); knobs in the mode's comment.
 #   spec: MTP speculation's round (draft chain + verify + draft extend) against one plain decode
 #   step (eager and CUDA graph) at batch 1/16/64: DeepSeek-V3 shape cut to 3 dense + 2 MoE layers
 #   with its MTP layer, and Llama-3-8B with a random NextN head (SPEC_ACCEPT: accept lengths).
@@ -85,7 +86,19 @@ if [[ $what == one_batch || $what == all ]]; then
 fi
 
 if [[ $what == fp8 ]]; then
-  # one_batch first (the issue's figure), then the GEMM tables, then the tests; each bounded.
+  # the tests first (a kernel that does not compile on this GPU shows before the long runs),
+  # then one_batch (the issue's figure), then the GEMM tables; each bounded.
+  if [ "${FP8_TESTS:-1}" = 1 ]; then
+    # the GEMV / small-MoE files: their GPU tests only (the rest is the interpreter's, on CPU)
+    for files in "-m gpu tests/kernels/test_gemv.py tests/kernels/test_fused_moe_small.py" \
+                 "tests/gpu/test_cuda_graph.py::test_fp8_pdl_graphs_are_token_identical_to_plain_eager_launches" \
+                 "tests/gpu/test_fp8_serving.py tests/kernels/test_fp8*.py"; do
+      # (not "warn": pytest's summary line counts warnings)
+      timeout ${FP8_TESTS_TIMEOUT:-300} python3 -m pytest $files -q -s -p no:cacheprovider 2>&1 \
+        | grep -v -E "Warning:|warnings.warn" | tee -a "$OUT/fp8_tests.log" \
+        | grep -E "passed|failed|Error|error|^FAILED|\[fp8" | tail -30
+    done
+  fi
   # FP8_BATCHES, FP8_ONE_BATCH_ARGS (e.g. "--profile --profile-batch 1"), FP8_GEMM_ARGS (e.g.
   # "--tokens 1 --gemv-sweep"), FP8_TESTS=0 (skip the tests) narrow or widen it.
   python3 -m moeserve.tools.make_random --shape deepseek_v3 --layers 7 --config-only \
@@ -99,16 +112,6 @@ if [[ $what == fp8 ]]; then
     | grep -v -E "Warning|warn|capturing" | tee "$OUT/fp8_one_batch.log"  # tr: tqdm's bars
   timeout ${FP8_GEMM_TIMEOUT:-150} python3 -m moeserve.bench.fp8_gemm ${FP8_SWEEP:+--sweep} \
     ${FP8_GEMM_ARGS:-} 2>&1 | grep -v -E "Warning|warn" | tee "$OUT/fp8_gemm.log"
-  if [ "${FP8_TESTS:-1}" = 1 ]; then
-    # the GEMV / small-MoE files: their GPU tests only (the rest is the interpreter's, on CPU)
-    for files in "tests/gpu/test_fp8_serving.py tests/kernels/test_fp8*.py" \
-                 "-m gpu tests/kernels/test_gemv.py tests/kernels/test_fused_moe_small.py"; do
-      # (not "warn": pytest's summary line counts warnings)
-      timeout ${FP8_TESTS_TIMEOUT:-300} python3 -m pytest $files -q -s -p no:cacheprovider 2>&1 \
-        | grep -v -E "Warning:|warnings.warn" | tee -a "$OUT/fp8_tests.log" \
-        | grep -E "passed|failed|Error|error|^FAILED|\[fp8" | tail -30
-    done
-  fi
 fi
 
 if [[ $what == spec ]]; then

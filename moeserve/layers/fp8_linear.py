@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -148,9 +149,11 @@ def fp8_gemm_path(m: int, n: int, k: int, block: Block, dtype: torch.dtype,
 
 
 def fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
-               bias: torch.Tensor | None = None, block: int | Block = FP8_BLOCK) -> torch.Tensor:
+               bias: torch.Tensor | None = None, block: int | Block = FP8_BLOCK,
+               pdl: bool = False) -> torch.Tensor:
     """A linear layer on block-FP8 weights: x [..., K] → [..., N] in x.dtype (module docstring:
-    which GEMM runs)."""
+    which GEMM runs). `pdl`: the GEMV path as a programmatic dependent launch (kernels/pdl.py);
+    the other paths launch plainly."""
     from moeserve.kernels import fp8 as kernels  # imports Triton
 
     x2 = x.reshape(-1, x.shape[-1])  # [M, K]
@@ -162,7 +165,7 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
         from moeserve.kernels.gemv import gemv_fp8
 
         x2 = x2 if x2.stride(1) == 1 else x2.contiguous()
-        out = gemv_fp8(x2, w, w_scale, bias, block)
+        out = gemv_fp8(x2, w, w_scale, bias, block, pdl=pdl)
     elif path == "fused":
         out = kernels.fp8_quant_matmul(x2, w, w_scale, block, bias=bias)
     elif path == "scaled_mm":
@@ -185,6 +188,8 @@ def scale_parameter(*shape: int, device=None) -> nn.Parameter:
 
 class Fp8Linear(nn.Module):
     """y = x @ dequant(weight)^T (+ bias): x [..., K] → [..., N] in x's dtype."""
+
+    gpu_ops: Any = None  # TritonOps on CUDA models: its `pdl` flag applies to the GEMV path
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False,
                  block: int | Block = FP8_BLOCK, backend: str = "triton",
@@ -214,7 +219,8 @@ class Fp8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.backend == "torch":
             return F.linear(x, self.dequantized().to(x.dtype), self.bias)
-        return fp8_linear(x, self.weight, self.weight_scale_inv, self.bias, self.block)
+        pdl = self.gpu_ops is not None and self.gpu_ops.pdl
+        return fp8_linear(x, self.weight, self.weight_scale_inv, self.bias, self.block, pdl)
 
 
 class Fp8MergedLinear(Fp8Linear):
@@ -272,6 +278,7 @@ class Fp8MergedLinear(Fp8Linear):
         out = torch.empty((x2.shape[0], self.out_features), dtype=x.dtype, device=x.device)
         gemv = x2.shape[0] <= W8A16_MAX_M and x.dtype in W8A16_DTYPES  # fp8_gemm_path's rules
         fused = x2.shape[0] <= FUSED_MAX_M  # else quantized once for all shards
+        pdl = self.gpu_ops is not None and self.gpu_ops.pdl
         if gemv and x2.stride(1) != 1:
             x2 = x2.contiguous()
         if not fused:
@@ -280,7 +287,7 @@ class Fp8MergedLinear(Fp8Linear):
             cols = out[:, start : start + size]
             bias = None if self.bias is None else self.bias[start : start + size]
             if gemv:
-                gemv_fp8(x2, w, s, bias, self.block, out=cols)
+                gemv_fp8(x2, w, s, bias, self.block, out=cols, pdl=pdl)
             elif fused:
                 kernels.fp8_quant_matmul(x2, w, s, self.block, out=cols, bias=bias)
             else:

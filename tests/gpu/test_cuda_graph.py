@@ -55,6 +55,21 @@ def test_pdl_graphs_are_token_identical_to_plain_eager_launches(tiny_model, arch
     assert pdl == plain
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen3_moe", "deepseek_v3"])
+@pytest.mark.parametrize("num_prompts", [1, 8])
+def test_fp8_pdl_graphs_are_token_identical_to_plain_eager_launches(tiny_model, arch,
+                                                                   num_prompts):
+    """The FP8 paths with PDL (the W8A16 GEMV of Fp8Linear at batch 1, the FP8 fused MoE kernels)
+    compute what their plain eager launches compute."""
+    path = tiny_model(arch)
+    prompts = prompts_of_lengths([5, 17, 9, 30, 3, 12, 21, 8][:num_prompts], 30000, seed=6)
+    fp8 = ["model.quantization=fp8"]
+    plain = _generate(path, prompts, fp8 + ["cuda_graph.enabled=false", "model.pdl=false"])
+    pdl = _generate(path, prompts, fp8 + ["cuda_graph.enabled=true", "cuda_graph.max_bs=16",
+                                          "cuda_graph.max_extend_tokens=0", "model.pdl=true"])
+    assert pdl == plain
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("lengths", [[32], [5, 17, 9, 30, 3, 12, 21, 31]])  # 32 and 128 tokens
 def test_extend_graphs_are_token_identical_to_eager(tiny_model, arch, lengths):
