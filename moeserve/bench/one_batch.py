@@ -16,7 +16,7 @@ import torch
 
 from moeserve.bench.profiling import profile_table
 from moeserve.config import compose
-from moeserve.bench.roofline import measure_copy_bandwidth, step_bytes
+from moeserve.bench.roofline import measure_copy_bandwidth, step_bytes, touched_experts
 from moeserve.core import ForwardMode
 from moeserve.forward_batch import ForwardBatch
 from moeserve.host_copy import PendingHost
@@ -96,29 +96,12 @@ def bench_moeserve(runner: ModelRunner, batch: int, input_len: int, output_len: 
     if profile:
         profile_table(f"decode step, batch {batch}", lambda: runner.forward_greedy(
             decode_batch(last)), dev, rows=25)
-    touched = _touched_experts(runner, decode_batch(last)) if count_experts else None
+    touched = touched_experts(runner, decode_batch(last)) if count_experts else None
     mem.allocator.free(slots)
     mem.req_to_token.free(rows)
     steps = max(output_len - 1, 1)
     return DecodeRun(batch * input_len / prefill, batch * (output_len - 1) / max(decode, 1e-9),
                      decode / steps, input_len + 1 + (output_len - 2) / 2, touched)
-
-
-def _touched_experts(runner: ModelRunner, fb: ForwardBatch) -> torch.Tensor | None:
-    """[L, P] bool: the experts one eager decode step routes to (recorded, then the recorder is
-    put back as it was)."""
-    rec = runner.recorder
-    if rec is None:
-        return None
-    was = rec.recording
-    before = rec.physical_counts().clone()
-    rec.start()
-    with torch.inference_mode():
-        runner.forward_hidden(fb)
-    counts = rec.physical_counts() - before
-    if not was:
-        rec.stop()
-    return counts > 0
 
 
 @contextlib.contextmanager

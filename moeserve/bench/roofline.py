@@ -106,3 +106,20 @@ def step_bytes(runner, batch: int, seq_len: float, touched: torch.Tensor | None)
     return StepBytes(weights=dense_weight_bytes(model, num_main),
                      experts=expert_bytes(runner.moe_parallel.experts_by_layer, touched),
                      kv=int(batch * seq_len * kv_bytes_per_token(runner.memory.pool)), io=io)
+
+
+def touched_experts(runner, fb) -> torch.Tensor | None:
+    """[L, P] bool: the experts one eager step of `fb` routes to (recorded through the EPLB
+    recorder, which is then put back as it was); None for a model without one."""
+    rec = runner.recorder
+    if rec is None:
+        return None
+    was = rec.recording
+    before = rec.physical_counts().clone()
+    rec.start()
+    with torch.inference_mode():
+        runner.forward_hidden(fb)
+    counts = rec.physical_counts() - before
+    if not was:
+        rec.stop()
+    return counts > 0

@@ -15,6 +15,11 @@ another row count may round differently, so below 100% is not by itself a bug).
 --loopback adds the same rows with `ep.loopback.LoopbackDispatcher` installed: dispatch and
 combine copy their tensors, on the dispatcher's side stream when overlapped (CUDA), so one device
 runs TBO's whole stream/event path; the logits of "on" must match "on" without a dispatcher.
+"floor on/off" is the ratio of the HBM bytes each must move (bench/roofline.py): split, every
+dense weight is read by both micro-batches and each reads the routed experts its own tokens went to
+(recorded per micro-batch), so where a step is bound by weight bytes (decode, and at one device a
+prefill of a few thousand tokens over 128 experts) splitting costs that ratio even with no host
+time at all; "on/off" is what was measured.
 --trace PATH writes a profiler trace (chrome JSON) of one such TBO decode step and prints how much
 of the side stream's busy time ran beside the compute stream's kernels.
 """
@@ -27,10 +32,12 @@ import time
 
 import torch
 
+from moeserve.bench.roofline import step_bytes, touched_experts
 from moeserve.config import compose
 from moeserve.core import ForwardMode
 from moeserve.runtime.model_runner import ModelRunner
 from moeserve.runtime.moe_setup import num_logical_experts
+from moeserve.tbo.split import split_batch
 
 
 def _sync(dev: torch.device) -> None:
@@ -104,13 +111,28 @@ def same_tokens(runner: ModelRunner, make) -> float:
     return (off == on).float().mean().item()
 
 
+def floor_ratio(runner: ModelRunner, make, seq_len: int) -> float | None:
+    """Bytes the split step must move over the unsplit step's (roofline.step_bytes, experts as
+    recorded for the whole step and for each micro-batch); None for a model without experts."""
+    whole = make(False)
+    touched = touched_experts(runner, whole)
+    if touched is None:
+        return None
+    off = step_bytes(runner, whole.batch_size, seq_len, touched).total
+    on = sum(step_bytes(runner, part.batch_size, seq_len, touched_experts(runner, part)).total
+             for part in split_batch(make(True)) if part.num_tokens)
+    return on / off
+
+
 HEADER = (f"| {'model':<14} | {'dispatcher':<10} | {'step':<8} | {'tokens':>6} | {'off ms':>8} | "
-          f"{'on ms':>8} | {'on/off':>7} | {'same tokens':>11} |")
+          f"{'on ms':>8} | {'on/off':>7} | {'floor on/off':>12} | {'same tokens':>11} |")
 
 
-def row(model: str, disp: str, step: str, tokens: int, t: dict[bool, float], same: float) -> str:
+def row(model: str, disp: str, step: str, tokens: int, t: dict[bool, float], floor: float | None,
+        same: float) -> str:
+    fl = "-" if floor is None else f"{floor:.3f}x"
     return (f"| {model:<14} | {disp:<10} | {step:<8} | {tokens:>6} | {t[False]:>8.3f} | "
-            f"{t[True]:>8.3f} | {t[True] / t[False]:>6.3f}x | {100 * same:>10.1f}% |")
+            f"{t[True]:>8.3f} | {t[True] / t[False]:>6.3f}x | {fl:>12} | {100 * same:>10.1f}% |")
 
 
 def loopback(runner: ModelRunner):
@@ -212,10 +234,12 @@ def main(argv: list[str] | None = None) -> None:
         for kind, st in cases:
             make = st.decode() if kind == "decode" else st.extend()
             tokens = st.batch if kind == "decode" else st.batch * st.length
+            floor = floor_ratio(runner, make, st.length + (kind == "decode"))
             for label, d in dispatchers:
                 runner.moe_parallel.dispatcher = d
                 t = time_on_off(runner, make, args.iters, args.rounds)
-                print(row(name, label, kind, tokens, t, same_tokens(runner, make)), flush=True)
+                print(row(name, label, kind, tokens, t, floor, same_tokens(runner, make)),
+                      flush=True)
             runner.moe_parallel.dispatcher = None
             if args.loopback:
                 print(f"| {kind} {tokens}: loopback TBO vs no-dispatcher TBO: "
