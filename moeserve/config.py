@@ -206,6 +206,13 @@ class TBOConfig:
     min_tokens: int = 32
 
 
+# Decode batch sizes above which speculation costs more than it gains, measured (docs/spec_mtp.md):
+# CPU, SmolLM2-135M with a trained head (bench.spec_accept, 2 cores, bf16): N=1..3 paid 1.25-1.43x
+# at 2 requests in flight, N=3 lost (0.86x) at 4 and every N at 8; one H200, Llama-3-8B shape,
+# N=3 at accept length 2.0 (bench.spec_step): a round paid 1.29x at batch 16 and lost at 64.
+SPEC_STEP_ASIDE = {"cpu": 2, "cuda": 32}
+
+
 @dataclass(frozen=True)
 class SpecConfig:
     """MTP (NextN) speculative decoding (moeserve/spec_mtp/): a one-layer draft proposes
@@ -216,8 +223,14 @@ class SpecConfig:
     # a trained NextN head (python -m moeserve.spec_mtp.train) instead of the checkpoint's MTP layer
     draft_path: str | None = None
     # decode batches larger than this run plain decode steps (the draft keeps up with one token);
-    # 0: always speculate
-    max_batch_size: int = 0
+    # 0: always speculate; None: the size measured for the device (SPEC_STEP_ASIDE)
+    max_batch_size: int | None = None
+
+    def step_aside_above(self, device: str) -> int:
+        """max_batch_size resolved for a "cpu" or "cuda" rank (0: never step aside)."""
+        if self.max_batch_size is not None:
+            return self.max_batch_size
+        return SPEC_STEP_ASIDE.get(device, 0)
 
 
 @dataclass(frozen=True)
@@ -371,8 +384,9 @@ def _validate_not_implemented(cfg: MoeserveConfig) -> None:
         return
     if not 1 <= s.num_steps <= 8:
         raise ConfigError("spec.num_steps", f"must be in [1, 8], got {s.num_steps}")
-    if s.max_batch_size < 0:
-        raise ConfigError("spec.max_batch_size", "must be >= 0 (0: always speculate)")
+    if s.max_batch_size is not None and s.max_batch_size < 0:
+        raise ConfigError("spec.max_batch_size",
+                          "must be >= 0 (0: always speculate) or null (the device's default)")
 
 
 def loads_mtp_layer(cfg: MoeserveConfig) -> bool:

@@ -6,8 +6,12 @@ speed with and without speculation, on chat prompts the draft head was not train
 
 Rows: `off` (plain decoding) and one per chain length N: batch-1 decode tok/s (requests one at a
 time; time to first token excluded via a 1-token run of the same prompt), the accept length
-(tokens per verify pass), the share of drafts accepted, and served tok/s with `concurrency`
-requests in flight. Outputs are also checked against plain decoding (greedy: they must be equal).
+(tokens per verify pass), the share of drafts accepted, and for each --concurrency C the served
+tok/s of an engine admitting C requests at a time (cache.max_running_requests=C) given max(2 C,
+prompts) requests: several values show the batch size above which speculation stops paying, where
+`spec.max_batch_size` should step it aside. The engines take the bench's --override, so
+`--override spec.max_batch_size=0` measures speculation everywhere and the default shows the
+device's step-aside. Outputs are also checked against plain decoding (greedy: they must be equal).
 
 On a CPU shared with other work, `--repeat R` runs the whole cycle (off, N=...) R times and
 reports each row's median speeds, so that a neighbour's burst does not land on one row only;
@@ -49,7 +53,8 @@ def _batch1(eng: Engine, chats: list[list[int]], max_new: int) -> tuple[float, l
 
 
 def _served(eng: Engine, chats: list[list[int]], max_new: int, concurrency: int) -> float:
-    prompts = (chats * (2 * concurrency // len(chats) + 1))[: 2 * concurrency]
+    n = max(2 * concurrency, len(chats))  # requests, through an engine admitting `concurrency`
+    prompts = (chats * (n // len(chats) + 1))[:n]
     t0 = time.perf_counter()
     outs = eng.generate(input_ids=prompts, sampling_params={"temperature": 0,
                                                             "max_new_tokens": max_new})
@@ -66,7 +71,10 @@ def _run(args, n: int, base: list[str], prompts: list[str]) -> dict:
     with Engine(args.model, base + spec) as eng:
         chats = _chat(eng, prompts)
         tok_s, outs, metas = _batch1(eng, chats, args.max_new_tokens)
-        served = _served(eng, chats, args.max_new_tokens, args.concurrency)
+    served = []
+    for c in args.concurrency:  # an engine admitting c requests at a time
+        with Engine(args.model, base + spec + [f"cache.max_running_requests={c}"]) as eng:
+            served.append(_served(eng, chats, args.max_new_tokens, c))
     return {"b1": tok_s, "served": served, "outs": outs,
             "verify": sum(m.get("spec_verify_steps", 0) for m in metas),
             "accepted": sum(m.get("spec_accepted_tokens", 0) for m in metas),
@@ -84,14 +92,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--steps", type=int, nargs="+", default=[1, 2, 3, 4])
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--prompts", type=int, default=8)
-    p.add_argument("--concurrency", type=int, default=16)
+    p.add_argument("--concurrency", type=int, nargs="+", default=[16],
+                   help="requests in flight of the served runs (one column each)")
     p.add_argument("--repeat", type=int, default=1, help="cycles over the rows (medians)")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--override", action="append", default=[])
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    base = [*args.override, f"cache.max_running_requests={max(args.concurrency, 16)}"]
+    base = list(args.override)
     prompts = heldout_prompts(args.prompts)
     configs = [0, *args.steps]
     runs: dict[int, list[dict]] = {n: [] for n in configs}
@@ -104,28 +113,35 @@ def main(argv: list[str] | None = None) -> None:
             acc = r["accepted"] / r["verify"] if r["verify"] else None
             print(f"[{rep + 1}/{args.repeat}] {'off' if n == 0 else f'N={n}'}: batch-1 "
                   f"{r['b1']:.1f} tok/s, accept length {acc if acc is None else round(acc, 2)}, "
-                  f"served {r['served']:.1f} tok/s, outputs = off: {same}; {_load()}", flush=True)
+                  f"served {_tok_s(r['served'])} tok/s, outputs = off: {same}; {_load()}",
+                  flush=True)
     _table(args, configs, runs, len(prompts))
+
+
+def _tok_s(served: list[float]) -> str:
+    return " / ".join(f"{s:.1f}" for s in served)
 
 
 def _table(args, configs: list[int], runs: dict[int, list[dict]], n_prompts: int) -> None:
     med = {n: (statistics.median(r["b1"] for r in runs[n]),
-               statistics.median(r["served"] for r in runs[n])) for n in configs}
+               [statistics.median(r["served"][i] for r in runs[n])
+                for i in range(len(args.concurrency))]) for n in configs}
     off_b1, off_served = med[0]
     print(f"\n{n_prompts} held-out chat prompts, {args.max_new_tokens} new tokens, greedy; "
-          f"served: {2 * args.concurrency} requests at {args.concurrency} in flight; "
-          f"medians of {args.repeat} cycle(s); {_load()}")
-    print("| spec | batch-1 tok/s | vs off | accept length | drafts accepted | served tok/s | "
-          "vs off | outputs = off |")
-    print("|---|---|---|---|---|---|---|---|")
+          f"served: max(2 C, {n_prompts}) requests at C in flight; medians of {args.repeat} cycle(s); {_load()}")
+    served_cols = "".join(f" served C={c} tok/s | vs off |" for c in args.concurrency)
+    print(f"| spec | batch-1 tok/s | vs off | accept length | drafts accepted |{served_cols} "
+          "outputs = off |")
+    print("|---|---|---|---|---|" + "---|---|" * len(args.concurrency) + "---|")
     for n in configs:
         r0, (b1, served) = runs[n][0], med[n]
         same = all(r["outs"] == runs[0][0]["outs"] for r in runs[n])
         acc = f"{r0['accepted'] / r0['verify']:.2f}" if r0["verify"] else "-"
         share = (f"{100 * (r0['accepted'] - r0['verify']) / r0['drafts']:.0f}%"
                  if r0["drafts"] else "-")
+        cols = "".join(f" {s:.1f} | {s / o:.2f}x |" for s, o in zip(served, off_served))
         print(f"| {'off' if n == 0 else f'N={n}'} | {b1:.1f} | {b1 / off_b1:.2f}x | {acc} | "
-              f"{share} | {served:.1f} | {served / off_served:.2f}x | {same} |")
+              f"{share} |{cols} {same} |")
 
 
 if __name__ == "__main__":

@@ -213,6 +213,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--loopback", action="store_true", help="add the loopback-dispatcher rows")
     p.add_argument("--trace", default=None, help="chrome trace of a loopback TBO decode step")
+    p.add_argument("--floor-only", action="store_true",
+                   help="only the bytes floor column (no timing, the KV left unwritten: which "
+                   "experts a step routes to is all the floor needs); e.g. on a CPU")
     p.add_argument("-o", "--override", action="append", default=[])
     args = p.parse_args(argv)
     cfg = compose([f"model.path='{args.model}'", "cuda_graph.enabled=false", *args.override])
@@ -221,13 +224,15 @@ def main(argv: list[str] | None = None) -> None:
     print(f"model={args.model} device={runner.device} dtype={runner.dtype} "
           f"attention={type(runner.attn_backend).__name__} ep_size={runner.mesh.ep_size} "
           f"(TBO forced on one device; eager, no CUDA graphs)", flush=True)
-    print(HEADER)
-    print("|" + "|".join("-" * len(c) for c in HEADER.split("|")[1:-1]) + "|", flush=True)
+    if not args.floor_only:
+        print(HEADER)
+        print("|" + "|".join("-" * len(c) for c in HEADER.split("|")[1:-1]) + "|", flush=True)
     dispatchers = [("none", None)] + ([("loopback", loopback(runner))] if args.loopback else [])
     with torch.inference_mode():
         cases = [("decode", Steps(runner, b, args.context)) for b in args.batch]
-        for _, st in cases:
-            st.prefill_kv(max(args.prefill, args.context))
+        if not args.floor_only:
+            for _, st in cases:
+                st.prefill_kv(max(args.prefill, args.context))
         if args.prefill:
             cases.append(("prefill", Steps(runner, max(1, args.prefill // args.prefill_len),
                                            args.prefill_len, seed=1)))
@@ -235,6 +240,10 @@ def main(argv: list[str] | None = None) -> None:
             make = st.decode() if kind == "decode" else st.extend()
             tokens = st.batch if kind == "decode" else st.batch * st.length
             floor = floor_ratio(runner, make, st.length + (kind == "decode"))
+            if args.floor_only:
+                fl = "- (no routed experts)" if floor is None else f"{floor:.3f}x"
+                print(f"| {name} | {kind} | {tokens} | floor on/off {fl} |", flush=True)
+                continue
             for label, d in dispatchers:
                 runner.moe_parallel.dispatcher = d
                 t = time_on_off(runner, make, args.iters, args.rounds)

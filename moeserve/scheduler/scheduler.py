@@ -58,7 +58,7 @@ class Scheduler:
         self.mixed_chunk = sc.use_mixed_chunk(runner.device.type)
         self.worker = ForwardWorker(runner, threaded=self.overlap)
         # speculative decoding (the runner built a draft): verify steps and accepted blocks
-        self.spec = SpecPolicy(cfg.spec) if runner.draft is not None else None
+        self.spec = SpecPolicy(cfg.spec, runner.device.type) if runner.draft is not None else None
         self.stop = StopChecker(eos_token_ids, decode_text)
         self.grammars = GrammarIntake(grammars, eos_token_ids)  # compiles off the loop
         self.ratio = NewTokenRatio(sc.init_new_token_ratio, sc.min_new_token_ratio,

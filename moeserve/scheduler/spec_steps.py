@@ -16,23 +16,24 @@ import torch
 
 
 class SpecPolicy:
-    def __init__(self, cfg: SpecConfig):
+    def __init__(self, cfg: SpecConfig, device: str):
+        """`device`: the rank's device type, which picks spec.max_batch_size's default."""
         self.cfg = cfg
+        self.max_batch = cfg.step_aside_above(device)
         self.verify_steps = 0  # rank totals for the server's interval log and /metrics
         self.accepted_tokens = 0
         self.draft_tokens = 0
 
     def width(self, reqs: list[Req]) -> int:
         """New positions per request this decode step: num_steps + 1 to verify, or 1 (a plain
-        step) for batches above spec.max_batch_size and for requests whose logits are edited
+        step) for batches above spec.max_batch_size (its device default when null) and for requests whose logits are edited
         (penalties, logit_bias: their verification is not built). Grammars verify: each draft
         position is masked as plain decoding would mask it (runtime/grammar_steps.verify_mask)."""
-        c = self.cfg
-        if c.max_batch_size and len(reqs) > c.max_batch_size:
+        if self.max_batch and len(reqs) > self.max_batch:
             return 1
         if any(r.sampling.edits_logits for r in reqs):
             return 1
-        return c.num_steps + 1
+        return self.cfg.num_steps + 1
 
     def settle(self, req: Req, kv_end: int, emitted: int, allocator: TokenToKVPoolAllocator
                ) -> None:

@@ -23,7 +23,7 @@ def test_spec_with_graphs_equals_plain(tiny_model, arch, draft):
     prompts = prompts_of_lengths([5, 17, 9, 30, 3, 12, 21, 8], 1000, seed=3)
     with Engine(path, FP32_CUDA) as eng:
         plain = eng.generate(input_ids=prompts, sampling_params=GREEDY, return_logprob=True)
-    spec = ["spec.algorithm=nextn", "spec.num_steps=3", *draft]
+    spec = ["spec.algorithm=nextn", "spec.max_batch_size=0", "spec.num_steps=3", *draft]
     with Engine(path, FP32_CUDA + spec) as eng:
         assert eng.runner.graph_runner is not None and eng.runner.draft_graphs is not None
         outs = eng.generate(input_ids=prompts, sampling_params=GREEDY)

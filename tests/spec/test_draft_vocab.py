@@ -54,7 +54,7 @@ def _add_vocab(head_dir: str, vocab: list[int]) -> None:
 
 def _serve(model_dir: str, head_dir: str, prompts, params):
     """(outputs, every drafted token in order, accepted counts) with a recording draft."""
-    with Engine(model_dir, FP32_CPU + ["spec.algorithm=nextn", "spec.num_steps=3",
+    with Engine(model_dir, FP32_CPU + ["spec.algorithm=nextn", "spec.max_batch_size=0", "spec.num_steps=3",
                                        f"spec.draft_path={head_dir}"]) as eng:
         draft, drafted = eng.runner.draft, []
         real = draft.tokens
@@ -107,7 +107,7 @@ def test_vocab_logits_are_the_full_heads_rows(tiny_model, tmp_path):
     head_dir = write_head(str(tmp_path / "head"), model_dir)
     vocab = [3, 10, 11, 500]
     _add_vocab(head_dir, vocab)
-    with Engine(model_dir, FP32_CPU + ["spec.algorithm=nextn",
+    with Engine(model_dir, FP32_CPU + ["spec.algorithm=nextn", "spec.max_batch_size=0",
                                        f"spec.draft_path={head_dir}"]) as eng:
         draft = eng.runner.draft
         hidden = torch.randn(5, draft.target.config.hidden_size)
@@ -142,7 +142,7 @@ def test_bf16_verify_through_the_greedy_head(tiny_model, tmp_path):
         if eng.runner.greedy_head is None:
             pytest.skip("no fused greedy LM head on this CPU")
         want = [o["output_ids"] for o in eng.generate(input_ids=prompts, sampling_params=params)]
-    with Engine(model_dir, bf16 + ["spec.algorithm=nextn", "spec.num_steps=3",
+    with Engine(model_dir, bf16 + ["spec.algorithm=nextn", "spec.max_batch_size=0", "spec.num_steps=3",
                                    f"spec.draft_path={head_dir}"]) as eng:
         spec, without_logits = eng.scheduler.worker.spec, []
         real = spec._verify_forward

@@ -20,7 +20,7 @@ from moeserve import Engine
 from spec_oracle import install_mode_draft, install_oracle_draft
 
 GREEDY = {"temperature": 0, "ignore_eos": True}
-SPEC = ["spec.algorithm=nextn"]
+SPEC = ["spec.algorithm=nextn", "spec.max_batch_size=0"]
 
 
 def workload(n: int, vocab: int, seed: int = 0) -> tuple[list[list[int]], list[dict]]:
@@ -160,6 +160,29 @@ def test_plain_steps_above_max_batch_size_and_for_edited_logits(dsv3):
         outs = eng.generate(input_ids=prompts, sampling_params=penalised)
         assert [o["output_ids"] for o in outs] == want
         assert all("spec_verify_steps" not in o["meta"] for o in outs)
+
+
+def test_cpu_default_steps_aside_above_the_measured_batch_size(dsv3):
+    """spec.max_batch_size left null takes the device's measured size (SPEC_STEP_ASIDE): on a
+    CPU a decode batch within it verifies drafts, a larger one runs plain steps; both give the
+    plain outputs."""
+    from moeserve.config import SPEC_STEP_ASIDE
+
+    path, prompts, params, expected = dsv3
+    limit = SPEC_STEP_ASIDE["cpu"]
+    assert 0 < limit < len(prompts)
+    same_length = [{**GREEDY, "max_new_tokens": 12}] * len(prompts)  # finish together
+    with Engine(path, FP32_CPU) as eng:
+        want = [o["output_ids"] for o in eng.generate(input_ids=prompts,
+                                                      sampling_params=same_length)]
+    with Engine(path, FP32_CPU + ["spec.algorithm=nextn"]) as eng:
+        few = eng.generate(input_ids=prompts[:limit], sampling_params=same_length[:limit])
+        many = eng.generate(input_ids=prompts, sampling_params=same_length)
+        assert eng.scheduler.is_memory_clean()
+    assert [o["output_ids"] for o in few] == want[:limit]
+    assert [o["output_ids"] for o in many] == want
+    assert all(o["meta"].get("spec_verify_steps", 0) > 0 for o in few)
+    assert all(o["meta"].get("spec_verify_steps", 0) == 0 for o in many)
 
 
 def test_config_errors_name_the_key(tiny_model):

@@ -18,7 +18,7 @@ from moeserve import Engine
 
 xgr = pytest.importorskip("xgrammar")
 
-SPEC = ["spec.algorithm=nextn", "spec.num_steps=3"]
+SPEC = ["spec.algorithm=nextn", "spec.max_batch_size=0", "spec.num_steps=3"]
 ITEM = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6},
                                          "n": {"type": "integer", "minimum": 0, "maximum": 99}},
         "required": ["name", "n"]}

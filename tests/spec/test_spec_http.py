@@ -13,7 +13,7 @@ from parity import FP32_CPU
 
 from moeserve import Engine
 
-SPEC = ["spec.algorithm=nextn", "spec.num_steps=3"]
+SPEC = ["spec.algorithm=nextn", "spec.max_batch_size=0", "spec.num_steps=3"]
 QUESTIONS = [f"Question {i}: {'tell me something ' * (i % 3 + 1)}" for i in range(6)]
 
 
