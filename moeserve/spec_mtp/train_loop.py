@@ -158,11 +158,17 @@ class Trainer:
         self.save_checkpoint()
 
     def _fit_deadline(self, probe: tuple[float, int], deadline: float, bar) -> None:
+        """Set total_steps to what fits before `deadline` at the pace since `probe`: fewer when
+        the steps run slower than planned, more again (up to the planned count, `max_steps`) when
+        they speed up, so the budget is neither overrun nor left unused (steps on a shared CPU
+        change pace as its neighbours come and go)."""
         per_step = (time.time() - probe[0]) / (self.step - probe[1])
         fit = self.step + int((deadline - time.time()) / per_step)
-        if fit < self.cfg["total_steps"]:
-            self.cfg["total_steps"] = max(self.step, fit)
-            bar.total = self.cfg["total_steps"]
+        cap = self.cfg.setdefault("max_steps", self.cfg["total_steps"])
+        total = min(cap, max(self.step, fit))
+        if total != self.cfg["total_steps"]:
+            self.cfg["total_steps"] = total
+            bar.total = total
             bar.set_description(f"train (budget: {per_step:.1f}s/step)")
 
     def train_step(self):

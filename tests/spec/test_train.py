@@ -131,6 +131,35 @@ def test_few_steps_reduce_loss(tiny):
     assert max(accs_before) < 0.05 and min(accs) > 0.5, (accs_before, accs)
 
 
+def test_fit_deadline_shrinks_then_grows_back_to_the_plan(tiny, monkeypatch):
+    """The step count follows the pace: slow steps cut it to what fits before the deadline,
+    faster ones restore it, never past the planned count nor below the steps already done."""
+    target, _, records = tiny
+    trainer = train_mod.Trainer(TrainHead(target), target, records, _cfg(total_steps=100), "")
+
+    class Bar:
+        total = 100
+
+        def set_description(self, _):
+            pass
+
+    clock = {"now": 0.0}
+    monkeypatch.setattr(train_mod.time, "time", lambda: clock["now"])
+    bar = Bar()
+    trainer.step, clock["now"] = 10, 20.0  # 2 s per step since (0 s, step 0); 40 s left
+    trainer._fit_deadline((0.0, 0), 60.0, bar)
+    assert trainer.cfg["total_steps"] == bar.total == 30
+    trainer.step, clock["now"] = 20, 25.0  # now 1.25 s per step; 35 s left: 28 more
+    trainer._fit_deadline((0.0, 0), 60.0, bar)
+    assert trainer.cfg["total_steps"] == 48
+    trainer.step, clock["now"] = 40, 22.0  # 0.55 s per step; 38 s left: 69 more, past the plan
+    trainer._fit_deadline((0.0, 0), 60.0, bar)
+    assert trainer.cfg["total_steps"] == 100
+    clock["now"] = 70.0  # past the deadline: stop where it is
+    trainer._fit_deadline((0.0, 0), 60.0, bar)
+    assert trainer.cfg["total_steps"] == 40
+
+
 def test_save_load_round_trip(tiny, tmp_path):
     target, _, _ = tiny
     head = TrainHead(target)
