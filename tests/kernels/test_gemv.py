@@ -201,9 +201,23 @@ def test_linear_module_with_ops_equals_f_linear(rows, monkeypatch):
     assert lin.weight.grad is not None
 
 
-def test_fp8_linear_takes_no_gpu_ops():
-    """Fp8Linear is no `Linear`: attach_ops leaves it alone, its FP8 GEMMs keep running."""
-    assert not issubclass(Fp8Linear, Linear) and not hasattr(Fp8Linear, "gpu_ops")
+def test_fp8_linear_takes_only_the_pdl_flag_of_gpu_ops():
+    """Fp8Linear is no `Linear`: attach_ops hands it the TritonOps for their `pdl` flag, and its
+    FP8 GEMMs keep running (an ops object whose every other attribute raises is never used)."""
+
+    class FlagOnly:
+        pdl = True
+
+        def __getattr__(self, name):
+            raise AssertionError(f"Fp8Linear used gpu_ops.{name}")
+
+    assert not issubclass(Fp8Linear, Linear)
+    model = torch.nn.Sequential(Fp8Linear(256, 128, backend="torch"))
+    assert attach_ops(model, "gpu_ops", FlagOnly()) == 1
+    lin = model[0]
+    lin.weight.data.copy_((torch.randn(128, 256) * 0.1).to(lin.weight.dtype))
+    x = torch.randn(3, 256)
+    torch.testing.assert_close(lin(x), F.linear(x, lin.dequantized()))
 
 
 @pytest.mark.gpu
