@@ -128,7 +128,8 @@ def _table(args, configs: list[int], runs: dict[int, list[dict]], n_prompts: int
                 for i in range(len(args.concurrency))]) for n in configs}
     off_b1, off_served = med[0]
     print(f"\n{n_prompts} held-out chat prompts, {args.max_new_tokens} new tokens, greedy; "
-          f"served: max(2 C, {n_prompts}) requests at C in flight; medians of {args.repeat} cycle(s); {_load()}")
+          f"served: max(2 C, {n_prompts}) requests at C in flight; "
+          f"medians of {args.repeat} cycle(s); {_load()}")
     served_cols = "".join(f" served C={c} tok/s | vs off |" for c in args.concurrency)
     print(f"| spec | batch-1 tok/s | vs off | accept length | drafts accepted |{served_cols} "
           "outputs = off |")

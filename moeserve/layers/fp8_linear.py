@@ -219,8 +219,12 @@ class Fp8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.backend == "torch":
             return F.linear(x, self.dequantized().to(x.dtype), self.bias)
-        pdl = self.gpu_ops is not None and self.gpu_ops.pdl
-        return fp8_linear(x, self.weight, self.weight_scale_inv, self.bias, self.block, pdl)
+        return fp8_linear(x, self.weight, self.weight_scale_inv, self.bias, self.block, self.pdl)
+
+    @property
+    def pdl(self) -> bool:
+        """Launch the GEMV path with PDL: the model's flag, where CUDA ops were attached."""
+        return self.gpu_ops is not None and self.gpu_ops.pdl
 
 
 class Fp8MergedLinear(Fp8Linear):
@@ -278,7 +282,6 @@ class Fp8MergedLinear(Fp8Linear):
         out = torch.empty((x2.shape[0], self.out_features), dtype=x.dtype, device=x.device)
         gemv = x2.shape[0] <= W8A16_MAX_M and x.dtype in W8A16_DTYPES  # fp8_gemm_path's rules
         fused = x2.shape[0] <= FUSED_MAX_M  # else quantized once for all shards
-        pdl = self.gpu_ops is not None and self.gpu_ops.pdl
         if gemv and x2.stride(1) != 1:
             x2 = x2.contiguous()
         if not fused:
@@ -287,7 +290,7 @@ class Fp8MergedLinear(Fp8Linear):
             cols = out[:, start : start + size]
             bias = None if self.bias is None else self.bias[start : start + size]
             if gemv:
-                gemv_fp8(x2, w, s, bias, self.block, out=cols, pdl=pdl)
+                gemv_fp8(x2, w, s, bias, self.block, out=cols, pdl=self.pdl)
             elif fused:
                 kernels.fp8_quant_matmul(x2, w, s, self.block, out=cols, bias=bias)
             else:

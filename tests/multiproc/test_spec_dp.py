@@ -14,7 +14,8 @@ from test_dp import (DP2, ep_overrides, ids_of, one_thread_per_rank,  # noqa: F4
 
 from moeserve import Engine
 
-SPEC = ["spec.algorithm=nextn", "spec.max_batch_size=0", "spec.num_steps=2", "scheduler.chunked_prefill_size=16"]
+SPEC = ["spec.algorithm=nextn", "spec.max_batch_size=0", "spec.num_steps=2",
+        "scheduler.chunked_prefill_size=16"]
 
 
 @pytest.mark.timeout(300)

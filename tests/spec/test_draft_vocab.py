@@ -54,7 +54,8 @@ def _add_vocab(head_dir: str, vocab: list[int]) -> None:
 
 def _serve(model_dir: str, head_dir: str, prompts, params):
     """(outputs, every drafted token in order, accepted counts) with a recording draft."""
-    with Engine(model_dir, FP32_CPU + ["spec.algorithm=nextn", "spec.max_batch_size=0", "spec.num_steps=3",
+    with Engine(model_dir, FP32_CPU + ["spec.algorithm=nextn", "spec.max_batch_size=0",
+        "spec.num_steps=3",
                                        f"spec.draft_path={head_dir}"]) as eng:
         draft, drafted = eng.runner.draft, []
         real = draft.tokens
@@ -142,7 +143,8 @@ def test_bf16_verify_through_the_greedy_head(tiny_model, tmp_path):
         if eng.runner.greedy_head is None:
             pytest.skip("no fused greedy LM head on this CPU")
         want = [o["output_ids"] for o in eng.generate(input_ids=prompts, sampling_params=params)]
-    with Engine(model_dir, bf16 + ["spec.algorithm=nextn", "spec.max_batch_size=0", "spec.num_steps=3",
+    with Engine(model_dir, bf16 + ["spec.algorithm=nextn", "spec.max_batch_size=0",
+        "spec.num_steps=3",
                                    f"spec.draft_path={head_dir}"]) as eng:
         spec, without_logits = eng.scheduler.worker.spec, []
         real = spec._verify_forward

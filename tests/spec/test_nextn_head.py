@@ -106,7 +106,8 @@ def test_serving_with_head_equals_plain(tiny_model, tmp_path, overlap):
     loop = [f"scheduler.overlap={str(overlap).lower()}"]
     with Engine(model_dir, FP32_CPU + loop) as eng:
         want = [o["output_ids"] for o in eng.generate(input_ids=prompts, sampling_params=params)]
-    with Engine(model_dir, FP32_CPU + loop + ["spec.algorithm=nextn", "spec.max_batch_size=0", "spec.num_steps=3",
+    with Engine(model_dir, FP32_CPU + loop + ["spec.algorithm=nextn", "spec.max_batch_size=0",
+        "spec.num_steps=3",
                                               f"spec.draft_path={head_dir}"]) as eng:
         outs = eng.generate(input_ids=prompts, sampling_params=params)
         assert [o["output_ids"] for o in outs] == want
