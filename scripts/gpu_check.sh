@@ -7,7 +7,8 @@
 #   roofline, the pre-fast-path rows and transformers; (multigpu, ep, p2p: 2+ GPUs; ep: the EP
 #   bench alone; p2p: the p2p kernels' tests, per-kernel sweep, EP bench and DP check; profile:
 #   profiler tables of a batch-64 decode step of a 4-layer Qwen3-30B-A3B shape; PROFILE=1 adds
-#   profiler tables to ep). ONE_BATCH_MODELS / ONE_BATCH_ARGS / ONE_BATCH_HF=0 narrow the one_batch mode.
+#   profiler tables to ep). ONE_BATCH_MODELS / ONE_BATCH_ARGS / ONE_BATCH_HF=0 / ONE_BATCH_REF=0
+#   narrow the one_batch mode.
 #   fp8: the FP8 GPU tests first (the W8A16 GEMV and small-MoE kernels, FP8 + PDL graphs against
 #   plain eager launches, kernels, layers, tiny DeepSeek-V3 FP8 served with quantization=auto),
 #   then one_batch FP8 vs bf16 on a DeepSeek-V3 shape cut to 3 dense + 4 MoE layers (dummy
@@ -79,7 +80,7 @@ if [[ $what == one_batch || $what == all ]]; then
       *) batches="1 64 256";;
     esac
     timeout 420 python3 -m moeserve.bench.one_batch --model /tmp/$shape --batch $batches \
-      --input-len 512 --output-len 32 --compare-reference $([ "${ONE_BATCH_HF:-1}" = 1 ] && echo --compare-hf) ${ONE_BATCH_ARGS:-} \
+      --input-len 512 --output-len 32 $([ "${ONE_BATCH_REF:-1}" = 1 ] && echo --compare-reference) $([ "${ONE_BATCH_HF:-1}" = 1 ] && echo --compare-hf) ${ONE_BATCH_ARGS:-} \
       -o model.load_format=dummy -o device=cuda -o cache.max_total_tokens=150000 2>&1 \
       | grep -v -E "Warning|warn|capturing" | tee -a "$OUT/one_batch.log"
   done
