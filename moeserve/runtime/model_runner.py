@@ -115,6 +115,8 @@ class ModelRunner:
         if self.cpu_kernels is not None:
             attach_cpu_kernels(self.model, self.cpu_kernels)
         self.pdl = use_pdl(cfg, self.device)  # programmatic dependent launches (kernels/pdl.py)
+        if self.device.type == "cuda" and hasattr(self.moe_parallel.recorder, "kernel_pdl"):
+            self.moe_parallel.recorder.kernel_pdl = self.pdl  # one counting launch a layer
         self.gpu_ops = self._gpu_ops()
         self.attn_backend = self._attention_backend()
         self.greedy_head = self._greedy_head()
