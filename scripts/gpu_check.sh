@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Runs on a lent GPU machine (see the device tool): GPU tests, then benchmarks, logs under $OUT.
 #   scripts/gpu_check.sh [tests|kernels|tune|one_batch|profile|serving|grammar|multigpu|ep|p2p|fp8|spec|tbo|pdl|all]
-#   tests: GPU tests (parity, CUDA graphs, Triton kernels in bf16); kernels: the kernel benchmark
-#   tables; tune: fused-MoE launch configs for the shipped shapes (into $OUT/moe_configs);
+#   tests: GPU tests (parity, CUDA graphs, Triton kernels in bf16; GPU_TESTS narrows them);
+#   kernels: the kernel benchmark tables; tune: fused-MoE launch configs for the shipped shapes
+#   (into $OUT/moe_configs);
 #   one_batch: full-size dummy Qwen3-30B-A3B / Llama-3-8B / DeepSeek-V2-Lite decode tables with the
 #   roofline, the pre-fast-path rows and transformers; (multigpu, ep, p2p: 2+ GPUs; ep: the EP
 #   bench alone; p2p: the p2p kernels' tests, per-kernel sweep, EP bench and DP check; profile:
@@ -52,7 +53,7 @@ esac
 nvidia-smi --query-gpu=name,memory.total --format=csv | tee "$OUT/gpu.txt"
 
 if [[ $what == tests || $what == all ]]; then
-  python3 -m pytest tests/gpu tests/kernels -q -s -p no:cacheprovider 2>&1 \
+  python3 -m pytest ${GPU_TESTS:-tests/gpu tests/kernels} -q -s -p no:cacheprovider 2>&1 \
     | grep -v -E "Warning|warn" | tee "$OUT/gpu_tests.log" | grep -E "passed|failed|Error|error|^FAILED|\[bf16" | tail -40
 fi
 

@@ -70,6 +70,32 @@ def test_fp8_pdl_graphs_are_token_identical_to_plain_eager_launches(tiny_model, 
     assert pdl == plain
 
 
+def _recorded(path: str, prompts: list[list[int]], overrides: list[str], torch_ops: bool):
+    """Greedy outputs and the recorder's physical counts [L, P] after generating."""
+    with Engine(path, overrides=BF16_CUDA + ["eplb.record_mode=stat"] + overrides) as eng:
+        if torch_ops:  # the recorder's torch form instead of its one-launch kernel
+            eng.runner.moe_parallel.recorder.kernel_pdl = None
+        outs = eng.generate(input_ids=prompts, sampling_params={
+            "temperature": 0, "max_new_tokens": 24, "ignore_eos": True})
+        counts = eng.runner.moe_parallel.recorder.physical_counts().cpu()
+    return [o["output_ids"] for o in outs], counts
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3"])
+def test_graphs_record_the_expert_counts_of_eager_torch_ops(tiny_model, arch):
+    """Decode graphs count experts inside the graph (kernels/expert_count.py, padded rows
+    excluded): the counts equal an eager run's through the recorder's torch ops (8 requests: a
+    bucket size, so both runs' GEMMs see the same shapes and route alike)."""
+    path = tiny_model(arch)
+    prompts = prompts_of_lengths([5, 17, 9, 30, 3, 12, 21, 8], 30000, seed=7)
+    eager = _recorded(path, prompts, ["cuda_graph.enabled=false"], torch_ops=True)
+    graphs = _recorded(path, prompts, ["cuda_graph.enabled=true", "cuda_graph.max_bs=16",
+                                       "cuda_graph.max_extend_tokens=0"], torch_ops=False)
+    assert graphs[0] == eager[0]
+    assert int(eager[1].sum()) > 0
+    assert torch.equal(graphs[1], eager[1])
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("lengths", [[32], [5, 17, 9, 30, 3, 12, 21, 31]])  # 32 and 128 tokens
 def test_extend_graphs_are_token_identical_to_eager(tiny_model, arch, lengths):
