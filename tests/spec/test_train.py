@@ -297,3 +297,50 @@ def test_engine_generator_answers_and_hidden_states(tiny, tiny_model):
     for p, (a, hidden) in zip(ids, out):
         ref = data.hidden_states(target, p + a)
         torch.testing.assert_close(hidden, ref, rtol=1e-4, atol=1e-4)
+
+
+def test_served_walk_counts_tokens_per_verify_step():
+    """Served accept length follows the decode walk, not every chain start: chains start only
+    where the last step ended. Here (N=2) the walk's steps start at 0, 3, 4 and 5: 7 tokens in 4
+    steps (1.75), while the mean over every start of the same answer is 2.0."""
+    from moeserve.spec_mtp.train_eval import served_walk
+
+    step1 = [True, True, False, False, False, True, True]  # correct[k][j], 8 answer tokens
+    step2 = [False, True, False, False, False, False, True]  # (7 labelled positions)
+    assert served_walk([step1, step2], 0, 7, 2) == (7, 4)
+    assert served_walk([step1, step2], 0, 7, 1) == (7, 5)
+    assert served_walk([step1], 6, 7, 1) == (1, 1)  # one token left: the last step emits one
+    assert served_walk([step1], 7, 7, 1) == (0, 0)
+
+
+def test_evaluated_accept_length_equals_served(tiny, tiny_model, tmp_path):
+    """The table's accept length is what the bench measures: a head trained a little, served at
+    batch 1 in float32 (its drafts equal the trainer's), gives the evaluation's tokens per verify
+    step exactly; the mean over every chain start (which the table once reported as the accept
+    length: 1.94 against 1.73 served at N=3 on SmolLM2) does not."""
+    from parity import FP32_CPU
+
+    from moeserve import Engine
+
+    target, _, records = tiny
+    torch.manual_seed(0)
+    trainer = train_mod.Trainer(TrainHead(target), target, records, _cfg(total_steps=12), "")
+    for _ in range(12):
+        trainer.train_step()
+    save_head(trainer.head, target, str(tmp_path), {"trained_steps": 12})
+    head, _ = load_head(str(tmp_path), target)
+    result = evaluate(head, target, records, steps=3)
+    spec = ["spec.algorithm=nextn", "spec.num_steps=3", "spec.max_batch_size=0",
+            f"spec.draft_path={tmp_path}"]
+    tokens = verify = 0
+    with Engine(tiny_model("llama"), FP32_CPU + spec) as eng:
+        for r in records:
+            prompt, answer = r["tokens"].tolist(), r["tokens"][r["prompt_len"]:].tolist()
+            (out,) = eng.generate(input_ids=[prompt[: r["prompt_len"]]],
+                                  sampling_params={"temperature": 0, "max_new_tokens": 12})
+            assert out["output_ids"] == answer
+            tokens += len(answer) - 1  # the first came from prefill
+            verify += out["meta"]["spec_verify_steps"]
+    assert result["verify_steps"][2] == verify
+    assert result["accept_length"][2] == pytest.approx(tokens / verify)
+    assert result["accept_length_per_start"][2] != pytest.approx(tokens / verify)  # 1.70, 1.69
