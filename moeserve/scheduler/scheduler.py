@@ -271,7 +271,7 @@ class Scheduler:
                                           out.spec_top_logprobs and out.spec_top_logprobs[i], k)
                     if finish is not None:
                         break
-                self.spec.count(req, len(block))
+                self.spec.count(req, k + 1)  # the tokens kept: a stop may cut the block
                 self.spec.settle(req, batch.kv_ends[i], k + 1, self.runner.memory.allocator)
             if finish is not None:
                 self._finish(req, finish)
