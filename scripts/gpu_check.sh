@@ -204,7 +204,8 @@ fi
 
 if [[ $what == serving || $what == all ]]; then
   # SERVING_VARIANTS: '|'-separated server overrides, one server each ("" = the defaults);
-  # SERVING_CONC: concurrencies; SERVER_ARGS apply to every variant.
+  # SERVING_CONC: concurrencies; SERVER_ARGS apply to every variant; SERVING_CLIENTS:
+  # ';'-separated bench.serving argument sets, each run against every server (e.g. "--workers 1;").
   python3 -m moeserve.tools.make_random --shape qwen3_30b_a3b --config-only --out /tmp/q3moe_full \
     >/dev/null
   IFS='|' read -ra variants <<< "${SERVING_VARIANTS:-}"
@@ -224,11 +225,16 @@ if [[ $what == serving || $what == all ]]; then
     done
     tail -3 "$OUT/server_$i.log"
     curl -sf http://127.0.0.1:31000/health >/dev/null || { echo "server $i did not start"; continue; }
+    IFS=';' read -ra clients <<< "${SERVING_CLIENTS:-}"
+    [ ${#clients[@]} -eq 0 ] && clients=("")
     for c in ${SERVING_CONC:-64 256}; do
-      timeout 200 python3 -m moeserve.bench.serving --base-url http://127.0.0.1:31000 \
-        --num-prompts $((c * 2)) --max-concurrency $c --random-input-len 256 \
-        --random-output-len 128 --ignore-eos --tokenizer /tmp/q3moe_full \
-        --output-file "$OUT/serving.jsonl" 2>&1 | tee -a "$OUT/serving.log"
+      for cl in "${clients[@]}"; do
+        echo "== client: concurrency $c $cl" | tee -a "$OUT/serving.log"
+        timeout 200 python3 -m moeserve.bench.serving --base-url http://127.0.0.1:31000 \
+          --num-prompts $((c * 2)) --max-concurrency $c --random-input-len 256 \
+          --random-output-len 128 --ignore-eos --tokenizer /tmp/q3moe_full $cl \
+          --output-file "$OUT/serving.jsonl" 2>&1 | tee -a "$OUT/serving.log"
+      done
     done
     kill $SERVER; wait $SERVER
   done

@@ -8,8 +8,9 @@ TTFT (time to first content chunk), ITL (gaps between content chunks) and TPOT:
     python -m moeserve.bench.serving --base-url http://127.0.0.1:30000 --num-prompts 64 \\
         --max-concurrency 8 --random-input-len 128 --random-output-len 128 --ignore-eos
 
-Works against moeserve's server, SGLang and `transformers serve` (which rejects `ignore_eos`: pass
-`--no-ignore-eos-field`). Output tokens come from the stream's final `usage` when the server sends
+Above 64 requests in flight they are split over client processes where the CPUs allow
+(`--workers`; serving_client.py says why). Works against moeserve's server, SGLang and
+`transformers serve` (which rejects `ignore_eos`: pass `--no-ignore-eos-field`). Output tokens come from the stream's final `usage` when the server sends
 one, else from re-tokenizing the generated text. `run_benchmark(args)` is the programmatic entry
 point (a Namespace, or a dict of overrides on the CLI defaults); it returns the metrics dict.
 """
@@ -23,13 +24,13 @@ import math
 import os
 import sys
 import time
-from dataclasses import dataclass, field
 from typing import Any
-
-import numpy as np
 
 import httpx
 
+from moeserve.bench.serving_client import (Drive, RequestResult,  # noqa: F401
+                                            count_output_tokens, drive, drive_in_workers,
+                                            http_client, send_request)
 from moeserve.bench.serving_data import (BenchRequest, _encode, _lengths,  # noqa: F401
                                           _usable_token_ids, load_tokenizer,
                                           make_random_prompt, sample_random_requests)
@@ -85,6 +86,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="append one JSON line per run (metrics + args)")
     p.add_argument("--tag", default=None, help="free-form label stored in the output file")
     p.add_argument("--quiet", action="store_true", help="do not print the result table")
+    p.add_argument("--workers", type=int, default=0,
+                   help="client processes sharing the requests and the concurrency (0: one per "
+                        "64 in flight, at most 4 and at most a quarter of the CPUs)")
     return p
 
 
@@ -100,30 +104,20 @@ def _normalize_args(args: argparse.Namespace | dict | None) -> argparse.Namespac
     return ns
 
 
+def client_workers(args: argparse.Namespace) -> int:
+    """--workers, or by load: one Python client streaming more than ~64 answers falls behind."""
+    if args.workers:
+        return max(1, min(args.workers, args.num_prompts))
+    load = args.max_concurrency or args.num_prompts
+    return max(1, min(4, (os.cpu_count() or 1) // 4, -(-load // 64), args.num_prompts))
+
+
 def base_url_of(args: argparse.Namespace) -> str:
     url = args.base_url or f"http://{args.host}:{args.port}"
     return url.rstrip("/").removesuffix("/v1")
 
 
 # -------------------------------------------------------------------------------------- requests
-
-
-@dataclass
-class RequestResult:
-    success: bool = False
-    latency: float = 0.0  # seconds, send → last byte
-    ttft: float = 0.0  # seconds, send → first content chunk
-    itl: list[float] = field(default_factory=list)  # gaps between content chunks
-    generated_text: str = ""
-    output_tokens: int = 0
-    usage_output_tokens: int | None = None
-    usage_prompt_tokens: int | None = None
-    prompt_len: int = 0
-    requested_output_len: int = 0
-    chunks: int = 0
-    got_done: bool = False
-    error: str = ""
-    start: float = 0.0  # perf_counter at send
 
 
 def _build_payload(args: argparse.Namespace, model: str, req: BenchRequest, stream: bool,
@@ -140,90 +134,6 @@ def _build_payload(args: argparse.Namespace, model: str, req: BenchRequest, stre
         body["ignore_eos"] = True
     body.update(extra)
     return body
-
-
-def _chunk_text(choice: dict, chat: bool) -> str:
-    if not chat:
-        return choice.get("text") or ""
-    delta = choice.get("delta") or choice.get("message") or {}
-    return (delta.get("reasoning_content") or "") + (delta.get("content") or "")
-
-
-def _take_usage(res: RequestResult, usage: Any) -> None:
-    if isinstance(usage, dict):
-        if usage.get("completion_tokens") is not None:
-            res.usage_output_tokens = int(usage["completion_tokens"])
-        if usage.get("prompt_tokens") is not None:
-            res.usage_prompt_tokens = int(usage["prompt_tokens"])
-
-
-async def send_request(client: httpx.AsyncClient, url: str, body: dict, chat: bool,
-                       headers: dict) -> RequestResult:
-    """One request; streams when body["stream"]. Never raises: failures set `error`."""
-    res = RequestResult()
-    start = res.start = time.perf_counter()
-    last = start
-    try:
-        if not body.get("stream"):
-            resp = await client.post(url, json=body, headers=headers)
-            if resp.status_code != 200:
-                res.error = f"HTTP {resp.status_code}: {resp.text[:500]}"
-                return res
-            data = resp.json()
-            res.latency = res.ttft = time.perf_counter() - start
-            res.generated_text = "".join(_chunk_text(c, chat) for c in data.get("choices") or [])
-            _take_usage(res, data.get("usage"))
-            res.success = True
-            return res
-        async with client.stream("POST", url, json=body, headers=headers) as resp:
-            if resp.status_code != 200:
-                text = (await resp.aread()).decode("utf-8", "replace")
-                res.error = f"HTTP {resp.status_code}: {text[:500]}"
-                return res
-            parts: list[str] = []
-            async for line in resp.aiter_lines():
-                line = line.strip()
-                if not line.startswith("data:"):
-                    continue  # blank separators, comments (": ping"), event:/id: fields
-                data_str = line[5:].strip()
-                if data_str == "[DONE]":
-                    res.got_done = True
-                    break
-                try:
-                    chunk = json.loads(data_str)
-                except json.JSONDecodeError:
-                    continue
-                if chunk.get("error"):
-                    res.error = f"stream error: {json.dumps(chunk['error'])[:500]}"
-                    return res
-                _take_usage(res, chunk.get("usage"))
-                text = "".join(_chunk_text(c, chat) for c in chunk.get("choices") or [])
-                if not text:
-                    continue
-                now = time.perf_counter()
-                if res.chunks == 0:
-                    res.ttft = now - start
-                else:
-                    res.itl.append(now - last)
-                last = now
-                res.chunks += 1
-                parts.append(text)
-            # A server may close the stream without `data: [DONE]` (transformers serve does).
-        res.latency = time.perf_counter() - start
-        res.generated_text = "".join(parts)
-        res.success = True
-    except Exception as e:  # noqa: BLE001 — report, don't crash the run
-        res.error = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
-    return res
-
-
-def count_output_tokens(res: RequestResult, tokenizer) -> int:
-    """usage.completion_tokens if sent, else the re-tokenized text, else the chunk count."""
-    if res.usage_output_tokens is not None:
-        return res.usage_output_tokens
-    if tokenizer is not None:
-        return len(_encode(tokenizer, res.generated_text)) if res.generated_text else 0
-    return res.chunks if res.chunks else (1 if res.generated_text else 0)
 
 
 # ------------------------------------------------------------------------------------ the run
@@ -286,10 +196,8 @@ async def run_benchmark(args: argparse.Namespace | dict | None = None) -> dict[s
     extra = json.loads(args.extra_request_body) if args.extra_request_body else {}
     stream = not args.disable_stream
     n_conn = max(args.max_concurrency or args.num_prompts, args.warmup_requests, 1) + 4
-    limits = httpx.Limits(max_connections=n_conn, max_keepalive_connections=n_conn)
-    timeout = httpx.Timeout(args.request_timeout, connect=30.0)
 
-    async with httpx.AsyncClient(timeout=timeout, limits=limits, trust_env=False) as client:
+    async with http_client(n_conn, args.request_timeout) as client:
         model = await _resolve_model(client, base, headers, args.model)
         tokenizer, tokenizer_path = await _resolve_tokenizer(client, base, headers, args, model)
         requests = sample_random_requests(
@@ -307,30 +215,20 @@ async def run_benchmark(args: argparse.Namespace | dict | None = None) -> dict[s
             if bad:
                 raise SystemExit(f"warmup request failed: {bad[0].error}")
 
-        sem = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
-        rng = np.random.default_rng(args.seed)
-
-        async def one(req: BenchRequest) -> RequestResult:
-            body = _build_payload(args, model, req, stream, extra)
-            if sem is None:
-                res = await send_request(client, url, body, chat, headers)
-            else:
-                async with sem:
-                    res = await send_request(client, url, body, chat, headers)
+        d = Drive(url, [_build_payload(args, model, r, stream, extra) for r in requests], chat,
+                  headers, args.max_concurrency, args.request_rate, args.seed,
+                  args.request_timeout)
+        workers = client_workers(args)
+        if workers > 1:
+            results, t0, t_end = await drive_in_workers(d, workers)
+        else:
+            results, t0, t_end = await drive(d, client)
+        duration = t_end - t0
+        for req, res in zip(requests, results, strict=True):
             res.prompt_len = req.prompt_len
             res.requested_output_len = req.output_len
             if res.success:
                 res.output_tokens = count_output_tokens(res, tokenizer)
-            return res
-
-        tasks = []
-        t0 = time.perf_counter()
-        for i, req in enumerate(requests):
-            if i and math.isfinite(args.request_rate) and args.request_rate > 0:
-                await asyncio.sleep(float(rng.exponential(1.0 / args.request_rate)))
-            tasks.append(asyncio.create_task(one(req)))
-        results = await asyncio.gather(*tasks)
-        duration = time.perf_counter() - t0
 
     metrics = compute_metrics(list(results), duration)
     metrics.update({"backend": args.backend, "base_url": base, "model": model,

@@ -149,6 +149,33 @@ def test_streaming_with_usage_and_done(fake_server, tokenizer_dir, tmp_path):
         assert label in table
 
 
+def test_worker_processes_share_the_requests_and_the_concurrency(fake_server, tokenizer_dir):
+    """--workers 2: every request is sent once, from two client processes, at most 2 + 2 in
+    flight; results come back in the requests' order (their prompt lengths line up)."""
+    m = _run(fake_server, tokenizer_dir, ignore_eos=True, workers=2, num_prompts=7,
+             max_concurrency=4, random_range_ratio=0.5)
+    assert m["completed"] == 7 and m["failed"] == 0 and m["usage_reported"] == 7
+    assert m["output_len_mismatches"] == 0
+    assert m["total_output_tokens"] == m["total_requested_output_tokens"]
+    assert 1.0 < m["concurrency"] <= 4.01
+    assert FIRST_DELAY * 1000 * 0.8 <= m["median_ttft_ms"] < 3000
+    one = _run(fake_server, tokenizer_dir, ignore_eos=True, workers=1, num_prompts=7,
+               max_concurrency=4, random_range_ratio=0.5)
+    assert (one["total_input_tokens"], one["total_output_tokens"]) == (
+        m["total_input_tokens"], m["total_output_tokens"])
+
+
+def test_split_divides_concurrency_and_rate():
+    from moeserve.bench.serving_client import Drive, split
+
+    d = Drive("u", [{"i": i} for i in range(10)], False, {}, 7, 9.0, 1, 5.0)
+    shares = split(d, 3)
+    assert sorted(b["i"] for s in shares for b in s.bodies) == list(range(10))
+    assert [s.concurrency for s in shares] == [3, 2, 2]
+    assert sum(s.request_rate for s in shares) == pytest.approx(9.0)
+    assert len({s.seed for s in shares}) == 3
+
+
 def test_stream_without_done_or_usage_counts_with_tokenizer(fake_server, tokenizer_dir):
     m = _run(fake_server, tokenizer_dir, model="bare", backend="openai-chat", request_rate=50.0)
     assert m["completed"] == 4 and m["failed"] == 0
