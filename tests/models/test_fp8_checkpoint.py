@@ -11,7 +11,8 @@ import torch
 from parity import hf_greedy, hf_logits, make_runner, prefill_logits, prompts_of_lengths, rel_err
 from safetensors.torch import save_file
 
-from moeserve.tools.make_tiny import dequantized_checkpoint, make_tiny, read_checkpoint
+from moeserve.tools.make_tiny import make_tiny
+from moeserve.tools.tiny_checkpoint import dequantized_checkpoint, read_checkpoint
 
 
 def _dequantized_copy(fp8_dir: str, out: str) -> str:

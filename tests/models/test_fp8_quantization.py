@@ -159,7 +159,7 @@ def test_auto_on_cuda_keeps_exactly_what_the_checkpoint_stores_in_fp8(checkpoint
     from moeserve.config import compose
     from moeserve.kernels.fp8_format import dequantize_fp8_blocks
     from moeserve.models.quantization import QuantPlan, resolve_quant_plan
-    from moeserve.tools.make_tiny import read_checkpoint
+    from moeserve.tools.tiny_checkpoint import read_checkpoint
 
     tensors = read_checkpoint(checkpoints[1])
     name = "model.layers.0.self_attn.o_proj.weight"
@@ -193,7 +193,7 @@ def test_auto_on_cuda_keeps_exactly_what_the_checkpoint_stores_in_fp8(checkpoint
                                         "dynamic")])
 def test_unsupported_quantization_configs_name_the_key(checkpoints, tmp_path, qc, needle):
     from moeserve.config import ConfigError
-    from moeserve.tools.make_tiny import read_checkpoint
+    from moeserve.tools.tiny_checkpoint import read_checkpoint
 
     path = _copy_with(checkpoints[1], str(tmp_path / "q"), read_checkpoint(checkpoints[1]),
                       {"quantization_config": qc})

@@ -8,15 +8,8 @@ import os
 import pytest
 import torch
 
-from moeserve.tools.make_tiny import (
-    ARCHS,
-    DEEPSEEK_ARCHS,
-    build_tiny_model,
-    hf_mtp_model,
-    main,
-    make_tiny,
-    read_checkpoint,
-)
+from moeserve.tools.make_tiny import ARCHS, DEEPSEEK_ARCHS, build_tiny_model, main, make_tiny
+from moeserve.tools.tiny_checkpoint import hf_mtp_model, read_checkpoint
 
 transformers = pytest.importorskip("transformers")
 
