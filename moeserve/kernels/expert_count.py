@@ -35,6 +35,8 @@ def count_routed(ids: torch.Tensor, buf: torch.Tensor, slot: torch.Tensor, on: t
     if n == 0:
         return
     assert buf.is_contiguous() and buf.dtype == torch.int64
+    if not 0 <= layer_id < num_layers:  # an atomic past the buffer would corrupt memory silently
+        raise ValueError(f"layer {layer_id} outside the recorder's {num_layers} layers")
     block = min(MAX_BLOCK, max(16, triton.next_power_of_2(n)))
     _count_kernel[(triton.cdiv(n, block),)](
         flat, rows if rows is not None else flat, on, slot, buf, n, layer_id, num_layers,

@@ -80,3 +80,10 @@ def test_switched_off_a_captured_count_adds_nothing():
     rec.start()
     rec.record(0, torch.randint(0, PHYSICAL, (5, 4), device=DEVICE))
     assert int(rec._buf.sum()) == 20
+
+
+def test_a_layer_outside_the_buffer_is_refused():
+    _, rec = recorders("stat")
+    rec.start()
+    with pytest.raises(ValueError, match="layer 3 outside"):
+        rec.record(LAYERS, torch.zeros(2, 2, dtype=torch.int64, device=DEVICE))
