@@ -101,24 +101,22 @@ class ExpertDistributionRecorder:
             return
         if self.input_space == "logical":
             topk_ids = self.location.to_physical(topk_ids, layer_id)
+        k = self.topk = topk_ids.shape[-1] if topk_ids.dim() > 1 else 1
         if self.kernel_pdl is not None:
             from moeserve.kernels.expert_count import count_routed
 
             count_routed(topk_ids, self._buf, self._slot, self._on, layer_id, self.num_layers,
                          self.capture_rows, pdl=self.kernel_pdl)
-            self.topk = topk_ids.shape[-1] if topk_ids.dim() > 1 else 1
             return
         ids = topk_ids.reshape(-1).long()  # [T*K]
         ids = torch.where(ids < 0, self.num_physical, ids)
         row = self._slot * self.num_layers + layer_id  # [1] (open pass, layer) row of the buffer
         flat = self._buf.view(-1)  # [(W+1) * L * (P+1)]
         if capturing:  # [T] row mask repeated per choice, times the on/off switch
-            k = topk_ids.shape[-1] if topk_ids.dim() > 1 else 1
             add = (self.capture_rows[:, None] * self._on).expand(-1, k).reshape(-1)
         else:
             add = torch.ones_like(ids)
         flat.scatter_add_(0, ids + row * (self.num_physical + 1), add)
-        self.topk = topk_ids.shape[-1] if topk_ids.dim() > 1 else 1
 
     def step(self) -> None:
         """Close one forward pass (the scheduler calls this after each forward)."""

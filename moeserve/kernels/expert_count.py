@@ -1,10 +1,10 @@
 """The EPLB recorder's per-layer count as one Triton kernel (`count_routed`).
 
 Why: the recorder's torch form (cast, mask the ids, index arithmetic on the ring slot, the row
-mask times the on/off switch, expand, scatter_add) is ~10 small kernels per MoE layer, and a
-captured decode graph replays them on every step whether recording is on or not: ~480 launches
-of a 48-layer step, next to the ~430 Triton kernels of its real work. Here one launch reads the
-switch and returns at once when it is off.
+mask times the on/off switch, expand, scatter_add) is a run of small kernels per MoE layer (the
+profile of a captured batch-256 Qwen3-30B-A3B step showed ~10 elementwise kernels and a scatter
+a layer), and a captured decode graph replays them on every step whether recording is on or
+not. Here one launch reads the switch and returns at once when it is off.
 
 Counts are int64 atomic adds, so the result does not depend on their order.
 """

@@ -28,8 +28,8 @@ class SpecPolicy:
         """New positions per request this decode step: num_steps + 1 to verify, or 1 (a plain
         step) for batches above spec.max_batch_size (its device default when null) and for
         requests whose logits are edited (penalties, logit_bias: their verification is not
-        built). Grammars verify: each draft
-        position is masked as plain decoding would mask it (runtime/grammar_steps.verify_mask)."""
+        built). Grammars verify: each draft position is masked as plain decoding would mask it
+        (runtime/grammar_steps.verify_mask)."""
         if self.max_batch and len(reqs) > self.max_batch:
             return 1
         if any(r.sampling.edits_logits for r in reqs):
