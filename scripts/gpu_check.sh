@@ -93,6 +93,7 @@ if [[ $what == fp8 ]]; then
   if [ "${FP8_TESTS:-1}" = 1 ]; then
     # the GEMV / small-MoE files: their GPU tests only (the rest is the interpreter's, on CPU)
     for files in "-m gpu tests/kernels/test_gemv.py tests/kernels/test_fused_moe_small.py" \
+                 "tests/kernels/test_e4m3_decode.py" \
                  "tests/gpu/test_cuda_graph.py::test_fp8_pdl_graphs_are_token_identical_to_plain_eager_launches" \
                  "tests/gpu/test_fp8_serving.py tests/kernels/test_fp8*.py"; do
       # (not "warn": pytest's summary line counts warnings)

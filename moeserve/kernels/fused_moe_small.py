@@ -32,6 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
+from moeserve.kernels.e4m3_decode import e4m3_unit, e4m3_widen
 from moeserve.kernels.fp8_format import FP8, Block, scale_shape
 from moeserve.kernels.gemv import (FP8_TILE_ELEMS, MIN_BLOCK_K, TILE_ELEMS, GemvConfig,
                                    block_k_for, block_n_for, interpreter_block)
@@ -114,17 +115,20 @@ def fused_moe_small(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_i
     s13_strides = (s13.stride(0), s13.stride(1)) if fp8 else (0, 0)
     s2_strides = (s2.stride(0), s2.stride(1)) if fp8 else (0, 0)
     inter = x.new_empty((t * k, inter_size))  # [T*K, I] by pair; non-local rows never written
+    bits13, bits2 = (w13.view(torch.int8), w2.view(torch.int8)) if fp8 else (w13, w2)
     _gate_up_kernel[(t * k, triton.cdiv(inter_size, gu.block_n))](
-        x, w13, s13, ids, inter, first_expert, num_local, h, inter_size, x.stride(0),
+        x, bits13, s13, ids, inter, first_expert, num_local, h, inter_size, x.stride(0),
         w13.stride(0), w13.stride(1), *s13_strides, triton.cdiv(inter_size, block[0]),
         TOP_K=k, BLOCK_N=gu.block_n, BLOCK_K=gu.block_k, EVEN_K=h % gu.block_k == 0, FP8=fp8,
-        SCALE_BN=block[0], SCALE_BK=block[1], num_warps=gu.num_warps, **launch_kwargs(pdl))
+        SCALE_BN=block[0], SCALE_BK=block[1], INT_DECODE=gu.int_decode, num_warps=gu.num_warps,
+        **launch_kwargs(pdl))
     out = x.new_empty((t, h))
     _down_kernel[(t, triton.cdiv(h, dn.block_n))](
-        inter, w2, s2, ids, weights, out, first_expert, num_local, h, inter_size, w2.stride(0),
+        inter, bits2, s2, ids, weights, out, first_expert, num_local, h, inter_size, w2.stride(0),
         w2.stride(1), *s2_strides, TOP_K=k, BLOCK_TOPK=triton.next_power_of_2(k),
         BLOCK_N=dn.block_n, BLOCK_K=dn.block_k, EVEN_K=inter_size % dn.block_k == 0, FP8=fp8,
-        SCALE_BN=block[0], SCALE_BK=block[1], num_warps=dn.num_warps, **launch_kwargs(pdl))
+        SCALE_BN=block[0], SCALE_BK=block[1], INT_DECODE=dn.int_decode, num_warps=dn.num_warps,
+        **launch_kwargs(pdl))
     return out
 
 
@@ -150,11 +154,13 @@ def _gate_up_kernel(x_ptr, w_ptr, s_ptr, ids_ptr, inter_ptr, first_expert, num_l
                     inter_size, stride_xm, stride_we, stride_wn, stride_se, stride_sn,
                     up_scale_rows, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr,
                     BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, FP8: tl.constexpr,
-                    SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr, USE_PDL: tl.constexpr):
+                    SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr, INT_DECODE: tl.constexpr,
+                    USE_PDL: tl.constexpr):
     """Program (pair, n-block): inter[pair, n] = silu(x[t] . gate_e[n]) * (x[t] . up_e[n]).
     Products accumulate per lane in [BLOCK_N, BLOCK_K] float32 and are reduced once at the end
     (no cross-thread reduction inside the loop). FP8: s [E, 2 * up_scale_rows, K blocks], gate's
-    scale rows then up's; the program's rows share one of each, a step one scale column."""
+    scale rows then up's; the program's rows share one of each, a step one scale column; w is
+    then the e4m3 bits (e4m3_decode.py)."""
     pdl_wait(USE_PDL)
     pair = tl.program_id(0)
     local = tl.load(ids_ptr + pair) - first_expert
@@ -185,15 +191,20 @@ def _gate_up_kernel(x_ptr, w_ptr, s_ptr, ids_ptr, inter_ptr, first_expert, num_l
             xk = tl.load(x_ptrs, mask=k_ok, other=0.0)
         xk = xk.to(tl.float32)[None, :]
         if FP8:  # the step's block scale (BLOCK_K <= SCALE_BK), folded into x
-            acc_g += g.to(tl.float32) * (xk * tl.load(s_gate + k0 // SCALE_BK))
-            acc_u += u.to(tl.float32) * (xk * tl.load(s_up + k0 // SCALE_BK))
+            xk *= e4m3_unit(INT_DECODE)
+            acc_g += e4m3_widen(g, INT_DECODE) * (xk * tl.load(s_gate + k0 // SCALE_BK))
+            acc_u += e4m3_widen(u, INT_DECODE) * (xk * tl.load(s_up + k0 // SCALE_BK))
         else:
             acc_g += g.to(tl.float32) * xk
             acc_u += u.to(tl.float32) * xk
         gate_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
     gate = tl.sum(acc_g, axis=1)
-    act = gate * tl.sigmoid(gate) * tl.sum(acc_u, axis=1)  # [BN]
+    up = tl.sum(acc_u, axis=1)
+    if FP8:
+        gate *= e4m3_unit(INT_DECODE)
+        up *= e4m3_unit(INT_DECODE)
+    act = gate * tl.sigmoid(gate) * up  # [BN]
     out = inter_ptr + pair.to(tl.int64) * inter_size + offs_n
     tl.store(out, act.to(inter_ptr.dtype.element_ty), mask=offs_n < inter_size)
 
@@ -203,13 +214,14 @@ def _down_kernel(inter_ptr, w_ptr, s_ptr, ids_ptr, weights_ptr, out_ptr, first_e
                  hidden, inter_size, stride_we, stride_wn, stride_se, stride_sn,
                  TOP_K: tl.constexpr, BLOCK_TOPK: tl.constexpr, BLOCK_N: tl.constexpr,
                  BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, FP8: tl.constexpr,
-                 SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr, USE_PDL: tl.constexpr):
+                 SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr, INT_DECODE: tl.constexpr,
+                 USE_PDL: tl.constexpr):
     """Program (token, n-block): out[t, n] = sum over t's local pairs of
     weight[t, k] * (inter[t*K + k] . w2_e[n]). The K pairs are one axis of each step's
     [BLOCK_TOPK, BLOCK_N, BLOCK_K] tile: every expert's rows are requested at once, and a
     non-local (or padding) pair's loads are masked off, so it reads nothing. FP8: s [E, H
     blocks, I blocks]; each pair's expert has one scale row for the program's rows and one
-    scale column per step (BLOCK_K <= SCALE_BK)."""
+    scale column per step (BLOCK_K <= SCALE_BK); w is then the e4m3 bits (e4m3_decode.py)."""
     pdl_wait(USE_PDL)
     t = tl.program_id(0)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -233,12 +245,18 @@ def _down_kernel(inter_ptr, w_ptr, s_ptr, ids_ptr, weights_ptr, out_ptr, first_e
         else:
             mask = ok[:, None] & (offs_k < inter_size - k0)[None, :]
         a = tl.load(a_ptrs, mask=mask, other=0.0).to(tl.float32)
+        w = tl.load(w_ptrs, mask=mask[:, None, :], other=0.0)
         if FP8:  # [BT]: each pair's block scale of this step, folded into its inter row
-            a *= tl.load(s_rows + k0 // SCALE_BK, mask=ok, other=0.0)[:, None]
-        w = tl.load(w_ptrs, mask=mask[:, None, :], other=0.0).to(tl.float32)
+            a *= tl.load(s_rows + k0 // SCALE_BK, mask=ok, other=0.0)[:, None] * e4m3_unit(
+                INT_DECODE)
+            w = e4m3_widen(w, INT_DECODE)
+        else:
+            w = w.to(tl.float32)
         acc += w * a[:, None, :]
         w_ptrs += BLOCK_K
         a_ptrs += BLOCK_K
     y = tl.sum(tl.sum(acc, axis=2) * wt[:, None], axis=0)  # [BN]
+    if FP8:
+        y *= e4m3_unit(INT_DECODE)
     out = out_ptr + t.to(tl.int64) * hidden + offs_n
     tl.store(out, y.to(out_ptr.dtype.element_ty), mask=offs_n < hidden)

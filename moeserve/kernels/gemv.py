@@ -43,6 +43,7 @@ import torch
 import triton
 import triton.language as tl
 
+from moeserve.kernels.e4m3_decode import e4m3_unit, e4m3_widen
 from moeserve.kernels.fp8_format import FP8, FP8_BLOCK, Block, as_block, scale_shape
 from moeserve.kernels.pdl import launch_kwargs, pdl_wait
 
@@ -65,6 +66,7 @@ class GemvConfig(NamedTuple):
     block_n: int
     block_k: int
     num_warps: int = 4
+    int_decode: bool = True  # e4m3 weights widened by integer ops (e4m3_decode.py); not bf16's
 
 
 def block_n_for(n: int, groups: int = 1, most: int = 16, programs: int = TARGET_PROGRAMS) -> int:
@@ -170,9 +172,10 @@ def _launch(x, w, w_scale, bias, out, cfg: GemvConfig, block: Block, pdl: bool) 
                            BLOCK_K=cfg.block_k, EVEN_K=k % cfg.block_k == 0, **common)
         return
     sub = min(cfg.block_k, block[1])  # a group's columns lie in one scale block
-    _gemv_fp8_kernel[grid](x, w, w_scale, b, out, n, k, x.stride(0), w.stride(0),
-                           w_scale.stride(0), out.stride(0), GROUPS=cfg.block_k // sub, SUB=sub,
-                           EVEN_K=k % cfg.block_k == 0, SCALE_BN=block[0], SCALE_BK=block[1],
+    _gemv_fp8_kernel[grid](x, w.view(torch.int8), w_scale, b, out, n, k, x.stride(0),
+                           w.stride(0), w_scale.stride(0), out.stride(0),
+                           GROUPS=cfg.block_k // sub, SUB=sub, EVEN_K=k % cfg.block_k == 0,
+                           SCALE_BN=block[0], SCALE_BK=block[1], INT_DECODE=cfg.int_decode,
                            **common)
 
 
@@ -227,11 +230,11 @@ def _gemv_fp8_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, N, K, stride_xm, strid
                      stride_om, M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      GROUPS: tl.constexpr, SUB: tl.constexpr, EVEN_K: tl.constexpr,
                      HAS_BIAS: tl.constexpr, SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr,
-                     USE_PDL: tl.constexpr):
-    """Program n-block of e4m3 w [N, K] with scales s [ceil(N/SCALE_BN), ceil(K/SCALE_BK)]:
-    K steps of GROUPS x SUB columns, each group inside one scale block (SUB <= SCALE_BK, both
-    powers of two); this program's scale row is the one of its first row. The first tile loads
-    before the PDL wait (weights only)."""
+                     INT_DECODE: tl.constexpr, USE_PDL: tl.constexpr):
+    """Program n-block of e4m3 w [N, K] (its int8 bits) with scales s [ceil(N/SCALE_BN),
+    ceil(K/SCALE_BK)]: K steps of GROUPS x SUB columns, each group inside one scale block
+    (SUB <= SCALE_BK, both powers of two); this program's scale row is the one of its first row.
+    The first tile loads before the PDL wait (weights only)."""
     BLOCK_K: tl.constexpr = GROUPS * SUB
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_g = tl.arange(0, GROUPS)
@@ -248,25 +251,28 @@ def _gemv_fp8_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, N, K, stride_xm, strid
     w = _load_tile(w_ptrs, offs_k[None, :, :], K, EVEN_K)
     pdl_wait(USE_PDL)
     acc = _fp8_step(acc, w, s_row, x_ptr, 0, offs_g, offs_k, rows, K, stride_xm, M, SUB,
-                    SCALE_BK, EVEN_K)
+                    SCALE_BK, EVEN_K, INT_DECODE)
     for k0 in range(BLOCK_K, K, BLOCK_K):
         w_ptrs += BLOCK_K
         w = _load_tile(w_ptrs, offs_k[None, :, :], K - k0, EVEN_K)
         acc = _fp8_step(acc, w, s_row, x_ptr, k0, offs_g, offs_k, rows, K, stride_xm, M, SUB,
-                        SCALE_BK, EVEN_K)
+                        SCALE_BK, EVEN_K, INT_DECODE)
     if M == 1:
         acc = tl.sum(tl.sum(acc, axis=2), axis=1)[None, :]  # [1, BN]
+    acc *= e4m3_unit(INT_DECODE)
     _store_rows(acc, b_ptr, out_ptr, offs_n, rows, N, stride_om, M, HAS_BIAS)
 
 
 @triton.jit
 def _fp8_step(acc, w, s_row, x_ptr, k0, offs_g, offs_k, rows, K, stride_xm, M: tl.constexpr,
-              SUB: tl.constexpr, SCALE_BK: tl.constexpr, EVEN_K: tl.constexpr):
-    """One K step of the FP8 GEMV: w [BN, G, SUB] e4m3 at columns k0..; the groups' block
-    scales folded into x."""
-    w = w.to(tl.float32)
+              SUB: tl.constexpr, SCALE_BK: tl.constexpr, EVEN_K: tl.constexpr,
+              INT_DECODE: tl.constexpr):
+    """One K step of the FP8 GEMV: w [BN, G, SUB] e4m3 bits at columns k0..; the groups' block
+    scales (and the integer widening's factor) folded into x."""
+    w = e4m3_widen(w, INT_DECODE)
     # [G]: each group's block scale (groups past K: 0, their x and w are masked to 0 too)
     s = tl.load(s_row + (k0 + offs_g * SUB) // SCALE_BK, mask=offs_g * SUB < K - k0, other=0.0)
+    s *= e4m3_unit(INT_DECODE)
     for m in tl.static_range(M):
         if EVEN_K:
             xm = tl.load(x_ptr + m * stride_xm + k0 + offs_k)
