@@ -90,12 +90,15 @@ fi
 if [[ $what == fp8 ]]; then
   # the tests first (a kernel that does not compile on this GPU shows before the long runs),
   # then one_batch (the figure), then the GEMM tables; each bounded.
-  if [ "${FP8_TESTS:-1}" = 1 ]; then
-    # the GEMV / small-MoE files: their GPU tests only (the rest is the interpreter's, on CPU)
-    for files in "-m gpu tests/kernels/test_gemv.py tests/kernels/test_fused_moe_small.py" \
-                 "tests/kernels/test_e4m3_decode.py" \
-                 "tests/gpu/test_cuda_graph.py::test_fp8_pdl_graphs_are_token_identical_to_plain_eager_launches" \
-                 "tests/gpu/test_fp8_serving.py tests/kernels/test_fp8*.py"; do
+  # the GEMV / small-MoE files: their GPU tests only (the rest is the interpreter's, on CPU);
+  # FP8_TESTS=kernels: these two sets only
+  sets=("-m gpu tests/kernels/test_gemv.py tests/kernels/test_fused_moe_small.py"
+        "tests/kernels/test_e4m3_decode.py"
+        "tests/gpu/test_cuda_graph.py::test_fp8_pdl_graphs_are_token_identical_to_plain_eager_launches"
+        "tests/gpu/test_fp8_serving.py tests/kernels/test_fp8*.py")
+  [ "${FP8_TESTS:-1}" = kernels ] && sets=("${sets[@]:0:2}")
+  if [ "${FP8_TESTS:-1}" != 0 ]; then
+    for files in "${sets[@]}"; do
       # (not "warn": pytest's summary line counts warnings)
       timeout ${FP8_TESTS_TIMEOUT:-300} python3 -m pytest $files -q -s -p no:cacheprovider 2>&1 \
         | grep -v -E "Warning:|warnings.warn" | tee -a "$OUT/fp8_tests.log" \
