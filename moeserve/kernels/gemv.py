@@ -43,7 +43,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moeserve.kernels.e4m3_decode import e4m3_unit, e4m3_widen
+from moeserve.kernels.e4m3_decode import e4m3_unit, split4, word_products, words_view
 from moeserve.kernels.fp8_format import FP8, FP8_BLOCK, Block, as_block, scale_shape
 from moeserve.kernels.pdl import launch_kwargs, pdl_wait
 
@@ -66,7 +66,7 @@ class GemvConfig(NamedTuple):
     block_n: int
     block_k: int
     num_warps: int = 4
-    int_decode: bool = True  # e4m3 weights widened by integer ops (e4m3_decode.py); not bf16's
+    words: bool = True  # e4m3 read as int32 words, widened by integer ops (e4m3_decode.py)
 
 
 def block_n_for(n: int, groups: int = 1, most: int = 16, programs: int = TARGET_PROGRAMS) -> int:
@@ -172,11 +172,12 @@ def _launch(x, w, w_scale, bias, out, cfg: GemvConfig, block: Block, pdl: bool) 
                            BLOCK_K=cfg.block_k, EVEN_K=k % cfg.block_k == 0, **common)
         return
     sub = min(cfg.block_k, block[1])  # a group's columns lie in one scale block
-    _gemv_fp8_kernel[grid](x, w.view(torch.int8), w_scale, b, out, n, k, x.stride(0),
-                           w.stride(0), w_scale.stride(0), out.stride(0),
-                           GROUPS=cfg.block_k // sub, SUB=sub, EVEN_K=k % cfg.block_k == 0,
-                           SCALE_BN=block[0], SCALE_BK=block[1], INT_DECODE=cfg.int_decode,
-                           **common)
+    words = words_view(w) if cfg.words and sub % 4 == 0 else None
+    _gemv_fp8_kernel[grid](x, w if words is None else words, w_scale, b, out, n, k, x.stride(0),
+                           w.stride(0) // (1 if words is None else 4), w_scale.stride(0),
+                           out.stride(0), GROUPS=cfg.block_k // sub, SUB=sub,
+                           EVEN_K=k % cfg.block_k == 0, SCALE_BN=block[0], SCALE_BK=block[1],
+                           WORDS=words is not None, **common)
 
 
 @triton.jit
@@ -230,59 +231,73 @@ def _gemv_fp8_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, N, K, stride_xm, strid
                      stride_om, M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      GROUPS: tl.constexpr, SUB: tl.constexpr, EVEN_K: tl.constexpr,
                      HAS_BIAS: tl.constexpr, SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr,
-                     INT_DECODE: tl.constexpr, USE_PDL: tl.constexpr):
-    """Program n-block of e4m3 w [N, K] (its int8 bits) with scales s [ceil(N/SCALE_BN),
-    ceil(K/SCALE_BK)]: K steps of GROUPS x SUB columns, each group inside one scale block
-    (SUB <= SCALE_BK, both powers of two); this program's scale row is the one of its first row.
+                     WORDS: tl.constexpr, USE_PDL: tl.constexpr):
+    """Program n-block of e4m3 w [N, K] with scales s [ceil(N/SCALE_BN), ceil(K/SCALE_BK)]:
+    K steps of GROUPS x SUB columns, each group inside one scale block (SUB <= SCALE_BK, both
+    powers of two); this program's scale row is the one of its first row. WORDS: w is read as
+    int32 words of 4 columns (stride_wn in words) and widened by integer ops (e4m3_decode.py).
     The first tile loads before the PDL wait (weights only)."""
     BLOCK_K: tl.constexpr = GROUPS * SUB
+    VEC: tl.constexpr = 4 if WORDS else 1  # columns per loaded item
+    LANES: tl.constexpr = SUB // VEC
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_g = tl.arange(0, GROUPS)
-    offs_k = offs_g[:, None] * SUB + tl.arange(0, SUB)[None, :]  # [G, SUB]
+    offs_i = offs_g[:, None] * LANES + tl.arange(0, LANES)[None, :]  # [G, LANES] items
     rows = tl.arange(0, BLOCK_M)
     # rows past N wrap to valid ones (no mask along N); their results are never stored
     w_ptrs = (w_ptr + (offs_n % N).to(tl.int64)[:, None, None] * stride_wn
-              + offs_k[None, :, :])  # [BN, G, SUB]
+              + offs_i[None, :, :])  # [BN, G, LANES]
     s_row = s_ptr + (tl.program_id(0) * BLOCK_N // SCALE_BN) * stride_sn
     if M == 1:  # per-lane products, reduced once after the loop
-        acc = tl.zeros([BLOCK_N, GROUPS, SUB], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_N, GROUPS, LANES], dtype=tl.float32)
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    w = _load_tile(w_ptrs, offs_k[None, :, :], K, EVEN_K)
+    # an item is whole or past K (K % 4 == 0 for words)
+    w = _load_tile(w_ptrs, offs_i[None, :, :] * VEC, K, EVEN_K)
     pdl_wait(USE_PDL)
-    acc = _fp8_step(acc, w, s_row, x_ptr, 0, offs_g, offs_k, rows, K, stride_xm, M, SUB,
-                    SCALE_BK, EVEN_K, INT_DECODE)
+    acc = _fp8_step(acc, w, s_row, x_ptr, 0, offs_g, offs_i, rows, K, stride_xm, M, SUB,
+                    SCALE_BK, EVEN_K, WORDS)
     for k0 in range(BLOCK_K, K, BLOCK_K):
-        w_ptrs += BLOCK_K
-        w = _load_tile(w_ptrs, offs_k[None, :, :], K - k0, EVEN_K)
-        acc = _fp8_step(acc, w, s_row, x_ptr, k0, offs_g, offs_k, rows, K, stride_xm, M, SUB,
-                        SCALE_BK, EVEN_K, INT_DECODE)
+        w_ptrs += BLOCK_K // VEC
+        w = _load_tile(w_ptrs, offs_i[None, :, :] * VEC, K - k0, EVEN_K)
+        acc = _fp8_step(acc, w, s_row, x_ptr, k0, offs_g, offs_i, rows, K, stride_xm, M, SUB,
+                        SCALE_BK, EVEN_K, WORDS)
     if M == 1:
         acc = tl.sum(tl.sum(acc, axis=2), axis=1)[None, :]  # [1, BN]
-    acc *= e4m3_unit(INT_DECODE)
+    acc *= e4m3_unit(WORDS)
     _store_rows(acc, b_ptr, out_ptr, offs_n, rows, N, stride_om, M, HAS_BIAS)
 
 
 @triton.jit
-def _fp8_step(acc, w, s_row, x_ptr, k0, offs_g, offs_k, rows, K, stride_xm, M: tl.constexpr,
+def _fp8_step(acc, w, s_row, x_ptr, k0, offs_g, offs_i, rows, K, stride_xm, M: tl.constexpr,
               SUB: tl.constexpr, SCALE_BK: tl.constexpr, EVEN_K: tl.constexpr,
-              INT_DECODE: tl.constexpr):
-    """One K step of the FP8 GEMV: w [BN, G, SUB] e4m3 bits at columns k0..; the groups' block
-    scales (and the integer widening's factor) folded into x."""
-    w = e4m3_widen(w, INT_DECODE)
+              WORDS: tl.constexpr):
+    """One K step of the FP8 GEMV: w [BN, G, LANES] (e4m3, or int32 words of 4) at columns
+    k0..; the groups' block scales (and the word route's 2^60) folded into x."""
     # [G]: each group's block scale (groups past K: 0, their x and w are masked to 0 too)
     s = tl.load(s_row + (k0 + offs_g * SUB) // SCALE_BK, mask=offs_g * SUB < K - k0, other=0.0)
-    s *= e4m3_unit(INT_DECODE)
+    s = (s * e4m3_unit(WORDS))[:, None]
+    if WORDS:  # x as [G, LANES, 2, 2]: column 4c + 2a + b of item c
+        offs_k = (offs_i * 4)[:, :, None, None] + (tl.arange(0, 2) * 2)[:, None] + tl.arange(0, 2)
+        s = s[:, :, None, None]
+    else:
+        offs_k = offs_i
+        w = w.to(tl.float32)
     for m in tl.static_range(M):
         if EVEN_K:
             xm = tl.load(x_ptr + m * stride_xm + k0 + offs_k)
         else:
             xm = tl.load(x_ptr + m * stride_xm + k0 + offs_k, mask=offs_k < K - k0, other=0.0)
-        xs = (xm.to(tl.float32) * s[:, None])[None, :, :]  # the scales folded into x
-        if M == 1:
-            acc += w * xs
+        xs = xm.to(tl.float32) * s  # the scales folded into x
+        if WORDS:
+            x0, x1, x2, x3 = split4(xs)
+            prod = word_products(w, x0[None], x1[None], x2[None], x3[None])
         else:
-            part = tl.sum(tl.sum(w * xs, axis=2), axis=1)  # [BN]
+            prod = w * xs[None]
+        if M == 1:
+            acc += prod
+        else:
+            part = tl.sum(tl.sum(prod, axis=2), axis=1)  # [BN]
             acc = tl.where(rows[:, None] == m, acc + part[None, :], acc)
     return acc
 
