@@ -93,7 +93,7 @@ if [[ $what == fp8 ]]; then
   # the GEMV / small-MoE files: their GPU tests only (the rest is the interpreter's, on CPU);
   # FP8_TESTS=kernels: these two sets only
   sets=("-m gpu tests/kernels/test_gemv.py tests/kernels/test_fused_moe_small.py"
-        "tests/kernels/test_e4m3_decode.py"
+        "tests/kernels/test_fp8_gemv_extremes.py"
         "tests/gpu/test_cuda_graph.py::test_fp8_pdl_graphs_are_token_identical_to_plain_eager_launches"
         "tests/gpu/test_fp8_serving.py tests/kernels/test_fp8*.py")
   [ "${FP8_TESTS:-1}" = kernels ] && sets=("${sets[@]:0:2}")

@@ -32,7 +32,6 @@ import torch
 import triton
 import triton.language as tl
 
-from moeserve.kernels.e4m3_decode import e4m3_unit, split4, word_products, words_view
 from moeserve.kernels.fp8_format import FP8, Block, scale_shape
 from moeserve.kernels.gemv import (FP8_TILE_ELEMS, MIN_BLOCK_K, TILE_ELEMS, GemvConfig,
                                    block_k_for, block_n_for, interpreter_block)
@@ -115,29 +114,18 @@ def fused_moe_small(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_i
     s13_strides = (s13.stride(0), s13.stride(1)) if fp8 else (0, 0)
     s2_strides = (s2.stride(0), s2.stride(1)) if fp8 else (0, 0)
     inter = x.new_empty((t * k, inter_size))  # [T*K, I] by pair; non-local rows never written
-    w13_words, w13_per = _words(w13, gu) if fp8 else (w13, 1)
     _gate_up_kernel[(t * k, triton.cdiv(inter_size, gu.block_n))](
-        x, w13_words, s13, ids, inter, first_expert, num_local, h, inter_size, x.stride(0),
-        w13.stride(0) // w13_per, w13.stride(1) // w13_per, *s13_strides,
-        triton.cdiv(inter_size, block[0]), TOP_K=k, BLOCK_N=gu.block_n, BLOCK_K=gu.block_k,
-        EVEN_K=h % gu.block_k == 0, FP8=fp8, SCALE_BN=block[0], SCALE_BK=block[1],
-        WORDS=w13_per == 4, num_warps=gu.num_warps, **launch_kwargs(pdl))
+        x, w13, s13, ids, inter, first_expert, num_local, h, inter_size, x.stride(0),
+        w13.stride(0), w13.stride(1), *s13_strides, triton.cdiv(inter_size, block[0]),
+        TOP_K=k, BLOCK_N=gu.block_n, BLOCK_K=gu.block_k, EVEN_K=h % gu.block_k == 0, FP8=fp8,
+        SCALE_BN=block[0], SCALE_BK=block[1], num_warps=gu.num_warps, **launch_kwargs(pdl))
     out = x.new_empty((t, h))
-    w2_words, w2_per = _words(w2, dn) if fp8 else (w2, 1)
     _down_kernel[(t, triton.cdiv(h, dn.block_n))](
-        inter, w2_words, s2, ids, weights, out, first_expert, num_local, h, inter_size,
-        w2.stride(0) // w2_per, w2.stride(1) // w2_per, *s2_strides, TOP_K=k,
-        BLOCK_TOPK=triton.next_power_of_2(k), BLOCK_N=dn.block_n, BLOCK_K=dn.block_k,
-        EVEN_K=inter_size % dn.block_k == 0, FP8=fp8, SCALE_BN=block[0], SCALE_BK=block[1],
-        WORDS=w2_per == 4, num_warps=dn.num_warps, **launch_kwargs(pdl))
+        inter, w2, s2, ids, weights, out, first_expert, num_local, h, inter_size, w2.stride(0),
+        w2.stride(1), *s2_strides, TOP_K=k, BLOCK_TOPK=triton.next_power_of_2(k),
+        BLOCK_N=dn.block_n, BLOCK_K=dn.block_k, EVEN_K=inter_size % dn.block_k == 0, FP8=fp8,
+        SCALE_BN=block[0], SCALE_BK=block[1], num_warps=dn.num_warps, **launch_kwargs(pdl))
     return out
-
-
-def _words(w: torch.Tensor, cfg: GemvConfig) -> tuple[torch.Tensor, int]:
-    """e4m3 experts as int32 words where the config asks and the layout allows: (tensor, columns
-    per element)."""
-    words = words_view(w) if cfg.words and cfg.block_k % 4 == 0 else None
-    return (w, 1) if words is None else (words, 4)
 
 
 def _check_fp8(w13, w2, w13_scale, w2_scale, block: Block) -> None:
@@ -162,70 +150,50 @@ def _gate_up_kernel(x_ptr, w_ptr, s_ptr, ids_ptr, inter_ptr, first_expert, num_l
                     inter_size, stride_xm, stride_we, stride_wn, stride_se, stride_sn,
                     up_scale_rows, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr,
                     BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, FP8: tl.constexpr,
-                    SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr, WORDS: tl.constexpr,
-                    USE_PDL: tl.constexpr):
+                    SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr, USE_PDL: tl.constexpr):
     """Program (pair, n-block): inter[pair, n] = silu(x[t] . gate_e[n]) * (x[t] . up_e[n]).
     Products accumulate per lane in [BLOCK_N, BLOCK_K] float32 and are reduced once at the end
     (no cross-thread reduction inside the loop). FP8: s [E, 2 * up_scale_rows, K blocks], gate's
-    scale rows then up's; the program's rows share one of each, a step one scale column. WORDS:
-    w is read as int32 words of 4 columns (strides in words; e4m3_decode.py)."""
+    scale rows then up's; the program's rows share one of each, a step one scale column."""
     pdl_wait(USE_PDL)
     pair = tl.program_id(0)
     local = tl.load(ids_ptr + pair) - first_expert
     if (local < 0) | (local >= num_local):
         return
-    VEC: tl.constexpr = 4 if WORDS else 1  # columns per loaded weight item
-    LANES: tl.constexpr = BLOCK_K // VEC
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_i = tl.arange(0, LANES)
+    offs_k = tl.arange(0, BLOCK_K)
     rows = offs_n % inter_size  # rows past the end wrap to valid ones, never stored
     gate_ptrs = (w_ptr + local.to(tl.int64) * stride_we + rows[:, None] * stride_wn
-                 + offs_i[None, :])  # [BN, LANES]
+                 + offs_k[None, :])  # [BN, BK]
     up_shift = inter_size * stride_wn
-    if WORDS:  # x as [LANES, 2, 2]: column 4c + 2a + b of item c
-        offs_k = (offs_i * 4)[:, None, None] + (tl.arange(0, 2) * 2)[:, None] + tl.arange(0, 2)
-    else:
-        offs_k = offs_i
     x_ptrs = x_ptr + (pair // TOP_K).to(tl.int64) * stride_xm + offs_k
     if FP8:
         s_gate = (s_ptr + local.to(tl.int64) * stride_se
                   + (tl.program_id(1) * BLOCK_N // SCALE_BN) * stride_sn)
         s_up = s_gate + up_scale_rows * stride_sn
-    acc_g = tl.zeros([BLOCK_N, LANES], dtype=tl.float32)
-    acc_u = tl.zeros([BLOCK_N, LANES], dtype=tl.float32)
+    acc_g = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     for k0 in range(0, hidden, BLOCK_K):
-        w_ok = offs_i[None, :] * VEC < hidden - k0  # an item is whole or past K
         if EVEN_K:
             g = tl.load(gate_ptrs)
             u = tl.load(gate_ptrs + up_shift)
             xk = tl.load(x_ptrs)
         else:
-            g = tl.load(gate_ptrs, mask=w_ok, other=0.0)
-            u = tl.load(gate_ptrs + up_shift, mask=w_ok, other=0.0)
-            xk = tl.load(x_ptrs, mask=offs_k < hidden - k0, other=0.0)
-        xk = xk.to(tl.float32)
+            k_ok = offs_k < hidden - k0
+            g = tl.load(gate_ptrs, mask=k_ok[None, :], other=0.0)
+            u = tl.load(gate_ptrs + up_shift, mask=k_ok[None, :], other=0.0)
+            xk = tl.load(x_ptrs, mask=k_ok, other=0.0)
+        xk = xk.to(tl.float32)[None, :]
         if FP8:  # the step's block scale (BLOCK_K <= SCALE_BK), folded into x
-            xg = xk * (tl.load(s_gate + k0 // SCALE_BK) * e4m3_unit(WORDS))
-            xu = xk * (tl.load(s_up + k0 // SCALE_BK) * e4m3_unit(WORDS))
-            if WORDS:
-                g0, g1, g2, g3 = split4(xg)
-                u0, u1, u2, u3 = split4(xu)
-                acc_g += word_products(g, g0[None, :], g1[None, :], g2[None, :], g3[None, :])
-                acc_u += word_products(u, u0[None, :], u1[None, :], u2[None, :], u3[None, :])
-            else:
-                acc_g += g.to(tl.float32) * xg[None, :]
-                acc_u += u.to(tl.float32) * xu[None, :]
+            acc_g += g.to(tl.float32) * (xk * tl.load(s_gate + k0 // SCALE_BK))
+            acc_u += u.to(tl.float32) * (xk * tl.load(s_up + k0 // SCALE_BK))
         else:
-            acc_g += g.to(tl.float32) * xk[None, :]
-            acc_u += u.to(tl.float32) * xk[None, :]
-        gate_ptrs += LANES
+            acc_g += g.to(tl.float32) * xk
+            acc_u += u.to(tl.float32) * xk
+        gate_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
     gate = tl.sum(acc_g, axis=1)
-    up = tl.sum(acc_u, axis=1)
-    if FP8:
-        gate *= e4m3_unit(WORDS)
-        up *= e4m3_unit(WORDS)
-    act = gate * tl.sigmoid(gate) * up  # [BN]
+    act = gate * tl.sigmoid(gate) * tl.sum(acc_u, axis=1)  # [BN]
     out = inter_ptr + pair.to(tl.int64) * inter_size + offs_n
     tl.store(out, act.to(inter_ptr.dtype.element_ty), mask=offs_n < inter_size)
 
@@ -235,15 +203,13 @@ def _down_kernel(inter_ptr, w_ptr, s_ptr, ids_ptr, weights_ptr, out_ptr, first_e
                  hidden, inter_size, stride_we, stride_wn, stride_se, stride_sn,
                  TOP_K: tl.constexpr, BLOCK_TOPK: tl.constexpr, BLOCK_N: tl.constexpr,
                  BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, FP8: tl.constexpr,
-                 SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr, WORDS: tl.constexpr,
-                 USE_PDL: tl.constexpr):
+                 SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr, USE_PDL: tl.constexpr):
     """Program (token, n-block): out[t, n] = sum over t's local pairs of
     weight[t, k] * (inter[t*K + k] . w2_e[n]). The K pairs are one axis of each step's
     [BLOCK_TOPK, BLOCK_N, BLOCK_K] tile: every expert's rows are requested at once, and a
     non-local (or padding) pair's loads are masked off, so it reads nothing. FP8: s [E, H
     blocks, I blocks]; each pair's expert has one scale row for the program's rows and one
-    scale column per step (BLOCK_K <= SCALE_BK). WORDS: w is read as int32 words of 4 columns
-    (strides in words; e4m3_decode.py)."""
+    scale column per step (BLOCK_K <= SCALE_BK)."""
     pdl_wait(USE_PDL)
     t = tl.program_id(0)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -252,47 +218,27 @@ def _down_kernel(inter_ptr, w_ptr, s_ptr, ids_ptr, weights_ptr, out_ptr, first_e
     local = tl.load(ids_ptr + pairs, mask=kk < TOP_K, other=0) - first_expert
     ok = (kk < TOP_K) & (local >= 0) & (local < num_local)
     wt = tl.load(weights_ptr + pairs, mask=ok, other=0.0)  # [BT] float32
-    VEC: tl.constexpr = 4 if WORDS else 1  # columns per loaded weight item
-    LANES: tl.constexpr = BLOCK_K // VEC
-    offs_i = tl.arange(0, LANES)
+    offs_k = tl.arange(0, BLOCK_K)
     rows = offs_n % hidden  # rows past the end wrap to valid ones, never stored
     w_ptrs = (w_ptr + tl.where(ok, local, 0).to(tl.int64)[:, None, None] * stride_we
-              + rows[None, :, None] * stride_wn + offs_i[None, None, :])  # [BT, BN, LANES]
-    if WORDS:  # inter as [BT, LANES, 2, 2]: column 4c + 2a + b of item c
-        offs_k = (offs_i * 4)[:, None, None] + (tl.arange(0, 2) * 2)[:, None] + tl.arange(0, 2)
-        a_ptrs = inter_ptr + pairs.to(tl.int64)[:, None, None, None] * inter_size + offs_k[None]
-        a_ok = ok[:, None, None, None]
-    else:
-        offs_k = offs_i
-        a_ptrs = inter_ptr + pairs.to(tl.int64)[:, None] * inter_size + offs_k[None, :]
-        a_ok = ok[:, None]
+              + rows[None, :, None] * stride_wn + offs_k[None, None, :])  # [BT, BN, BK]
+    a_ptrs = inter_ptr + pairs.to(tl.int64)[:, None] * inter_size + offs_k[None, :]  # [BT, BK]
     if FP8:
         s_rows = (s_ptr + tl.where(ok, local, 0).to(tl.int64) * stride_se
                   + (tl.program_id(1) * BLOCK_N // SCALE_BN) * stride_sn)  # [BT]
-    acc = tl.zeros([BLOCK_TOPK, BLOCK_N, LANES], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_TOPK, BLOCK_N, BLOCK_K], dtype=tl.float32)
     for k0 in range(0, inter_size, BLOCK_K):
         if EVEN_K:
-            w_mask = ok[:, None, None]
-            a_mask = a_ok
+            mask = ok[:, None]
         else:
-            w_mask = ok[:, None, None] & (offs_i * VEC < inter_size - k0)[None, None, :]
-            a_mask = a_ok & (offs_k < inter_size - k0)[None]
-        a = tl.load(a_ptrs, mask=a_mask, other=0.0).to(tl.float32)
-        w = tl.load(w_ptrs, mask=w_mask, other=0.0)
+            mask = ok[:, None] & (offs_k < inter_size - k0)[None, :]
+        a = tl.load(a_ptrs, mask=mask, other=0.0).to(tl.float32)
         if FP8:  # [BT]: each pair's block scale of this step, folded into its inter row
-            sc = tl.load(s_rows + k0 // SCALE_BK, mask=ok, other=0.0) * e4m3_unit(WORDS)
-            if WORDS:
-                a0, a1, a2, a3 = split4(a * sc[:, None, None, None])
-                acc += word_products(w, a0[:, None, :], a1[:, None, :], a2[:, None, :],
-                                     a3[:, None, :])
-            else:
-                acc += w.to(tl.float32) * (a * sc[:, None])[:, None, :]
-        else:
-            acc += w.to(tl.float32) * a[:, None, :]
-        w_ptrs += LANES
+            a *= tl.load(s_rows + k0 // SCALE_BK, mask=ok, other=0.0)[:, None]
+        w = tl.load(w_ptrs, mask=mask[:, None, :], other=0.0).to(tl.float32)
+        acc += w * a[:, None, :]
+        w_ptrs += BLOCK_K
         a_ptrs += BLOCK_K
     y = tl.sum(tl.sum(acc, axis=2) * wt[:, None], axis=0)  # [BN]
-    if FP8:
-        y *= e4m3_unit(WORDS)
     out = out_ptr + t.to(tl.int64) * hidden + offs_n
     tl.store(out, y.to(out_ptr.dtype.element_ty), mask=offs_n < hidden)

@@ -30,7 +30,11 @@ are reduced once after the loop (at more rows, per step and row). An e4m3 elemen
 instructions than a bf16 one (the conversion), at half the bytes: the FP8 GEMV runs nearer the
 issue limit, which is why these cuts matter to it and not to the bf16 one. Measured (H200): the
 large DeepSeek-V3 weights stream at ~2.4-2.9 TB/s against the bf16 GEMV's ~3.5-4.0; loading the
-next step's tile before this step's math (register double-buffering) was no faster.
+next step's tile before this step's math (register double-buffering) was no faster, and neither
+was widening e4m3 by integer ops instead of Triton's cast (the byte placed in a float32's bits by
+shifts and a mask, 2^120 folded into the scales): 7168 -> 36864 took 100.4 µs with int8 loads
+sign-extended and 94.1 with int32 words split four ways, against 88.7-89.1 for the cast, and the
+batch-1 DeepSeek-V3 cut fell from 441 to 382-386 tok/s (H200, 2026-12-03).
 
 Graph-safe: one launch, shapes from static sizes, no host sync.
 """
@@ -43,7 +47,6 @@ import torch
 import triton
 import triton.language as tl
 
-from moeserve.kernels.e4m3_decode import e4m3_unit, split4, word_products, words_view
 from moeserve.kernels.fp8_format import FP8, FP8_BLOCK, Block, as_block, scale_shape
 from moeserve.kernels.pdl import launch_kwargs, pdl_wait
 
@@ -66,7 +69,6 @@ class GemvConfig(NamedTuple):
     block_n: int
     block_k: int
     num_warps: int = 4
-    words: bool = True  # e4m3 read as int32 words, widened by integer ops (e4m3_decode.py)
 
 
 def block_n_for(n: int, groups: int = 1, most: int = 16, programs: int = TARGET_PROGRAMS) -> int:
@@ -172,12 +174,10 @@ def _launch(x, w, w_scale, bias, out, cfg: GemvConfig, block: Block, pdl: bool) 
                            BLOCK_K=cfg.block_k, EVEN_K=k % cfg.block_k == 0, **common)
         return
     sub = min(cfg.block_k, block[1])  # a group's columns lie in one scale block
-    words = words_view(w) if cfg.words and sub % 4 == 0 else None
-    _gemv_fp8_kernel[grid](x, w if words is None else words, w_scale, b, out, n, k, x.stride(0),
-                           w.stride(0) // (1 if words is None else 4), w_scale.stride(0),
-                           out.stride(0), GROUPS=cfg.block_k // sub, SUB=sub,
+    _gemv_fp8_kernel[grid](x, w, w_scale, b, out, n, k, x.stride(0), w.stride(0),
+                           w_scale.stride(0), out.stride(0), GROUPS=cfg.block_k // sub, SUB=sub,
                            EVEN_K=k % cfg.block_k == 0, SCALE_BN=block[0], SCALE_BK=block[1],
-                           WORDS=words is not None, **common)
+                           **common)
 
 
 @triton.jit
@@ -231,73 +231,56 @@ def _gemv_fp8_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, N, K, stride_xm, strid
                      stride_om, M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      GROUPS: tl.constexpr, SUB: tl.constexpr, EVEN_K: tl.constexpr,
                      HAS_BIAS: tl.constexpr, SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr,
-                     WORDS: tl.constexpr, USE_PDL: tl.constexpr):
+                     USE_PDL: tl.constexpr):
     """Program n-block of e4m3 w [N, K] with scales s [ceil(N/SCALE_BN), ceil(K/SCALE_BK)]:
     K steps of GROUPS x SUB columns, each group inside one scale block (SUB <= SCALE_BK, both
-    powers of two); this program's scale row is the one of its first row. WORDS: w is read as
-    int32 words of 4 columns (stride_wn in words) and widened by integer ops (e4m3_decode.py).
-    The first tile loads before the PDL wait (weights only)."""
+    powers of two); this program's scale row is the one of its first row. The first tile loads
+    before the PDL wait (weights only)."""
     BLOCK_K: tl.constexpr = GROUPS * SUB
-    VEC: tl.constexpr = 4 if WORDS else 1  # columns per loaded item
-    LANES: tl.constexpr = SUB // VEC
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_g = tl.arange(0, GROUPS)
-    offs_i = offs_g[:, None] * LANES + tl.arange(0, LANES)[None, :]  # [G, LANES] items
+    offs_k = offs_g[:, None] * SUB + tl.arange(0, SUB)[None, :]  # [G, SUB]
     rows = tl.arange(0, BLOCK_M)
     # rows past N wrap to valid ones (no mask along N); their results are never stored
     w_ptrs = (w_ptr + (offs_n % N).to(tl.int64)[:, None, None] * stride_wn
-              + offs_i[None, :, :])  # [BN, G, LANES]
+              + offs_k[None, :, :])  # [BN, G, SUB]
     s_row = s_ptr + (tl.program_id(0) * BLOCK_N // SCALE_BN) * stride_sn
     if M == 1:  # per-lane products, reduced once after the loop
-        acc = tl.zeros([BLOCK_N, GROUPS, LANES], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_N, GROUPS, SUB], dtype=tl.float32)
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    # an item is whole or past K (K % 4 == 0 for words)
-    w = _load_tile(w_ptrs, offs_i[None, :, :] * VEC, K, EVEN_K)
+    w = _load_tile(w_ptrs, offs_k[None, :, :], K, EVEN_K)
     pdl_wait(USE_PDL)
-    acc = _fp8_step(acc, w, s_row, x_ptr, 0, offs_g, offs_i, rows, K, stride_xm, M, SUB,
-                    SCALE_BK, EVEN_K, WORDS)
+    acc = _fp8_step(acc, w, s_row, x_ptr, 0, offs_g, offs_k, rows, K, stride_xm, M, SUB,
+                    SCALE_BK, EVEN_K)
     for k0 in range(BLOCK_K, K, BLOCK_K):
-        w_ptrs += BLOCK_K // VEC
-        w = _load_tile(w_ptrs, offs_i[None, :, :] * VEC, K - k0, EVEN_K)
-        acc = _fp8_step(acc, w, s_row, x_ptr, k0, offs_g, offs_i, rows, K, stride_xm, M, SUB,
-                        SCALE_BK, EVEN_K, WORDS)
+        w_ptrs += BLOCK_K
+        w = _load_tile(w_ptrs, offs_k[None, :, :], K - k0, EVEN_K)
+        acc = _fp8_step(acc, w, s_row, x_ptr, k0, offs_g, offs_k, rows, K, stride_xm, M, SUB,
+                        SCALE_BK, EVEN_K)
     if M == 1:
         acc = tl.sum(tl.sum(acc, axis=2), axis=1)[None, :]  # [1, BN]
-    acc *= e4m3_unit(WORDS)
     _store_rows(acc, b_ptr, out_ptr, offs_n, rows, N, stride_om, M, HAS_BIAS)
 
 
 @triton.jit
-def _fp8_step(acc, w, s_row, x_ptr, k0, offs_g, offs_i, rows, K, stride_xm, M: tl.constexpr,
-              SUB: tl.constexpr, SCALE_BK: tl.constexpr, EVEN_K: tl.constexpr,
-              WORDS: tl.constexpr):
-    """One K step of the FP8 GEMV: w [BN, G, LANES] (e4m3, or int32 words of 4) at columns
-    k0..; the groups' block scales (and the word route's 2^60) folded into x."""
+def _fp8_step(acc, w, s_row, x_ptr, k0, offs_g, offs_k, rows, K, stride_xm, M: tl.constexpr,
+              SUB: tl.constexpr, SCALE_BK: tl.constexpr, EVEN_K: tl.constexpr):
+    """One K step of the FP8 GEMV: w [BN, G, SUB] e4m3 at columns k0..; the groups' block
+    scales folded into x."""
+    w = w.to(tl.float32)
     # [G]: each group's block scale (groups past K: 0, their x and w are masked to 0 too)
     s = tl.load(s_row + (k0 + offs_g * SUB) // SCALE_BK, mask=offs_g * SUB < K - k0, other=0.0)
-    s = (s * e4m3_unit(WORDS))[:, None]
-    if WORDS:  # x as [G, LANES, 2, 2]: column 4c + 2a + b of item c
-        offs_k = (offs_i * 4)[:, :, None, None] + (tl.arange(0, 2) * 2)[:, None] + tl.arange(0, 2)
-        s = s[:, :, None, None]
-    else:
-        offs_k = offs_i
-        w = w.to(tl.float32)
     for m in tl.static_range(M):
         if EVEN_K:
             xm = tl.load(x_ptr + m * stride_xm + k0 + offs_k)
         else:
             xm = tl.load(x_ptr + m * stride_xm + k0 + offs_k, mask=offs_k < K - k0, other=0.0)
-        xs = xm.to(tl.float32) * s  # the scales folded into x
-        if WORDS:
-            x0, x1, x2, x3 = split4(xs)
-            prod = word_products(w, x0[None], x1[None], x2[None], x3[None])
-        else:
-            prod = w * xs[None]
+        xs = (xm.to(tl.float32) * s[:, None])[None, :, :]  # the scales folded into x
         if M == 1:
-            acc += prod
+            acc += w * xs
         else:
-            part = tl.sum(tl.sum(prod, axis=2), axis=1)  # [BN]
+            part = tl.sum(tl.sum(w * xs, axis=2), axis=1)  # [BN]
             acc = tl.where(rows[:, None] == m, acc + part[None, :], acc)
     return acc
 
