@@ -16,13 +16,11 @@ best.
 A second table, at M = 1 (decode batch 1), on the FP8 linears the model runs at one row (merged
 gate_up as one GEMV): µs and weight GB/s (weight + scale bytes over the time) of bf16 `x @ w^T`
 (cuBLAS), the bf16 GEMV (kernels/gemv.py), the fused FP8 kernel (activation quantization +
-tl.dot, the M <= 16 path), the W8A16 GEMV (`gemv_fp8`, what Fp8Linear runs at M = 1) and the
-same with one column per accumulator lane (`inner=1`, the kernel before each thread summed its
-16-byte load's columns), with the W8A16 GEMV's speedup over bf16, over the fused kernel and over
-that one; then DeepSeek-V3's routed experts at one token (`fused_moe_small`, 8 of 32 experts, H
-7168, I 2048), bf16 against e4m3 weights (GB/s of the 8 experts' bytes), and e4m3 at `inner=1`.
-`--gemv-sweep` also tries launch configs of the W8A16 kernels (GemvConfig: rows, K step, warps,
-inner) and prints the best beside the default.
+tl.dot, the M <= 16 path) and the W8A16 GEMV (`gemv_fp8`, what Fp8Linear runs at M = 1), with the
+W8A16 GEMV's speedup over bf16 and over the fused kernel; then DeepSeek-V3's routed experts at
+one token (`fused_moe_small`, 8 of 32 experts, H 7168, I 2048), bf16 against e4m3 weights (GB/s
+of the 8 experts' bytes). `--gemv-sweep` also tries launch configs of the W8A16 kernels
+(GemvConfig: rows, K step, warps) and prints the best beside the default.
 """
 
 from __future__ import annotations
@@ -147,13 +145,10 @@ def bench_gemv_shape(k: int, n: int, sweep: bool) -> str:
     times = [(_us(lambda: x @ w.t()), bf16_bytes), (_us(lambda: gemv(x, w)), bf16_bytes),
              (_us(lambda: fp8_quant_matmul(x, w_q, w_s)), fp8_bytes),
              (_us(lambda: gemv_fp8(x, w_q, w_s)), fp8_bytes)]
-    lanes = gemv_fp8_config(n, k, (128, 128), x.device)._replace(inner=1)
-    times.append((_us(lambda: gemv_fp8(x, w_q, w_s, config=lanes)), fp8_bytes))
     cells = [f"{k:>5} -> {n:<5}"]
     cells += [f"{t:>7.2f} {b / (t * 1e-6) / 1e9:>5.0f}" for t, b in times]
     w8a16 = times[3][0]
-    cells += [f"{times[0][0] / w8a16:>6.2f}x", f"{times[2][0] / w8a16:>7.2f}x",
-              f"{times[4][0] / w8a16:>7.2f}x"]
+    cells += [f"{times[0][0] / w8a16:>6.2f}x", f"{times[2][0] / w8a16:>7.2f}x"]
     line = "| " + " | ".join(cells) + " |"
     if sweep:
         tried = {c: _us(lambda c=c: gemv_fp8(x, w_q, w_s, config=c), rep=20)
@@ -168,9 +163,9 @@ def _gemv_sweep(n: int, k: int) -> set[GemvConfig]:
     """W8A16 GEMV configs: 8K-element steps on 4 warps, 16K on 8, over 4-32 rows; and
     one-scale-column steps (K step 128) over 16-64 rows, the small-MoE gate_up kernel's shape."""
     top = triton.next_power_of_2(k)
-    wide = {GemvConfig(bn, max(128, min(top, elems // bn)), warps, inner)
-            for elems, warps in ((8192, 4), (16384, 8), (32768, 8)) for bn in (4, 8, 16, 32)
-            for inner in (4, 16) if -(-n // bn) >= 132 or bn == 4}
+    wide = {GemvConfig(bn, max(128, min(top, elems // bn)), warps)
+            for elems, warps in ((8192, 4), (16384, 8)) for bn in (4, 8, 16, 32)
+            if -(-n // bn) >= 132 or bn == 4}
     return wide | {GemvConfig(bn, 128, 4) for bn in (16, 32, 64) if -(-n // bn) >= 132}
 
 
@@ -195,20 +190,18 @@ def bench_moe(sweep: bool) -> list[str]:
     def fp8(cfg=None):
         return lambda: fused_moe_small(x, w13_q, w2_q, ids, wts, 0, e, cfg, w13_s, w2_s)
 
-    base = small_moe_config(1, top, h, i, x.device, (128, 128))
     t_bf16 = _us(lambda: fused_moe_small(x, w13, w2, ids, wts, 0, e))
     t_fp8 = _us(fp8())
-    t_lanes = _us(fp8(base._replace(gate_up=base.gate_up._replace(inner=1),
-                                    down=base.down._replace(inner=1))))
     lines = [f"| experts T=1 | bf16 {t_bf16:.2f} µs {bf16_bytes / (t_bf16 * 1e-6) / 1e9:.0f} GB/s"
              f" | e4m3 {t_fp8:.2f} µs {fp8_bytes / (t_fp8 * 1e-6) / 1e9:.0f} GB/s | "
-             f"{t_bf16 / t_fp8:.2f}x | e4m3 one column per lane {t_lanes:.2f} µs |"]
+             f"{t_bf16 / t_fp8:.2f}x |"]
     if sweep:
+        base = small_moe_config(1, top, h, i, x.device, (128, 128))
         for part in ("gate_up", "down"):
             tried = {}
             for bn in ((8, 16, 32, 64) if part == "gate_up" else (4, 8, 16, 32)):
-                for warps, inner in ((4, 16), (8, 16), (4, 4), (8, 4)):
-                    c = base._replace(**{part: GemvConfig(bn, 128, warps, inner)})
+                for warps in (4, 8):
+                    c = base._replace(**{part: GemvConfig(bn, 128, warps)})
                     tried[c] = _us(fp8(c), rep=20)
             c, t = min(tried.items(), key=lambda kv: kv[1])
             lines.append(f"| experts T=1 sweep {part}: best {t:.2f} µs "
@@ -239,9 +232,9 @@ def main(argv: list[str] | None = None) -> None:
             print(bench_shape(m, k, n, bw, args.sweep), flush=True)
     if not args.no_gemv:
         print(f"\nM = 1, µs and weight GB/s (the copy moved {bw / 1e9:.0f} GB/s, read+write):")
-        heads = ["bf16 mm", "bf16 gemv", "fp8 fused", "w8a16 gemv", "w8a16 lanes"]
+        heads = ["bf16 mm", "bf16 gemv", "fp8 fused", "w8a16 gemv"]
         print(f"| {'K -> N':<14} | " + " | ".join(f"{h:>13}" for h in heads)
-              + f" | {'x bf16':>7} | {'x fused':>8} | {'x lanes':>8} |")
+              + f" | {'x bf16':>7} | {'x fused':>8} |")
         for k, n in GEMV_SHAPES:
             print(bench_gemv_shape(k, n, args.gemv_sweep), flush=True)
         for line in bench_moe(args.gemv_sweep):

@@ -117,23 +117,15 @@ def fused_moe_small(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_i
     _gate_up_kernel[(t * k, triton.cdiv(inter_size, gu.block_n))](
         x, w13, s13, ids, inter, first_expert, num_local, h, inter_size, x.stride(0),
         w13.stride(0), w13.stride(1), *s13_strides, triton.cdiv(inter_size, block[0]),
-        TOP_K=k, BLOCK_N=gu.block_n, BLOCK_K=gu.block_k, INNER=_inner(gu, fp8),
-        EVEN_K=h % gu.block_k == 0, FP8=fp8, SCALE_BN=block[0], SCALE_BK=block[1],
-        num_warps=gu.num_warps, **launch_kwargs(pdl))
+        TOP_K=k, BLOCK_N=gu.block_n, BLOCK_K=gu.block_k, EVEN_K=h % gu.block_k == 0, FP8=fp8,
+        SCALE_BN=block[0], SCALE_BK=block[1], num_warps=gu.num_warps, **launch_kwargs(pdl))
     out = x.new_empty((t, h))
     _down_kernel[(t, triton.cdiv(h, dn.block_n))](
         inter, w2, s2, ids, weights, out, first_expert, num_local, h, inter_size, w2.stride(0),
         w2.stride(1), *s2_strides, TOP_K=k, BLOCK_TOPK=triton.next_power_of_2(k),
-        BLOCK_N=dn.block_n, BLOCK_K=dn.block_k, INNER=_inner(dn, fp8),
-        EVEN_K=inter_size % dn.block_k == 0, FP8=fp8, SCALE_BN=block[0], SCALE_BK=block[1],
-        num_warps=dn.num_warps, **launch_kwargs(pdl))
+        BLOCK_N=dn.block_n, BLOCK_K=dn.block_k, EVEN_K=inter_size % dn.block_k == 0, FP8=fp8,
+        SCALE_BN=block[0], SCALE_BK=block[1], num_warps=dn.num_warps, **launch_kwargs(pdl))
     return out
-
-
-def _inner(cfg: GemvConfig, fp8: bool) -> int:
-    """Columns a thread sums itself per step: the config's for e4m3 experts, 1 for 16-bit ones
-    (not measured there)."""
-    return min(cfg.inner, cfg.block_k) if fp8 else 1
 
 
 def _check_fp8(w13, w2, w13_scale, w2_scale, block: Block) -> None:
@@ -157,13 +149,11 @@ def _check_fp8(w13, w2, w13_scale, w2_scale, block: Block) -> None:
 def _gate_up_kernel(x_ptr, w_ptr, s_ptr, ids_ptr, inter_ptr, first_expert, num_local, hidden,
                     inter_size, stride_xm, stride_we, stride_wn, stride_se, stride_sn,
                     up_scale_rows, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr, INNER: tl.constexpr, EVEN_K: tl.constexpr,
-                    FP8: tl.constexpr, SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr,
-                    USE_PDL: tl.constexpr):
+                    BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, FP8: tl.constexpr,
+                    SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr, USE_PDL: tl.constexpr):
     """Program (pair, n-block): inter[pair, n] = silu(x[t] . gate_e[n]) * (x[t] . up_e[n]).
-    Each step's [BLOCK_N, BLOCK_K / INNER, INNER] products are summed over INNER inside a
-    thread and accumulate per lane in [BLOCK_N, BLOCK_K / INNER] float32, reduced once at the
-    end (no cross-thread reduction inside the loop). FP8: s [E, 2 * up_scale_rows, K blocks], gate's
+    Products accumulate per lane in [BLOCK_N, BLOCK_K] float32 and are reduced once at the end
+    (no cross-thread reduction inside the loop). FP8: s [E, 2 * up_scale_rows, K blocks], gate's
     scale rows then up's; the program's rows share one of each, a step one scale column."""
     pdl_wait(USE_PDL)
     pair = tl.program_id(0)
@@ -171,19 +161,18 @@ def _gate_up_kernel(x_ptr, w_ptr, s_ptr, ids_ptr, inter_ptr, first_expert, num_l
     if (local < 0) | (local >= num_local):
         return
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    LANES: tl.constexpr = BLOCK_K // INNER
-    offs_k = tl.arange(0, LANES)[:, None] * INNER + tl.arange(0, INNER)[None, :]  # [LANES, INNER]
+    offs_k = tl.arange(0, BLOCK_K)
     rows = offs_n % inter_size  # rows past the end wrap to valid ones, never stored
-    gate_ptrs = (w_ptr + local.to(tl.int64) * stride_we + rows[:, None, None] * stride_wn
-                 + offs_k[None])  # [BN, LANES, INNER]
+    gate_ptrs = (w_ptr + local.to(tl.int64) * stride_we + rows[:, None] * stride_wn
+                 + offs_k[None, :])  # [BN, BK]
     up_shift = inter_size * stride_wn
     x_ptrs = x_ptr + (pair // TOP_K).to(tl.int64) * stride_xm + offs_k
     if FP8:
         s_gate = (s_ptr + local.to(tl.int64) * stride_se
                   + (tl.program_id(1) * BLOCK_N // SCALE_BN) * stride_sn)
         s_up = s_gate + up_scale_rows * stride_sn
-    acc_g = tl.zeros([BLOCK_N, LANES], dtype=tl.float32)
-    acc_u = tl.zeros([BLOCK_N, LANES], dtype=tl.float32)
+    acc_g = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     for k0 in range(0, hidden, BLOCK_K):
         if EVEN_K:
             g = tl.load(gate_ptrs)
@@ -191,16 +180,16 @@ def _gate_up_kernel(x_ptr, w_ptr, s_ptr, ids_ptr, inter_ptr, first_expert, num_l
             xk = tl.load(x_ptrs)
         else:
             k_ok = offs_k < hidden - k0
-            g = tl.load(gate_ptrs, mask=k_ok[None], other=0.0)
-            u = tl.load(gate_ptrs + up_shift, mask=k_ok[None], other=0.0)
+            g = tl.load(gate_ptrs, mask=k_ok[None, :], other=0.0)
+            u = tl.load(gate_ptrs + up_shift, mask=k_ok[None, :], other=0.0)
             xk = tl.load(x_ptrs, mask=k_ok, other=0.0)
-        xk = xk.to(tl.float32)[None]
+        xk = xk.to(tl.float32)[None, :]
         if FP8:  # the step's block scale (BLOCK_K <= SCALE_BK), folded into x
-            acc_g += tl.sum(g.to(tl.float32) * (xk * tl.load(s_gate + k0 // SCALE_BK)), axis=2)
-            acc_u += tl.sum(u.to(tl.float32) * (xk * tl.load(s_up + k0 // SCALE_BK)), axis=2)
+            acc_g += g.to(tl.float32) * (xk * tl.load(s_gate + k0 // SCALE_BK))
+            acc_u += u.to(tl.float32) * (xk * tl.load(s_up + k0 // SCALE_BK))
         else:
-            acc_g += tl.sum(g.to(tl.float32) * xk, axis=2)
-            acc_u += tl.sum(u.to(tl.float32) * xk, axis=2)
+            acc_g += g.to(tl.float32) * xk
+            acc_u += u.to(tl.float32) * xk
         gate_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
     gate = tl.sum(acc_g, axis=1)
@@ -213,9 +202,8 @@ def _gate_up_kernel(x_ptr, w_ptr, s_ptr, ids_ptr, inter_ptr, first_expert, num_l
 def _down_kernel(inter_ptr, w_ptr, s_ptr, ids_ptr, weights_ptr, out_ptr, first_expert, num_local,
                  hidden, inter_size, stride_we, stride_wn, stride_se, stride_sn,
                  TOP_K: tl.constexpr, BLOCK_TOPK: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, INNER: tl.constexpr, EVEN_K: tl.constexpr,
-                 FP8: tl.constexpr, SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr,
-                 USE_PDL: tl.constexpr):
+                 BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, FP8: tl.constexpr,
+                 SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr, USE_PDL: tl.constexpr):
     """Program (token, n-block): out[t, n] = sum over t's local pairs of
     weight[t, k] * (inter[t*K + k] . w2_e[n]). The K pairs are one axis of each step's
     [BLOCK_TOPK, BLOCK_N, BLOCK_K] tile: every expert's rows are requested at once, and a
@@ -230,27 +218,25 @@ def _down_kernel(inter_ptr, w_ptr, s_ptr, ids_ptr, weights_ptr, out_ptr, first_e
     local = tl.load(ids_ptr + pairs, mask=kk < TOP_K, other=0) - first_expert
     ok = (kk < TOP_K) & (local >= 0) & (local < num_local)
     wt = tl.load(weights_ptr + pairs, mask=ok, other=0.0)  # [BT] float32
-    LANES: tl.constexpr = BLOCK_K // INNER
-    offs_k = tl.arange(0, LANES)[:, None] * INNER + tl.arange(0, INNER)[None, :]  # [LANES, INNER]
+    offs_k = tl.arange(0, BLOCK_K)
     rows = offs_n % hidden  # rows past the end wrap to valid ones, never stored
-    w_ptrs = (w_ptr + tl.where(ok, local, 0).to(tl.int64)[:, None, None, None] * stride_we
-              + rows[None, :, None, None] * stride_wn + offs_k[None, None])  # [BT, BN, L, I]
-    a_ptrs = (inter_ptr + pairs.to(tl.int64)[:, None, None] * inter_size
-              + offs_k[None])  # [BT, LANES, INNER]
+    w_ptrs = (w_ptr + tl.where(ok, local, 0).to(tl.int64)[:, None, None] * stride_we
+              + rows[None, :, None] * stride_wn + offs_k[None, None, :])  # [BT, BN, BK]
+    a_ptrs = inter_ptr + pairs.to(tl.int64)[:, None] * inter_size + offs_k[None, :]  # [BT, BK]
     if FP8:
         s_rows = (s_ptr + tl.where(ok, local, 0).to(tl.int64) * stride_se
                   + (tl.program_id(1) * BLOCK_N // SCALE_BN) * stride_sn)  # [BT]
-    acc = tl.zeros([BLOCK_TOPK, BLOCK_N, LANES], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_TOPK, BLOCK_N, BLOCK_K], dtype=tl.float32)
     for k0 in range(0, inter_size, BLOCK_K):
         if EVEN_K:
-            mask = ok[:, None, None]
+            mask = ok[:, None]
         else:
-            mask = ok[:, None, None] & (offs_k < inter_size - k0)[None]
+            mask = ok[:, None] & (offs_k < inter_size - k0)[None, :]
         a = tl.load(a_ptrs, mask=mask, other=0.0).to(tl.float32)
         if FP8:  # [BT]: each pair's block scale of this step, folded into its inter row
-            a *= tl.load(s_rows + k0 // SCALE_BK, mask=ok, other=0.0)[:, None, None]
-        w = tl.load(w_ptrs, mask=mask[:, None], other=0.0).to(tl.float32)
-        acc += tl.sum(w * a[:, None], axis=3)
+            a *= tl.load(s_rows + k0 // SCALE_BK, mask=ok, other=0.0)[:, None]
+        w = tl.load(w_ptrs, mask=mask[:, None, :], other=0.0).to(tl.float32)
+        acc += w * a[:, None, :]
         w_ptrs += BLOCK_K
         a_ptrs += BLOCK_K
     y = tl.sum(tl.sum(acc, axis=2) * wt[:, None], axis=0)  # [BN]

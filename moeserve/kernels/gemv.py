@@ -34,7 +34,9 @@ next step's tile before this step's math (register double-buffering) was no fast
 was widening e4m3 by integer ops instead of Triton's cast (the byte placed in a float32's bits by
 shifts and a mask, 2^120 folded into the scales): 7168 -> 36864 took 100.4 µs with int8 loads
 sign-extended and 94.1 with int32 words split four ways, against 88.7-89.1 for the cast, and the
-batch-1 DeepSeek-V3 cut fell from 441 to 382-386 tok/s (H200, 2026-12-03).
+batch-1 DeepSeek-V3 cut fell from 441 to 382-386 tok/s (H200, 2026-12-03). Summing each thread's
+16 columns every step (a 16x smaller accumulator, for more loads in flight) was slower too: 104.0
+against 89.0 µs on 7168 -> 36864, 139.2 against 123.1 µs on the 8 experts, 389 tok/s.
 
 Graph-safe: one launch, shapes from static sizes, no host sync.
 """
@@ -69,9 +71,6 @@ class GemvConfig(NamedTuple):
     block_n: int
     block_k: int
     num_warps: int = 4
-    # e4m3 kernels: columns summed inside a thread each step (one 16-byte load's), so the
-    # per-lane accumulator holds block_k / inner columns; 1 = every column its own lane
-    inner: int = 16
 
 
 def block_n_for(n: int, groups: int = 1, most: int = 16, programs: int = TARGET_PROGRAMS) -> int:
@@ -179,8 +178,8 @@ def _launch(x, w, w_scale, bias, out, cfg: GemvConfig, block: Block, pdl: bool) 
     sub = min(cfg.block_k, block[1])  # a group's columns lie in one scale block
     _gemv_fp8_kernel[grid](x, w, w_scale, b, out, n, k, x.stride(0), w.stride(0),
                            w_scale.stride(0), out.stride(0), GROUPS=cfg.block_k // sub, SUB=sub,
-                           INNER=min(cfg.inner, sub), EVEN_K=k % cfg.block_k == 0,
-                           SCALE_BN=block[0], SCALE_BK=block[1], **common)
+                           EVEN_K=k % cfg.block_k == 0, SCALE_BN=block[0], SCALE_BK=block[1],
+                           **common)
 
 
 @triton.jit
@@ -232,36 +231,33 @@ def _gemv_step(acc, w, x_ptr, offs_k, rows, k_left, stride_xm, M: tl.constexpr,
 @triton.jit
 def _gemv_fp8_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, N, K, stride_xm, stride_wn, stride_sn,
                      stride_om, M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     GROUPS: tl.constexpr, SUB: tl.constexpr, INNER: tl.constexpr,
-                     EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr, SCALE_BN: tl.constexpr,
-                     SCALE_BK: tl.constexpr, USE_PDL: tl.constexpr):
+                     GROUPS: tl.constexpr, SUB: tl.constexpr, EVEN_K: tl.constexpr,
+                     HAS_BIAS: tl.constexpr, SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr,
+                     USE_PDL: tl.constexpr):
     """Program n-block of e4m3 w [N, K] with scales s [ceil(N/SCALE_BN), ceil(K/SCALE_BK)]:
     K steps of GROUPS x SUB columns, each group inside one scale block (SUB <= SCALE_BK, both
-    powers of two), as [G, SUB / INNER, INNER] tiles whose INNER columns a thread sums itself;
-    this program's scale row is the one of its first row. The first tile loads before the PDL
-    wait (weights only)."""
+    powers of two); this program's scale row is the one of its first row. The first tile loads
+    before the PDL wait (weights only)."""
     BLOCK_K: tl.constexpr = GROUPS * SUB
-    LANES: tl.constexpr = SUB // INNER
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_g = tl.arange(0, GROUPS)
-    offs_k = (offs_g[:, None, None] * SUB + tl.arange(0, LANES)[None, :, None] * INNER
-              + tl.arange(0, INNER)[None, None, :])  # [G, LANES, INNER]
+    offs_k = offs_g[:, None] * SUB + tl.arange(0, SUB)[None, :]  # [G, SUB]
     rows = tl.arange(0, BLOCK_M)
     # rows past N wrap to valid ones (no mask along N); their results are never stored
-    w_ptrs = (w_ptr + (offs_n % N).to(tl.int64)[:, None, None, None] * stride_wn
-              + offs_k[None])  # [BN, G, LANES, INNER]
+    w_ptrs = (w_ptr + (offs_n % N).to(tl.int64)[:, None, None] * stride_wn
+              + offs_k[None, :, :])  # [BN, G, SUB]
     s_row = s_ptr + (tl.program_id(0) * BLOCK_N // SCALE_BN) * stride_sn
-    if M == 1:  # per-lane sums, reduced once after the loop
-        acc = tl.zeros([BLOCK_N, GROUPS, LANES], dtype=tl.float32)
+    if M == 1:  # per-lane products, reduced once after the loop
+        acc = tl.zeros([BLOCK_N, GROUPS, SUB], dtype=tl.float32)
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    w = _load_tile(w_ptrs, offs_k[None], K, EVEN_K)
+    w = _load_tile(w_ptrs, offs_k[None, :, :], K, EVEN_K)
     pdl_wait(USE_PDL)
     acc = _fp8_step(acc, w, s_row, x_ptr, 0, offs_g, offs_k, rows, K, stride_xm, M, SUB,
                     SCALE_BK, EVEN_K)
     for k0 in range(BLOCK_K, K, BLOCK_K):
         w_ptrs += BLOCK_K
-        w = _load_tile(w_ptrs, offs_k[None], K - k0, EVEN_K)
+        w = _load_tile(w_ptrs, offs_k[None, :, :], K - k0, EVEN_K)
         acc = _fp8_step(acc, w, s_row, x_ptr, k0, offs_g, offs_k, rows, K, stride_xm, M, SUB,
                         SCALE_BK, EVEN_K)
     if M == 1:
@@ -272,8 +268,8 @@ def _gemv_fp8_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, N, K, stride_xm, strid
 @triton.jit
 def _fp8_step(acc, w, s_row, x_ptr, k0, offs_g, offs_k, rows, K, stride_xm, M: tl.constexpr,
               SUB: tl.constexpr, SCALE_BK: tl.constexpr, EVEN_K: tl.constexpr):
-    """One K step of the FP8 GEMV: w [BN, G, LANES, INNER] e4m3 at columns k0..; the groups'
-    block scales folded into x."""
+    """One K step of the FP8 GEMV: w [BN, G, SUB] e4m3 at columns k0..; the groups' block
+    scales folded into x."""
     w = w.to(tl.float32)
     # [G]: each group's block scale (groups past K: 0, their x and w are masked to 0 too)
     s = tl.load(s_row + (k0 + offs_g * SUB) // SCALE_BK, mask=offs_g * SUB < K - k0, other=0.0)
@@ -282,11 +278,11 @@ def _fp8_step(acc, w, s_row, x_ptr, k0, offs_g, offs_k, rows, K, stride_xm, M: t
             xm = tl.load(x_ptr + m * stride_xm + k0 + offs_k)
         else:
             xm = tl.load(x_ptr + m * stride_xm + k0 + offs_k, mask=offs_k < K - k0, other=0.0)
-        xs = (xm.to(tl.float32) * s[:, None, None])[None]  # the scales folded into x
+        xs = (xm.to(tl.float32) * s[:, None])[None, :, :]  # the scales folded into x
         if M == 1:
-            acc += tl.sum(w * xs, axis=3)
+            acc += w * xs
         else:
-            part = tl.sum(tl.sum(tl.sum(w * xs, axis=3), axis=2), axis=1)  # [BN]
+            part = tl.sum(tl.sum(w * xs, axis=2), axis=1)  # [BN]
             acc = tl.where(rows[:, None] == m, acc + part[None, :], acc)
     return acc
 
