@@ -1,5 +1,6 @@
 """`python -m moeserve.bench.small_ops`: µs per call of the small per-layer ops, Triton
-(`kernels.triton_ops`) vs the torch path they replace, at Qwen3-30B-A3B shapes (CUDA only).
+(`kernels.triton_ops`, and the sampler's argmax, kernels/argmax.py) vs the torch path they
+replace, at Qwen3-30B-A3B shapes (CUDA only).
 
 Two timings per row: eager (a loop of calls: host launch cost included, as without CUDA graphs) and
 graph (the same calls captured once in a CUDA graph and replayed: device time plus the gaps between
@@ -20,6 +21,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from moeserve.kernels.argmax import argmax_rows
 from moeserve.kernels.gemv import gemv
 from moeserve.kernels.triton_ops import TritonOps
 from moeserve.layers.norm import RMSNorm, rms_norm_heads
@@ -27,6 +29,7 @@ from moeserve.layers.rotary import RotaryEmbedding
 from moeserve.layers.router import RouterConfig, select_experts
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, EXPERTS, TOP_K, EPS = 2048, 32, 4, 128, 128, 8, 1e-6
+VOCAB = 151936
 # Qwen3-30B-A3B's linears, (in, out): qkv_proj, o_proj, the router, the LM head
 LINEARS = {"qkv 2048->5120": (2048, 5120), "o_proj 4096->2048": (4096, 2048),
            "router 2048->128": (2048, 128), "lm_head 2048->151936": (2048, 151936)}
@@ -72,6 +75,7 @@ def cases(t: int, dtype: torch.dtype, ops: TritonOps) -> dict[str, tuple[Callabl
     pos = torch.randint(0, 4096, (t,))
     logits = torch.randn(t, EXPERTS, dtype=dtype)
     router = RouterConfig(top_k=TOP_K, renormalize=True)
+    vocab = torch.randn(t, VOCAB, dtype=dtype)  # logits for the sampler's greedy pick
     n = HEADS + KV_HEADS
 
     def torch_qk():
@@ -87,6 +91,7 @@ def cases(t: int, dtype: torch.dtype, ops: TritonOps) -> dict[str, tuple[Callabl
             k_norm.weight, EPS)),
         "topk_softmax": (lambda: select_experts(logits, router),
                          lambda: ops.topk_softmax(logits, TOP_K, True)),
+        "greedy argmax": (lambda: vocab.argmax(-1), lambda: argmax_rows(vocab)),
     }
 
 

@@ -32,16 +32,19 @@ _BF16_INF_BITS = 0x7F80  # +inf; larger int16 bit patterns are NaNs
 def greedy(logits: torch.Tensor) -> torch.Tensor:
     """argmax over the last dim ([B, V] → [B]), the first index on ties, as torch.argmax.
 
-    On CPU in two stages: the max of each chunk of ARGMAX_CHUNK columns (a vectorised reduction),
-    then the argmax inside the first chunk holding the row's max; a single argmax over a 129k-token
-    vocabulary ran at ~2 GB/s (1 ms for 16 rows), the two stages in 0.14 ms. bf16 rows reduce
-    their bit patterns as int16 (`_greedy_bf16_bits`).
+    On CUDA in one launch over chunks of every row (kernels/argmax.py). On CPU in two stages: the
+    max of each chunk of ARGMAX_CHUNK columns (a vectorised reduction), then the argmax inside the
+    first chunk holding the row's max; a single argmax over a 129k-token vocabulary ran at ~2 GB/s
+    (1 ms for 16 rows), the two stages in 0.14 ms. bf16 rows reduce their bit patterns as int16
+    (`_greedy_bf16_bits`).
     """
     b, v = logits.shape
-    if logits.device.type != "cpu" and b == 1:
-        # one row: a whole-tensor argmax spreads over many blocks; the per-row one ran in one
-        # block (37 µs for 129k logits on H200, most of a batch-1 step's sampling)
-        return logits.reshape(-1).argmax().view(1)
+    if logits.device.type == "cuda":
+        from moeserve.kernels.argmax import argmax_rows  # Triton: CUDA machines only
+
+        # torch's argmax reduces a row in one block: 37 µs for 129k logits on an H200
+        ids = argmax_rows(logits)
+        return logits.argmax(dim=-1) if ids is None else ids
     if logits.device.type != "cpu" or v <= ARGMAX_CHUNK or b == 0:
         return logits.argmax(dim=-1)
     if logits.dtype == torch.bfloat16:
