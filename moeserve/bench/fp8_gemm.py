@@ -14,13 +14,15 @@ a few launch configs per shape (of the fused kernel at M <= 16, of the GEMM abov
 best.
 
 A second table, at M = 1 (decode batch 1), on the FP8 linears the model runs at one row (merged
-gate_up as one GEMV): µs and weight GB/s (weight + scale bytes over the time) of bf16 `x @ w^T`
-(cuBLAS), the bf16 GEMV (kernels/gemv.py), the fused FP8 kernel (activation quantization +
-tl.dot, the M <= 16 path) and the W8A16 GEMV (`gemv_fp8`, what Fp8Linear runs at M = 1), with the
-W8A16 GEMV's speedup over bf16 and over the fused kernel; then DeepSeek-V3's routed experts at
-one token (`fused_moe_small`, 8 of 32 experts, H 7168, I 2048), bf16 against e4m3 weights (GB/s
-of the 8 experts' bytes). `--gemv-sweep` also tries launch configs of the W8A16 kernels
-(GemvConfig: rows, K step, warps) and prints the best beside the default.
+gate_up as one matrix): µs and weight GB/s (weight + scale bytes over the time) of bf16 `x @ w^T`
+(cuBLAS), the bf16 GEMV (kernels/gemv.py), the fused FP8 kernel at its one-row config
+(activation quantization + swapped tl.dot) and the W8A16 GEMV (`gemv_fp8`), each timed in a CUDA
+graph over weight copies that together exceed L2 (no host launch time, cold weights); then the
+path Fp8Linear takes at one row and its speedup over the bf16 GEMV. Then DeepSeek-V3's routed
+experts at one token (`fused_moe_small`, 8 of 32 experts, H 7168, I 2048), bf16 against e4m3
+weights (GB/s of the 8 experts' bytes). `--gemv-sweep` also tries launch configs of the W8A16
+kernels (GemvConfig: rows, K step, warps) and of the fused kernel at one row (tile width, K
+split, stages) and prints the best beside the default.
 """
 
 from __future__ import annotations
@@ -135,28 +137,70 @@ def _sweep(m: int, k: int, n: int, x: torch.Tensor, x_q: torch.Tensor, x_s: torc
     return f"best {flops / t / 1e6:.1f} TFLOP/s at {c} (default {default}{mine})"
 
 
+def _graph_us(make, copies: int, reps: int = 20) -> float:
+    """µs per call of make(i)() (i: which of `copies` weight copies), the calls captured in one
+    CUDA graph: no host launch time, and the copies together exceed L2, so weights are cold."""
+    calls = [make(i) for i in range(copies)]
+    for c in calls:
+        c()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for c in calls:
+            c()
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1e3 / (reps * copies)
+
+
 def bench_gemv_shape(k: int, n: int, sweep: bool) -> str:
-    """One row of the M = 1 table: µs and weight GB/s per kernel, then the W8A16 speedups."""
+    """One row of the M = 1 table: µs and weight GB/s per kernel (CUDA graphs over weight copies
+    that exceed L2), the path Fp8Linear takes and its speedup over the bf16 GEMV."""
     g = torch.Generator(device="cuda").manual_seed(k + n)
     x = torch.randn(1, k, device="cuda", generator=g).to(torch.bfloat16)
-    w = (torch.randn(n, k, device="cuda", generator=g) * k**-0.5).to(torch.bfloat16)
-    w_q, w_s = quantize_fp8_blocks(w)
-    fp8_bytes, bf16_bytes = n * k + w_s.numel() * 4, 2 * n * k
-    times = [(_us(lambda: x @ w.t()), bf16_bytes), (_us(lambda: gemv(x, w)), bf16_bytes),
-             (_us(lambda: fp8_quant_matmul(x, w_q, w_s)), fp8_bytes),
-             (_us(lambda: gemv_fp8(x, w_q, w_s)), fp8_bytes)]
+    copies = max(2, min(32, -(-(256 << 20) // (n * k))))
+    ws = [(torch.randn(n, k, device="cuda", generator=g) * k**-0.5).to(torch.bfloat16)
+          for _ in range(copies)]
+    qs = [quantize_fp8_blocks(w) for w in ws]
+    fp8_bytes, bf16_bytes = n * k + qs[0][1].numel() * 4, 2 * n * k
+    path = fp8_gemm_path(1, n, k, (128, 128), x.dtype, x.device)
+    fused = fused_config(n, k, 128, x.device, rows=1)
+    times = [(_graph_us(lambda i: lambda: x @ ws[i].t(), copies), bf16_bytes),
+             (_graph_us(lambda i: lambda: gemv(x, ws[i]), copies), bf16_bytes),
+             (_graph_us(lambda i: lambda: fp8_quant_matmul(x, *qs[i], config=fused), copies),
+              fp8_bytes),
+             (_graph_us(lambda i: lambda: gemv_fp8(x, *qs[i]), copies), fp8_bytes)]
     cells = [f"{k:>5} -> {n:<5}"]
     cells += [f"{t:>7.2f} {b / (t * 1e-6) / 1e9:>5.0f}" for t, b in times]
-    w8a16 = times[3][0]
-    cells += [f"{times[0][0] / w8a16:>6.2f}x", f"{times[2][0] / w8a16:>7.2f}x"]
+    lin = times[3][0] if path == "gemv" else times[2][0]
+    cells += [f"{path:<6}", f"{times[1][0] / lin:>6.2f}x"]
     line = "| " + " | ".join(cells) + " |"
     if sweep:
-        tried = {c: _us(lambda c=c: gemv_fp8(x, w_q, w_s, config=c), rep=20)
+        tried = {c: _graph_us(lambda i, c=c: lambda: gemv_fp8(x, *qs[i], config=c), copies, 5)
                  for c in _gemv_sweep(n, k)}
         c, t = min(tried.items(), key=lambda kv: kv[1])
-        line += (f" best {t:.2f} µs {fp8_bytes / (t * 1e-6) / 1e9:.0f} GB/s at {tuple(c)} "
-                 f"(default {tuple(gemv_fp8_config(n, k, (128, 128), x.device))})")
+        line += (f" gemv best {t:.2f} µs {fp8_bytes / (t * 1e-6) / 1e9:.0f} GB/s at {tuple(c)} "
+                 f"(default {tuple(gemv_fp8_config(n, k, (128, 128), x.device))});")
+        tried = {c: _graph_us(lambda i, c=c: lambda: fp8_quant_matmul(x, *qs[i], config=c),
+                              copies, 5) for c in {*_fused_sweep(n, k), fused}}
+        c, t = min(tried.items(), key=lambda kv: kv[1])
+        line += (f" fused best {t:.2f} µs at (bn {c.block_n}, split {c.split_k}, stages "
+                 f"{c.num_stages}, swap {c.swap_ab}); default {tried[fused]:.2f}; all "
+                 + " ".join(f"{c.block_n}/{c.split_k}/{c.num_stages}{'s' if c.swap_ab else ''}"
+                            f"={t:.1f}" for c, t in sorted(tried.items(), key=lambda kv: kv[1])))
     return line
+
+
+def _fused_sweep(n: int, k: int) -> set[GemmConfig]:
+    """Decode configs of the fused kernel: swapped 64/128-row weight tiles, K split 1-16."""
+    groups = -(-k // 128)
+    return {GemmConfig(16, bn, split, 4, stages, swap_ab=True) for bn in (64, 128)
+            for split in (1, 2, 4, 8, 16) for stages in (3, 4) if split <= max(groups // 2, 1)}
 
 
 def _gemv_sweep(n: int, k: int) -> set[GemvConfig]:
@@ -234,7 +278,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"\nM = 1, µs and weight GB/s (the copy moved {bw / 1e9:.0f} GB/s, read+write):")
         heads = ["bf16 mm", "bf16 gemv", "fp8 fused", "w8a16 gemv"]
         print(f"| {'K -> N':<14} | " + " | ".join(f"{h:>13}" for h in heads)
-              + f" | {'x bf16':>7} | {'x fused':>8} |")
+              + f" | {'path':<6} | {'vs bf16 gemv':>7} |")
         for k, n in GEMV_SHAPES:
             print(bench_gemv_shape(k, n, args.gemv_sweep), flush=True)
         for line in bench_moe(args.gemv_sweep):

@@ -9,7 +9,7 @@ import torch
 
 
 def profile_table(name: str, fn: Callable[[], object], device: torch.device, calls: int = 3,
-                  show: bool = True, rows: int = 24) -> None:
+                  show: bool = True, rows: int = 40) -> None:
     """Run `fn` `calls` times under the profiler; print its ops by self CPU time and, on CUDA, by
     self device time (`show=False`: run only, e.g. on ranks other than 0 of a collective)."""
     from torch.profiler import ProfilerActivity, profile

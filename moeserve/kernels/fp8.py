@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from moeserve.kernels.fp8_format import FP8, FP8_BLOCK, FP8_MAX, Block, as_block
+from moeserve.kernels.pdl import launch_kwargs, pdl_wait
 
 SPLIT_TILES = 1024  # split-K tiles one launch may count on (per-device int32 counters)
 
@@ -115,6 +116,7 @@ class GemmConfig:
     split_k: int = 1
     num_warps: int = 4
     num_stages: int = 3
+    swap_ab: bool = False  # the weight tile as tl.dot's A operand (module docstring)
 
 
 @functools.cache
@@ -147,12 +149,28 @@ def gemm_config(t: int, n: int, k: int, block_k: int, device: torch.device) -> G
     return GemmConfig(cfg.block_m, cfg.block_n, max(split, 1), cfg.num_warps, cfg.num_stages)
 
 
-def fused_config(n: int, k: int, block_k: int, device: torch.device) -> GemmConfig:
-    """Decode (M <= 16, QUANT_A): a weight-read-bound GEMV. 64-column tiles, and K split until
-    about 3 programs per SM stream the weights (each split >= 2 K groups)."""
+def fused_config(n: int, k: int, block_k: int, device: torch.device,
+                 rows: int = 16) -> GemmConfig:
+    """Decode (M <= 16, QUANT_A): a weight-read-bound GEMV, which needs every SM streaming.
+    - One row (`rows` 1; Fp8Linear's large weights at batch 1): the weight tile is tl.dot's A
+      operand (SWAP_AB: 128 weight rows fill Hopper's 64-row wgmma tiles, one activation row
+      would waste them), 128-column tiles and K split until ~2 programs per SM (each split >= 2
+      K groups), 4 stages; at >= 2 tiles per SM, 64-column tiles, no split and 3 stages. From
+      the H200 sweep (`bench.fp8_gemm --gemv-sweep`, graphs, cold weights, µs): 7168 -> 36864
+      73.8 at 64 / split 1 / 3 stages (86.3 at 128 / split 8 / 4 stages); 16384 -> 7168 36.4
+      and 18432 -> 7168 41.0 at 128 / split 4 / 4 stages (38.0 and 42.9 with 3 stages).
+    - More rows: 64-column tiles and K split until about 3 programs per SM, 4 stages."""
     if device.type != "cuda":
-        return GemmConfig(block_m=16, block_n=128)
-    n_tiles, groups, sms = triton.cdiv(n, 64), triton.cdiv(k, block_k), _num_sms(device.index or 0)
+        return GemmConfig(block_m=16, block_n=128, swap_ab=rows == 1)
+    groups, sms = triton.cdiv(k, block_k), _num_sms(device.index or 0)
+    if rows == 1:
+        n_tiles = triton.cdiv(n, 128)
+        if n_tiles >= 2 * sms:
+            return GemmConfig(block_m=16, block_n=64, num_warps=4, num_stages=3, swap_ab=True)
+        split = max(1, min(2 * sms // n_tiles, groups // 2))
+        return GemmConfig(block_m=16, block_n=128, split_k=split, num_warps=4, num_stages=4,
+                          swap_ab=True)
+    n_tiles = triton.cdiv(n, 64)
     split = 1 if n_tiles >= 2 * sms else min(triton.cdiv(3 * sms, n_tiles), max(groups // 2, 1))
     return GemmConfig(block_m=16, block_n=64, split_k=split, num_warps=4, num_stages=4)
 
@@ -174,23 +192,25 @@ def fp8_block_matmul(x_q: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor,
 
 def fp8_quant_matmul(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
                      block: int | Block = FP8_BLOCK, config: GemmConfig | None = None,
-                     out: torch.Tensor | None = None,
-                     bias: torch.Tensor | None = None) -> torch.Tensor:
+                     out: torch.Tensor | None = None, bias: torch.Tensor | None = None,
+                     pdl: bool = False) -> torch.Tensor:
     """quant(x) @ (w * w_scale)^T (+ bias) in one launch: x [T, K] float, quantized per token and
     group inside the GEMM exactly as quant_fp8_per_token_group does → [T, N] in x.dtype (or
-    `out`)."""
+    `out`). `pdl`: a programmatic dependent launch (w must be a parameter nothing writes
+    during the forward)."""
     bn, bk = as_block(block)
     if out is None:
         out = torch.empty((x.shape[0], w.shape[0]), dtype=x.dtype, device=x.device)
     x = x if x.stride(-1) == 1 else x.contiguous()
-    cfg = config or fused_config(w.shape[0], x.shape[1], bk, x.device)
-    return _launch_gemm(x, None, w, w_scale, out, (bn, bk), cfg, bias)
+    cfg = config or fused_config(w.shape[0], x.shape[1], bk, x.device, x.shape[0])
+    return _launch_gemm(x, None, w, w_scale, out, (bn, bk), cfg, bias, pdl)
 
 
 def _launch_gemm(a: torch.Tensor, a_scale: torch.Tensor | None, w: torch.Tensor,
                  w_scale: torch.Tensor, out: torch.Tensor, block: Block, cfg: GemmConfig,
-                 bias: torch.Tensor | None) -> torch.Tensor:
-    """a_scale None: `a` is float and quantized in the kernel (QUANT_A)."""
+                 bias: torch.Tensor | None, pdl: bool = False) -> torch.Tensor:
+    """a_scale None: `a` is float and quantized in the kernel (QUANT_A). `pdl`: a programmatic
+    dependent launch (kernels/pdl.py) that loads its first weight tile before the wait."""
     (t, k), n = a.shape, w.shape[0]
     if t == 0 or n == 0:
         return out
@@ -211,8 +231,8 @@ def _launch_gemm(a: torch.Tensor, a_scale: torch.Tensor | None, w: torch.Tensor,
         *s_strides, w.stride(0), w_scale.stride(0), out.stride(0), t * n, SCALE_BN=bn,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=bk, SPLIT_K=split,
         QUANT_A=a_scale is None, HAS_BIAS=bias is not None, FP8_MAX=FP8_MAX,
-        EXACT_E4M3=not a.is_cuda,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        EXACT_E4M3=not a.is_cuda, SWAP_AB=cfg.swap_ab,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_kwargs(pdl))
     return out
 
 
@@ -223,9 +243,12 @@ def _fp8_block_matmul_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, bias_ptr, part
                              SCALE_BN: tl.constexpr, BLOCK_M: tl.constexpr,
                              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
                              QUANT_A: tl.constexpr, HAS_BIAS: tl.constexpr,
-                             FP8_MAX: tl.constexpr, EXACT_E4M3: tl.constexpr):
+                             FP8_MAX: tl.constexpr, EXACT_E4M3: tl.constexpr,
+                             SWAP_AB: tl.constexpr, USE_PDL: tl.constexpr):
     """Program (m block, n block, K split): the K loop runs over BLOCK_K-wide groups, each tile
-    product scaled by its activation-row scales and its weight block's scale."""
+    product scaled by its activation-row scales and its weight block's scale. SWAP_AB: the
+    product is formed as w_tile @ a_tile^T ([BLOCK_N, BLOCK_M]) and transposed once at the end.
+    The first group's weight tile loads before the PDL wait (weights only)."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_s = tl.program_id(2)
@@ -236,21 +259,22 @@ def _fp8_block_matmul_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, bias_ptr, part
     a_rows = a_ptr + offs_m.to(tl.int64)[:, None] * stride_am
     b_rows = b_ptr + offs_n.to(tl.int64)[:, None] * stride_bn
     w_block = offs_n // SCALE_BN  # the weight scale row of each output column
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     g0 = pid_s * groups_per_split
     g1 = tl.minimum(g0 + groups_per_split, tl.cdiv(k, BLOCK_K))
-    for g in range(g0, g1):
+    b_first = tl.load(b_rows + (g0 * BLOCK_K + offs_k)[None, :],
+                      mask=mask_n[:, None] & (g0 * BLOCK_K + offs_k < k)[None, :], other=0.0)
+    pdl_wait(USE_PDL)
+    acc = _fp8_group(a_rows, as_ptr, bs_ptr, b_first, g0, offs_m, offs_k, w_block, mask_m, mask_n,
+                     k, stride_asm, stride_asg, stride_bsn, BLOCK_M, BLOCK_N, BLOCK_K, QUANT_A,
+                     FP8_MAX, EXACT_E4M3, SWAP_AB)
+    for g in range(g0 + 1, g1):
         kk = g * BLOCK_K + offs_k
-        mask_k = kk < k
-        a = tl.load(a_rows + kk[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-        if QUANT_A:  # float activations: this group's e4m3 values and row scales, here
-            q, a_s = _quant_group(a.to(tl.float32), FP8_MAX, EXACT_E4M3)
-            a = q.to(b_ptr.dtype.element_ty)
-        else:
-            a_s = tl.load(as_ptr + offs_m * stride_asm + g * stride_asg, mask=mask_m, other=0.0)
-        b = tl.load(b_rows + kk[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0)
-        b_s = tl.load(bs_ptr + w_block * stride_bsn + g, mask=mask_n, other=0.0)  # [BN]
-        acc += tl.dot(a, tl.trans(b)) * a_s[:, None] * b_s[None, :]
+        b = tl.load(b_rows + kk[None, :], mask=mask_n[:, None] & (kk < k)[None, :], other=0.0)
+        acc += _fp8_group(a_rows, as_ptr, bs_ptr, b, g, offs_m, offs_k, w_block, mask_m, mask_n,
+                          k, stride_asm, stride_asg, stride_bsn, BLOCK_M, BLOCK_N, BLOCK_K,
+                          QUANT_A, FP8_MAX, EXACT_E4M3, SWAP_AB)
+    if SWAP_AB:
+        acc = tl.trans(acc)  # [BLOCK_M, BLOCK_N]
     mask_c = mask_m[:, None] & mask_n[None, :]
     c = c_ptr + offs_m.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
     if HAS_BIAS:
@@ -271,3 +295,25 @@ def _fp8_block_matmul_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, bias_ptr, part
                 part += stride_part
             tl.store(c, total.to(c_ptr.dtype.element_ty), mask=mask_c)
             tl.atomic_xchg(tile, 0)  # zero again for the next launch
+
+
+@triton.jit
+def _fp8_group(a_rows, as_ptr, bs_ptr, b, g, offs_m, offs_k, w_block, mask_m, mask_n, k,
+               stride_asm, stride_asg, stride_bsn, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               BLOCK_K: tl.constexpr, QUANT_A: tl.constexpr, FP8_MAX: tl.constexpr,
+               EXACT_E4M3: tl.constexpr, SWAP_AB: tl.constexpr):
+    """K group g's scaled product of the activation rows and the weight tile b [BLOCK_N,
+    BLOCK_K]: [BLOCK_M, BLOCK_N], or its transpose under SWAP_AB."""
+    kk = g * BLOCK_K + offs_k
+    a = tl.load(a_rows + kk[None, :], mask=mask_m[:, None] & (kk < k)[None, :], other=0.0)
+    if QUANT_A:  # float activations: this group's e4m3 values and row scales, here
+        q, a_s = _quant_group(a.to(tl.float32), FP8_MAX, EXACT_E4M3)
+        a = q.to(b.dtype)
+    else:
+        a_s = tl.load(as_ptr + offs_m * stride_asm + g * stride_asg, mask=mask_m, other=0.0)
+    b_s = tl.load(bs_ptr + w_block * stride_bsn + g, mask=mask_n, other=0.0)  # [BN]
+    if SWAP_AB:  # one return: Triton's frontend types every return of a function alike
+        part = tl.dot(b, tl.trans(a)) * b_s[:, None] * a_s[None, :]
+    else:
+        part = tl.dot(a, tl.trans(b)) * a_s[:, None] * b_s[None, :]
+    return part

@@ -10,11 +10,16 @@ into the same blocks (kernels/fp8_format.py, `model.quantization=fp8`). Two forw
   quantization); CPU runs it, and it is selectable anywhere by setting `backend`.
 
 `fp8_linear`'s choice, from static shapes only (no host sync, so CUDA graphs capture it):
-- M <= W8A16_MAX_M (decode at batch 1), bf16/fp16/fp32 activations: the weight-only FP8 GEMV
-  (kernels/gemv.py `gemv_fp8`), x not quantized, the e4m3 tiles dequantized in registers: a
-  weight stream, where the fused kernel's 16-row tl.dot tiles hold one real row;
-- M <= FUSED_MAX_M (decode): one Triton launch that quantizes x inside the GEMM, K split over
-  enough programs to stream the weights (kernels/fp8.py);
+- M <= W8A16_MAX_M (decode at batch 1), bf16/fp16/fp32 activations, weights of fewer than
+  GEMV_MAX_ELEMS elements: the weight-only FP8 GEMV (kernels/gemv.py `gemv_fp8`), x not
+  quantized, the e4m3 tiles dequantized in registers;
+- M <= FUSED_MAX_M (decode, and batch 1 on the large weights): one Triton launch that
+  quantizes x inside the GEMM, K split over enough programs to stream the weights
+  (kernels/fp8.py; at one row the weight tile is tl.dot's A operand). At one row it streams
+  DeepSeek-V3's large weights faster than the GEMV (H200, CUDA graphs, cold weights, µs:
+  7168 -> 36864 73.5 against 79.3, 18432 -> 7168 42.9 against 44.2, 16384 -> 7168 38.0 against
+  39.6), the GEMV the rest (1536 -> 24576 14.3 against 15.4, 7168 -> 4096 11.5 against 13.4):
+  the tensor-core tiles leave the CUDA cores less to do per byte, but need many rows to pay;
 - M >= SCALED_MM_MIN_M: torch._scaled_mm with 1x128 activation / 128x128 weight scales, where a
   probe at first use on this CUDA device accepted it (`scaled_mm_layout`), for 128 x 128 blocks,
   K a multiple of 512 and N of 16, contiguous weights; the quantization kernel writes the
@@ -41,6 +46,7 @@ FP8_BACKENDS = ("triton", "torch")
 W8A16_MAX_M = 1  # M <= this: the W8A16 GEMV (as `Linear` takes the bf16 GEMV: LINEAR_MAX_M)
 W8A16_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # kernels/gemv.py GEMV_DTYPES
 FUSED_MAX_M = 16  # M <= this: activation quantization fused into the GEMM (one launch)
+GEMV_MAX_ELEMS = 64 << 20  # weights of at least this many elements take the fused path at M=1
 SCALED_MM_MIN_M = 17  # M >= this: torch._scaled_mm where the probe accepted it
 
 
@@ -137,7 +143,7 @@ def fp8_gemm_path(m: int, n: int, k: int, block: Block, dtype: torch.dtype,
                   device: torch.device) -> str:
     """"gemv" | "fused" | "scaled_mm" | "triton" for [M, K] x [N, K]^T: static shapes and the
     cached probe only (the probe runs at the first eligible call)."""
-    if m <= W8A16_MAX_M and dtype in W8A16_DTYPES:
+    if m <= W8A16_MAX_M and dtype in W8A16_DTYPES and n * k < GEMV_MAX_ELEMS:
         return "gemv"
     if m <= FUSED_MAX_M:
         return "fused"
@@ -152,8 +158,8 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
                bias: torch.Tensor | None = None, block: int | Block = FP8_BLOCK,
                pdl: bool = False) -> torch.Tensor:
     """A linear layer on block-FP8 weights: x [..., K] → [..., N] in x.dtype (module docstring:
-    which GEMM runs). `pdl`: the GEMV path as a programmatic dependent launch (kernels/pdl.py);
-    the other paths launch plainly."""
+    which GEMM runs). `pdl`: the GEMV and fused paths as programmatic dependent launches
+    (kernels/pdl.py); the other paths launch plainly."""
     from moeserve.kernels import fp8 as kernels  # imports Triton
 
     x2 = x.reshape(-1, x.shape[-1])  # [M, K]
@@ -167,7 +173,7 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
         x2 = x2 if x2.stride(1) == 1 else x2.contiguous()
         out = gemv_fp8(x2, w, w_scale, bias, block, pdl=pdl)
     elif path == "fused":
-        out = kernels.fp8_quant_matmul(x2, w, w_scale, block, bias=bias)
+        out = kernels.fp8_quant_matmul(x2, w, w_scale, block, bias=bias, pdl=pdl)
     elif path == "scaled_mm":
         out = scaled_mm_linear(x2, w, w_scale, scaled_mm_layout(x.device))
         if bias is not None:
@@ -223,7 +229,8 @@ class Fp8Linear(nn.Module):
 
     @property
     def pdl(self) -> bool:
-        """Launch the GEMV path with PDL: the model's flag, where CUDA ops were attached."""
+        """Launch the GEMV and fused paths with PDL: the model's flag, where CUDA ops were
+        attached."""
         return self.gpu_ops is not None and self.gpu_ops.pdl
 
 
@@ -280,19 +287,20 @@ class Fp8MergedLinear(Fp8Linear):
 
         x2 = x.reshape(-1, x.shape[-1])  # [T, K]
         out = torch.empty((x2.shape[0], self.out_features), dtype=x.dtype, device=x.device)
-        gemv = x2.shape[0] <= W8A16_MAX_M and x.dtype in W8A16_DTYPES  # fp8_gemm_path's rules
-        fused = x2.shape[0] <= FUSED_MAX_M  # else quantized once for all shards
-        if gemv and x2.stride(1) != 1:
+        m, k = x2.shape
+        if m <= W8A16_MAX_M and x2.stride(1) != 1:
             x2 = x2.contiguous()
-        if not fused:
+        if m > FUSED_MAX_M:  # quantized once for all shards
             x_q, x_s = kernels.quant_fp8_per_token_group(x2, self.block[1])
         for (start, size, _, _), (w, s) in zip(self.shards.values(), self._shard_views()):
             cols = out[:, start : start + size]
             bias = None if self.bias is None else self.bias[start : start + size]
-            if gemv:
+            path = fp8_gemm_path(m, size, k, self.block, x.dtype, x.device)
+            if path == "gemv":
                 gemv_fp8(x2, w, s, bias, self.block, out=cols, pdl=self.pdl)
-            elif fused:
-                kernels.fp8_quant_matmul(x2, w, s, self.block, out=cols, bias=bias)
+            elif m <= FUSED_MAX_M:
+                kernels.fp8_quant_matmul(x2, w, s, self.block, out=cols, bias=bias,
+                                         pdl=self.pdl)
             else:
                 kernels.fp8_block_matmul(x_q, x_s, w, s, block=self.block, out=cols, bias=bias)
         return out.view(*x.shape[:-1], self.out_features)

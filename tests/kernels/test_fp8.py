@@ -66,6 +66,8 @@ def test_block_matmul_equals_float64_on_dequantized_operands(t, n, k):
     ((128, 128), GemmConfig(block_m=32, block_n=128, split_k=2)),
     ((64, 64), GemmConfig(block_m=16, block_n=128, split_k=4)),  # a tile spans 2 scale rows
     ((32, 128), GemmConfig(block_m=16, block_n=64, split_k=1)),
+    ((128, 128), GemmConfig(block_m=16, block_n=128, split_k=2, swap_ab=True)),  # w @ x^T
+    ((64, 64), GemmConfig(block_m=16, block_n=64, split_k=3, swap_ab=True)),
 ])
 def test_block_matmul_split_k_and_other_blocks(block, cfg):
     """K split over programs (fp32 partials summed) and non-128 blocks; written into a column
@@ -128,6 +130,10 @@ def test_quant_kernel_rounds_like_the_cast_in_any_scale_layout(col_major, pad):
     (1, 576, 1024, (128, 128), GemmConfig(16, 64, split_k=8)),  # kv_a-like: 9 x 8 programs
     (16, 96, 640, (128, 128), GemmConfig(16, 32, split_k=2)),  # 5 groups: splits of 3 and 2
     (3, 100, 200, (64, 64), GemmConfig(16, 64, split_k=2)),  # a tile spans 2 scale rows
+    (1, 200, 300, (128, 128), GemmConfig(16, 128, swap_ab=True)),  # decode's w @ x^T tiles
+    (5, 300, 1024, (128, 128), GemmConfig(16, 128, split_k=4, swap_ab=True)),
+    (16, 96, 640, (128, 128), GemmConfig(16, 64, split_k=2, swap_ab=True)),
+    (3, 100, 200, (64, 64), GemmConfig(16, 64, split_k=2, swap_ab=True)),
 ])
 def test_fused_quant_matmul_equals_quantize_then_gemm(t, n, k, block, cfg):
     """Activations quantized inside the GEMM (decode's single launch) give exactly the result of
@@ -155,15 +161,20 @@ def test_fused_quant_matmul_equals_quantize_then_gemm(t, n, k, block, cfg):
 
 
 def test_fused_config_streams_the_weights_on_every_sm(monkeypatch):
-    """Decode on DeepSeek-V3's shapes (132 SMs): at least one program per SM, K split only where
-    the 64-column tiles are too few (7168 -> 576: 9 tiles), each split >= 2 K groups."""
+    """Decode on DeepSeek-V3's shapes (132 SMs), 16 rows and one row (the large weights at batch
+    1): at least one program per SM (the 128-row tiles of 7168 -> 576 are 5), each split >= 2 K
+    groups; one row swaps the operands (the weight tile fills the wgmma rows)."""
     monkeypatch.setattr(fp8, "_num_sms", lambda index: 132)
-    for k, n in [(7168, 18432), (7168, 1536), (1536, 24576), (7168, 576), (16384, 7168)]:
-        cfg = fused_config(n, k, 128, torch.device("cuda", 0))
-        groups = k // 128
-        split = triton.cdiv(groups, triton.cdiv(groups, cfg.split_k))  # as launched
-        programs = triton.cdiv(n, cfg.block_n) * split
-        assert programs >= 132 and groups // split >= 2, (k, n, cfg)
+    shapes = {16: [(7168, 18432), (7168, 1536), (1536, 24576), (7168, 576), (16384, 7168)],
+              1: [(7168, 36864), (18432, 7168), (16384, 7168), (1536, 24576)]}
+    for rows, pairs in shapes.items():
+        for k, n in pairs:
+            cfg = fused_config(n, k, 128, torch.device("cuda", 0), rows)
+            groups = k // 128
+            split = triton.cdiv(groups, triton.cdiv(groups, cfg.split_k))  # as launched
+            programs = triton.cdiv(n, cfg.block_n) * split
+            assert programs >= 132 and groups // split >= 2, (k, n, cfg)
+            assert cfg.swap_ab == (rows == 1)
     assert fused_config(576, 7168, 128, torch.device("cpu")).split_k == 1  # interpreter
 
 

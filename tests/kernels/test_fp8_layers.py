@@ -36,8 +36,8 @@ def _quantized_rows(x: torch.Tensor) -> torch.Tensor:
 
 
 def _activations(x: torch.Tensor) -> torch.Tensor:
-    """x [T, K] as fp8_linear's kernel reads it: unquantized at W8A16_MAX_M rows, else
-    quantized."""
+    """x [T, K] as fp8_linear's kernel reads it on these tests' small weights: unquantized at
+    W8A16_MAX_M rows (the GEMV), else quantized."""
     return x.double().cpu() if x.shape[0] <= W8A16_MAX_M else _quantized_rows(x).cpu()
 
 
@@ -130,6 +130,10 @@ def test_gemm_path_by_static_m(monkeypatch):
     assert [fp8_gemm_path(m, 576, 7168, (128, 128), bf16, cuda)
             for m in (1, 2, 16, 17, 4096)] == ["gemv", "fused", "fused", "scaled_mm", "scaled_mm"]
     assert fp8_gemm_path(1, 576, 7168, (128, 128), torch.float64, cuda) == "fused"
+    # batch 1 on DeepSeek-V3's large weights (dense gate_up, o_proj): the fused kernel streams
+    # them faster than the GEMV; the shared expert's gate_up (7168 -> 4096) stays on the GEMV
+    assert [fp8_gemm_path(1, n, k, (128, 128), bf16, cuda)
+            for k, n in [(7168, 36864), (16384, 7168), (7168, 4096)]] == ["fused", "fused", "gemv"]
     for n, k, block, dtype in [(576, 300, (128, 128), bf16),  # K not a multiple of 512
                                (200, 7168, (128, 128), bf16),  # N not a multiple of 16
                                (576, 7168, (64, 64), bf16),  # other blocks
@@ -393,15 +397,18 @@ def test_fp8_experts_at_few_pairs_take_the_small_path(monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("k,n", [(7168, 18432), (7168, 576), (2048, 7168), (1000, 300)])
-def test_fp8_linear_at_one_row_on_cuda_equals_float64(k, n):
-    """bf16 activations at M = 1 (the W8A16 GEMV, DeepSeek-V3's shapes): float64 on the
-    dequantized weight and x as it is, bias included."""
+@pytest.mark.parametrize("k,n,path", [(7168, 18432, "fused"), (7168, 576, "gemv"),
+                                      (2048, 7168, "gemv"), (1000, 300, "gemv")])
+def test_fp8_linear_at_one_row_on_cuda_equals_float64(k, n, path):
+    """bf16 activations at M = 1 (DeepSeek-V3's shapes): float64 on the dequantized weight and
+    x as the path reads it (as it is for the W8A16 GEMV, quantized for the fused kernel), bias
+    included."""
     g = torch.Generator().manual_seed(k + n)
     layer = Fp8Linear(k, n, bias=True, bias_dtype=torch.bfloat16, device="cuda")
     _fill(layer, (torch.randn(n, k, generator=g) * k**-0.5).cuda())
     layer.bias.data.copy_(torch.randn(n, generator=g))
     x = torch.randn(1, k, generator=g).cuda().to(torch.bfloat16)
-    assert fp8_gemm_path(1, n, k, (128, 128), torch.bfloat16, x.device) == "gemv"
-    ref = x.double().cpu() @ layer.dequantized().double().cpu().T + layer.bias.double().cpu()
+    assert fp8_gemm_path(1, n, k, (128, 128), torch.bfloat16, x.device) == path
+    xs = x.double().cpu() if path == "gemv" else _quantized_rows(x).cpu()
+    ref = xs @ layer.dequantized().double().cpu().T + layer.bias.double().cpu()
     assert _rel(layer(x), ref) < 1e-2
