@@ -79,12 +79,14 @@ class TritonAttentionBackend(AttentionBackend):
 
     def kv_store_target(self, spec: AttentionSpec, fb: ForwardBatch,
                         dtype: torch.dtype) -> KVStoreTarget | None:
-        """MHA/GQA pools of the rows' own dtype (the fused writer does not cast)."""
+        """Pools of the rows' own dtype (the fused writers do not cast). MLA pools: v_buf is the
+        latent buffer too (V lives in K; the MLA writer reads only k_buf)."""
         pool = fb.kv_pool
-        if isinstance(pool, MLAKVPool) or pool.dtype != dtype:
+        if pool.dtype != dtype:
             return None
-        return KVStoreTarget(pool.key_buffer(spec.layer_id), pool.value_buffer(spec.layer_id),
-                             fb.out_cache_loc)
+        k_buf = pool.key_buffer(spec.layer_id)
+        v_buf = k_buf if isinstance(pool, MLAKVPool) else pool.value_buffer(spec.layer_id)
+        return KVStoreTarget(k_buf, v_buf, fb.out_cache_loc)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None,
                 spec: AttentionSpec, fb: ForwardBatch, kv_stored: bool = False) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """Triton kernels for the small per-layer ops of decode: RMSNorm (+ residual add), Qwen3's per-head
-q/k RMSNorm + neox rope, the softmax top-k router, and small-M linears (kernels/gemv.py), each one
-launch.
+q/k RMSNorm + neox rope, MLA's rope + latent norm (kernels/mla_rope.py), the softmax top-k router,
+and small-M linears (kernels/gemv.py), each one launch.
 
 Why: at batch 1 the GPU decode step is launch-bound, and these ops were chains of tiny torch
 kernels (about 5, 12 and 6 per layer). `TritonOps` mirrors the `CpuKernels` methods it replaces
@@ -29,6 +29,7 @@ try:  # optional: only the CUDA image has Triton
     import triton.language as tl
 
     from moeserve.kernels.gemv import GEMV_DTYPES, LINEAR_MAX_M, gemv
+    from moeserve.kernels.mla_rope import mla_rope_norm
     from moeserve.kernels.pdl import launch_kwargs, pdl_wait
     from moeserve.kernels.router_topk import grouped_topk, router_topk, softmax_topk_store
 except ImportError:  # pragma: no cover - CPU installs
@@ -140,6 +141,14 @@ class TritonOps:
             num_warps=_warps(half * block_heads, 256, 8),
             # no FMA contraction: x1 * cos + x2 * -sin rounds as the torch path's mul, mul, add
             enable_fp_fusion=False, **launch_kwargs(self.pdl))
+
+    def mla_rope_norm(self, q: torch.Tensor, kv: torch.Tensor, positions: torch.Tensor,
+                      table: torch.Tensor, interleaved: bool, norm_weight: torch.Tensor,
+                      eps: float, store: KVStoreTarget | None = None) -> torch.Tensor:
+        """MLA's rope on q's rope channels (in place), the latent's norm + rope (and its KV
+        store) in one launch → latent [T, 1, R + r] (kernels/mla_rope.py)."""
+        return mla_rope_norm(q, kv, positions, table, interleaved, norm_weight, eps, store,
+                             pdl=self.pdl)
 
     def router_topk(self, x: torch.Tensor, weight: torch.Tensor, k: int, renormalize: bool):
         """One token's router linear and softmax top-k in one launch (kernels/router_topk.py):

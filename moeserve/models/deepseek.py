@@ -55,6 +55,8 @@ def softmax_scale(cfg: Any) -> float:
 
 
 class MLAttention(nn.Module):
+    gpu_ops: TritonOps | None = None  # set on CUDA models (kernels.triton_ops)
+
     def __init__(self, cfg: Any, layer_id: int):
         super().__init__()
         self.num_heads, self.kv_lora_rank = cfg.num_attention_heads, cfg.kv_lora_rank
@@ -87,7 +89,7 @@ class MLAttention(nn.Module):
         return self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
-        return self.output(self.core(self.prepare(x, positions), fb))
+        return self.output(self.core(self.prepare(x, positions, fb), fb))
 
     def _w_kv(self) -> tuple[torch.Tensor, torch.Tensor]:
         """kv_b_proj as (W_UK [H, nope, R], W_UV [H, v, R])."""
@@ -98,18 +100,29 @@ class MLAttention(nn.Module):
     # The three stages of the op list (DecoderLayer.operations): projections, backend, output.
     def prepare(self, x: torch.Tensor, positions: torch.Tensor,
                 fb: ForwardBatch | None = None) -> tuple:
-        """→ (absorbed q [T, H, R + r], latent [T, 1, R + r]); the backend stores the latent."""
+        """→ (absorbed q [T, H, R + r], latent [T, 1, R + r], kv_stored); kv_stored: the GPU
+        kernel also wrote the latent into fb's KV pool, else the backend stores it."""
         q = self._q(x).view(-1, self.num_heads, self.nope_dim + self.rope_dim)
-        q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], dim=-1)  # [T, H, nope], [T, H, r]
-        c_kv, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
-        q_pe, k_pe = self.rotary(positions, q_pe, k_pe[:, None])  # k_pe: [T, 1, r]
+        kv = self.kv_a_proj_with_mqa(x)  # [T, R + r]
+        ops, store = self.gpu_ops, None
+        if ops is not None and ops.usable(q) and q.stride(2) == 1 and kv.stride(1) == 1 \
+                and q.dtype == kv.dtype == self.kv_a_layernorm.weight.dtype:
+            store = None if fb is None else self.attn.store_target(fb, kv.dtype)
+            latent = ops.mla_rope_norm(q, kv, positions, self.rotary.cos_sin_cache,
+                                       not self.rotary.is_neox_style, self.kv_a_layernorm.weight,
+                                       self.kv_a_layernorm.eps, store)  # q's rope in place
+            q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], dim=-1)
+        else:
+            q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], dim=-1)  # [T, H, nope], [., r]
+            c_kv, k_pe = kv.split([self.kv_lora_rank, self.rope_dim], dim=-1)
+            q_pe, k_pe = self.rotary(positions, q_pe, k_pe[:, None])  # k_pe: [T, 1, r]
+            latent = torch.cat([self.kv_a_layernorm(c_kv)[:, None], k_pe], dim=-1)  # [T, 1, R+r]
         q_lat = torch.einsum("thn,hnr->thr", q_nope, self._w_kv()[0])  # [T, H, R]
-        latent = torch.cat([self.kv_a_layernorm(c_kv)[:, None], k_pe], dim=-1)  # [T, 1, R + r]
-        return torch.cat([q_lat, q_pe], dim=-1), latent
+        return torch.cat([q_lat, q_pe], dim=-1), latent, store is not None
 
     def core(self, q_latent: tuple, fb: ForwardBatch) -> torch.Tensor:
-        q, latent = q_latent
-        return self.attn(q, latent, None, fb)  # [T, H * R]
+        q, latent, kv_stored = q_latent
+        return self.attn(q, latent, None, fb, kv_stored=kv_stored)  # [T, H * R]
 
     def output(self, out: torch.Tensor) -> torch.Tensor:
         w_uv = self._w_kv()[1]  # [H, v, R]

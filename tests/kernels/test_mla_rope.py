@@ -1,0 +1,104 @@
+"""MLA's fused rope + latent norm (+ KV store) kernel (kernels/mla_rope.py) against the torch path
+it replaces in `MLAttention.prepare` and a float64 oracle; both rope styles. Without CUDA:
+Triton's interpreter, float32 only; with CUDA also bfloat16 (within 1 ulp of the torch path)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from test_triton_ops import DEVICE, DTYPES, EPS, OPS, close_to_oracle, close_to_torch, rand  # noqa: E402
+from transformers import DeepseekV3Config  # noqa: E402
+
+from moeserve.kernels.triton_attention import KVStoreTarget  # noqa: E402
+from moeserve.layers.norm import RMSNorm  # noqa: E402
+from moeserve.layers.rotary import RotaryEmbedding  # noqa: E402
+from moeserve.models.deepseek import MLAttention  # noqa: E402
+
+
+def _rope(r: int, interleaved: bool) -> RotaryEmbedding:
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, r, 2, dtype=torch.float32) / r))
+    with torch.device(DEVICE):
+        return RotaryEmbedding(inv_freq, 1.0, 64, is_neox_style=not interleaved)
+
+
+def _rope_oracle(x: torch.Tensor, pos: torch.Tensor, r: int, interleaved: bool) -> torch.Tensor:
+    """[T, N, r] float64: rotate pairs (2i, 2i + 1) or (i, i + r/2) by pos * 10000^(-2i/r)."""
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, r, 2, dtype=torch.float64) / r))
+    ang = pos.cpu().double()[:, None, None] * inv_freq.to(DEVICE)[None, None, :].cpu()
+    cos, sin = ang.cos().to(DEVICE), ang.sin().to(DEVICE)
+    x = x.double()
+    i1, i2 = (slice(0, r, 2), slice(1, r, 2)) if interleaved else (slice(0, r // 2),
+                                                                   slice(r // 2, r))
+    out = x.clone()
+    out[..., i1] = x[..., i1] * cos - x[..., i2] * sin
+    out[..., i2] = x[..., i2] * cos + x[..., i1] * sin
+    return out
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("t", [0, 1, 5])
+@pytest.mark.parametrize("h,nope,r,big_r", [(3, 16, 8, 32), (20, 8, 16, 48), (17, 32, 64, 512)])
+@pytest.mark.parametrize("interleaved", [True, False])
+@pytest.mark.parametrize("with_store", [False, True])
+def test_mla_rope_norm_matches_torch_path(dtype, t, h, nope, r, big_r, interleaved, with_store):
+    gen = torch.Generator().manual_seed(t * 1000 + h * 10 + r + interleaved)
+    rope = _rope(r, interleaved)
+    norm = RMSNorm(big_r, EPS).to(DEVICE, dtype)
+    norm.weight.data.copy_(rand(big_r, gen=gen) * 0.5 + 1)
+    q = rand(t, h, nope + r, dtype=dtype, gen=gen)
+    kv = rand(t, big_r + r, dtype=dtype, gen=gen) * 3
+    pos = torch.randint(0, 64, (t,), generator=gen).to(DEVICE)
+    # the torch path of MLAttention.prepare
+    c_kv, k_pe = kv.split([big_r, r], dim=-1)
+    q_pe, k_pe = rope(pos, q[..., nope:], k_pe[:, None])
+    want = torch.cat([norm(c_kv)[:, None], k_pe], dim=-1)
+    slots = 9
+    k_buf = rand(slots + 1, 1, big_r + r, dtype=dtype, gen=gen)
+    k_before = k_buf.clone()
+    loc = torch.randperm(slots, generator=gen)[:t].add(1).to(DEVICE)
+    store = KVStoreTarget(k_buf, k_buf, loc) if with_store else None
+    ours_q = q.clone()
+    latent = OPS.mla_rope_norm(ours_q, kv, pos, rope.cos_sin_cache, interleaved, norm.weight, EPS,
+                               store)
+    assert torch.equal(ours_q[..., :nope], q[..., :nope])  # the nope channels untouched
+    close_to_torch(ours_q[..., nope:], q_pe)
+    close_to_torch(latent, want)
+    close_to_oracle(ours_q[..., nope:], _rope_oracle(q[..., nope:], pos, r, interleaved))
+    close_to_oracle(latent[..., big_r:], _rope_oracle(kv[:, None, big_r:], pos, r, interleaved))
+    if with_store:  # the latent rows at loc, no other row
+        k_want = k_before.clone()
+        k_want[loc] = latent
+        assert torch.equal(k_buf, k_want)
+
+
+@pytest.mark.parametrize("interleave", [True, False])
+def test_mla_prepare_with_gpu_ops_equals_torch_path(interleave):
+    """MLAttention.prepare with TritonOps attached (one fused launch between the projections)
+    gives the torch path's absorbed q and latent (DeepSeek-V3 layout, q LoRA, both rope styles)."""
+    cfg = DeepseekV3Config(hidden_size=64, num_attention_heads=4, q_lora_rank=32, kv_lora_rank=48,
+                           qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+                           max_position_embeddings=64, rope_interleave=interleave)
+    torch.manual_seed(3)
+    with torch.device(DEVICE):
+        attn = MLAttention(cfg, 0)
+    for p in attn.parameters():
+        p.data.copy_(torch.randn(p.shape) * 0.2 + (1.0 if p.dim() == 1 else 0.0))
+    x = rand(5, 64)
+    pos = torch.tensor([0, 3, 7, 11, 63], device=DEVICE)
+    ref_q, ref_latent, ref_stored = attn.prepare(x, pos)
+    calls = []
+
+    class CountingOps(type(OPS)):
+        def mla_rope_norm(self, *args, **kwargs):
+            calls.append(1)
+            return super().mla_rope_norm(*args, **kwargs)
+
+    attn.gpu_ops = CountingOps()  # this module's only: projections and norms stay as they were
+    q, latent, stored = attn.prepare(x, pos)
+    assert calls == [1]  # the fused kernel ran
+    assert not ref_stored and not stored  # no forward batch: the backend stores
+    close_to_torch(q, ref_q)
+    close_to_torch(latent, ref_latent)
