@@ -113,15 +113,18 @@ def gemv_fp8_config(n: int, k: int, block: Block, device: torch.device) -> GemvC
 
 
 def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
-         config: GemvConfig | None = None, pdl: bool = False) -> torch.Tensor:
+         config: GemvConfig | None = None, pdl: bool = False,
+         out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """x [M, K] (unit column stride) @ w [N, K]^T (unit column stride) + bias [N] → [M, N] in
-    x.dtype, float32 accumulation; M <= GEMV_MAX_M. `config`: launch geometry (default
-    `gemv_config`). `pdl`: a programmatic dependent launch (kernels/pdl.py) whose first weight
-    tile loads before the wait, so w must be a parameter nothing writes during the forward."""
+    out_dtype (default x.dtype), float32 accumulation; M <= GEMV_MAX_M. x and w may differ in
+    dtype (both are widened to float32: a bf16 x on a float32 router weight is x.float() @ w^T).
+    `config`: launch geometry (default `gemv_config`). `pdl`: a programmatic dependent launch
+    (kernels/pdl.py) whose first weight tile loads before the wait, so w must be a parameter
+    nothing writes during the forward."""
     m, k = x.shape
     n = w.shape[0]
     _check_shapes("gemv", x, w, bias)
-    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    out = torch.empty((m, n), dtype=out_dtype or x.dtype, device=x.device)
     if m == 0 or n == 0:
         return out
     cfg = config or gemv_config(n, k, x.device)

@@ -1,6 +1,7 @@
 """Triton kernels for the small per-layer ops of decode: RMSNorm (+ residual add), Qwen3's per-head
-q/k RMSNorm + neox rope, MLA's rope + latent norm (kernels/mla_rope.py), the softmax top-k router,
-and small-M linears (kernels/gemv.py), each one launch.
+q/k RMSNorm + neox rope, MLA's rope + latent norm (kernels/mla_rope.py) and per-head absorbed
+products (kernels/head_gemv.py), the routers, and small-M linears (kernels/gemv.py), each one
+launch.
 
 Why: at batch 1 the GPU decode step is launch-bound, and these ops were chains of tiny torch
 kernels (about 5, 12 and 6 per layer). `TritonOps` mirrors the `CpuKernels` methods it replaces
@@ -29,6 +30,7 @@ try:  # optional: only the CUDA image has Triton
     import triton.language as tl
 
     from moeserve.kernels.gemv import GEMV_DTYPES, LINEAR_MAX_M, gemv
+    from moeserve.kernels.head_gemv import head_gemv
     from moeserve.kernels.mla_rope import mla_rope_norm
     from moeserve.kernels.pdl import launch_kwargs, pdl_wait
     from moeserve.kernels.router_topk import grouped_topk, router_topk, softmax_topk_store
@@ -72,6 +74,19 @@ class TritonOps:
         if x2.stride(1) != 1:
             x2 = x2.contiguous()
         return gemv(x2, weight, bias, pdl=self.pdl).view(*x.shape[:-1], weight.shape[0])
+
+    def router_logits(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
+        """float32 router logits x.float() @ weight^T for x [T, H] of at most LINEAR_MAX_M rows
+        and a float32 weight [E, H] (DeepSeek's gate), by the GEMV reading x as it is: one
+        launch where torch ran a cast and cuBLAS's float32 GEMV (~9 µs a layer on the H200);
+        None where it does not apply."""
+        if (x.dim() != 2 or x.shape[0] > LINEAR_MAX_M or x.dtype not in GEMV_DTYPES
+                or weight.dtype != torch.float32 or weight.dim() != 2
+                or weight.shape[1] != x.shape[1] or weight.stride(1) != 1
+                or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))):
+            return None
+        x = x if x.stride(1) == 1 else x.contiguous()
+        return gemv(x, weight, pdl=self.pdl, out_dtype=torch.float32)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
                  residual: torch.Tensor | None = None):
@@ -149,6 +164,17 @@ class TritonOps:
         store) in one launch → latent [T, 1, R + r] (kernels/mla_rope.py)."""
         return mla_rope_norm(q, kv, positions, table, interleaved, norm_weight, eps, store,
                              pdl=self.pdl)
+
+    def head_gemv(self, x: torch.Tensor, w: torch.Tensor, k_major: bool) -> torch.Tensor | None:
+        """One token's per-head products x [1, H, K] @ w[h] (w [H, K, N], k_major) or @ w[h]^T
+        (w [H, N, K]) in one launch (kernels/head_gemv.py): MLA's absorbed W_UK / W_UV at
+        decode. None where it does not apply (more tokens, dtypes differ, a gradient wanted)."""
+        if (x.dim() != 3 or x.shape[0] != 1 or w.dim() != 3 or w.shape[0] != x.shape[1]
+                or x.dtype != w.dtype or x.dtype not in GEMV_DTYPES or x.stride(2) != 1
+                or w.stride(2) != 1 or w.shape[1 if k_major else 2] != x.shape[2]
+                or (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))):
+            return None
+        return head_gemv(x, w, k_major, pdl=self.pdl)
 
     def router_topk(self, x: torch.Tensor, weight: torch.Tensor, k: int, renormalize: bool):
         """One token's router linear and softmax top-k in one launch (kernels/router_topk.py):

@@ -104,8 +104,9 @@ class MLAttention(nn.Module):
         kernel also wrote the latent into fb's KV pool, else the backend stores it."""
         q = self._q(x).view(-1, self.num_heads, self.nope_dim + self.rope_dim)
         kv = self.kv_a_proj_with_mqa(x)  # [T, R + r]
-        ops, store = self.gpu_ops, None
-        if ops is not None and ops.usable(q) and q.stride(2) == 1 and kv.stride(1) == 1 \
+        ops = self.gpu_ops if self.gpu_ops is not None and self.gpu_ops.usable(q) else None
+        store = None
+        if ops is not None and q.stride(2) == 1 and kv.stride(1) == 1 \
                 and q.dtype == kv.dtype == self.kv_a_layernorm.weight.dtype:
             store = None if fb is None else self.attn.store_target(fb, kv.dtype)
             latent = ops.mla_rope_norm(q, kv, positions, self.rotary.cos_sin_cache,
@@ -117,7 +118,10 @@ class MLAttention(nn.Module):
             c_kv, k_pe = kv.split([self.kv_lora_rank, self.rope_dim], dim=-1)
             q_pe, k_pe = self.rotary(positions, q_pe, k_pe[:, None])  # k_pe: [T, 1, r]
             latent = torch.cat([self.kv_a_layernorm(c_kv)[:, None], k_pe], dim=-1)  # [T, 1, R+r]
-        q_lat = torch.einsum("thn,hnr->thr", q_nope, self._w_kv()[0])  # [T, H, R]
+        w_uk = self._w_kv()[0]  # [H, nope, R]
+        q_lat = ops.head_gemv(q_nope, w_uk, k_major=True) if ops is not None else None
+        if q_lat is None:
+            q_lat = torch.einsum("thn,hnr->thr", q_nope, w_uk)  # [T, H, R]
         return torch.cat([q_lat, q_pe], dim=-1), latent, store is not None
 
     def core(self, q_latent: tuple, fb: ForwardBatch) -> torch.Tensor:
@@ -126,12 +130,18 @@ class MLAttention(nn.Module):
 
     def output(self, out: torch.Tensor) -> torch.Tensor:
         w_uv = self._w_kv()[1]  # [H, v, R]
-        out = torch.einsum("thr,hvr->thv", out.view(-1, self.num_heads, self.kv_lora_rank), w_uv)
-        return self.o_proj(out.flatten(1))  # [T, hidden]
+        out = out.view(-1, self.num_heads, self.kv_lora_rank)
+        ops = self.gpu_ops if self.gpu_ops is not None and self.gpu_ops.usable(out) else None
+        v = ops.head_gemv(out, w_uv, k_major=False) if ops is not None else None  # decode
+        if v is None:
+            v = torch.einsum("thr,hvr->thv", out, w_uv)
+        return self.o_proj(v.flatten(1))  # [T, hidden]
 
 
 class MoEGate(nn.Module):
     """Router: `weight` [E, hidden] and (V3) `e_score_correction_bias` [E], both float32."""
+
+    gpu_ops: TritonOps | None = None  # set on CUDA models (kernels.triton_ops)
 
     def __init__(self, hidden_size: int, num_experts: int, with_bias: bool):
         super().__init__()
@@ -141,6 +151,11 @@ class MoEGate(nn.Module):
         ) if with_bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ops = self.gpu_ops
+        if ops is not None and ops.usable(x):
+            logits = ops.router_logits(x, self.weight)  # decode: one launch, x not cast
+            if logits is not None:
+                return logits
         return F.linear(x.float(), self.weight)  # [T, E] float32 logits
 
 

@@ -174,6 +174,38 @@ def test_ops_linear_applies_only_where_it_can():
     assert OPS.linear(x3, w) is None  # a gradient is wanted: no backward here
 
 
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.float16]
+                         + ([torch.bfloat16] if DEVICE.type == "cuda" else []))
+@pytest.mark.parametrize("e,h", [(64, 96), (256, 7168)])
+def test_router_logits_equal_the_float32_gate(x_dtype, e, h, monkeypatch):
+    """DeepSeek's gate: x in the activations' dtype, a float32 weight, float32 logits (the
+    interpreter's float16 widening is exact, so it stands in for bf16 on CPU); and MoEGate with
+    the ops attached runs it at one row and F.linear above."""
+    from moeserve.models.deepseek import MoEGate
+
+    x, w = rand(1, h, seed=e, dtype=x_dtype), rand(e, h, seed=h) / h**0.5
+    with torch.no_grad():
+        logits = OPS.router_logits(x, w)
+        assert logits.dtype == torch.float32 and logits.shape == (1, e)
+        torch.testing.assert_close(logits, F.linear(x.float(), w), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(logits.double(), oracle(x, w), rtol=1e-5, atol=1e-5)
+        assert OPS.router_logits(rand(2, h, seed=1, dtype=x_dtype), w) is None  # > 1 row
+        assert OPS.router_logits(x, w.double()) is None  # the gate's weight is float32
+        with torch.device(DEVICE):
+            gate = MoEGate(h, e, with_bias=True)
+        gate.weight.data.copy_(w)
+        want = gate(x)
+        gate.gpu_ops = OPS
+        used = []
+        orig = OPS.router_logits
+        monkeypatch.setattr(OPS, "router_logits", lambda *a: used.append(orig(*a) is not None)
+                            or orig(*a))
+        torch.testing.assert_close(gate(x), want, rtol=1e-5, atol=1e-5)
+        x2 = rand(3, h, seed=2, dtype=x_dtype)
+        torch.testing.assert_close(gate(x2), F.linear(x2.float(), w))
+        assert used == [True, False]  # taken at 1 row, declined at 3
+
+
 def _linear(cls, *args, seed: int, **kwargs):
     with torch.device(DEVICE):
         lin = cls(*args, **kwargs)

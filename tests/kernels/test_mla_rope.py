@@ -1,5 +1,6 @@
-"""MLA's fused rope + latent norm (+ KV store) kernel (kernels/mla_rope.py) against the torch path
-it replaces in `MLAttention.prepare` and a float64 oracle; both rope styles. Without CUDA:
+"""MLA's fused rope + latent norm (+ KV store) kernel (kernels/mla_rope.py) and its per-head GEMV
+(kernels/head_gemv.py) against the torch paths they replace in `MLAttention` and a float64
+oracle; both rope styles. Without CUDA:
 Triton's interpreter, float32 only; with CUDA also bfloat16 (within 1 ulp of the torch path)."""
 
 from __future__ import annotations
@@ -89,16 +90,48 @@ def test_mla_prepare_with_gpu_ops_equals_torch_path(interleave):
     x = rand(5, 64)
     pos = torch.tensor([0, 3, 7, 11, 63], device=DEVICE)
     ref_q, ref_latent, ref_stored = attn.prepare(x, pos)
+    o = rand(5, 4 * 48)  # an attention output [T, H * R]
+    ref_out = attn.output(o)
     calls = []
 
     class CountingOps(type(OPS)):
         def mla_rope_norm(self, *args, **kwargs):
-            calls.append(1)
+            calls.append("rope")
             return super().mla_rope_norm(*args, **kwargs)
+
+        def head_gemv(self, x, *args, **kwargs):
+            calls.append(f"head_gemv {x.shape[0]}")
+            return super().head_gemv(x, *args, **kwargs)
 
     attn.gpu_ops = CountingOps()  # this module's only: projections and norms stay as they were
     q, latent, stored = attn.prepare(x, pos)
-    assert calls == [1]  # the fused kernel ran
     assert not ref_stored and not stored  # no forward batch: the backend stores
     close_to_torch(q, ref_q)
     close_to_torch(latent, ref_latent)
+    torch.testing.assert_close(attn.output(o), ref_out, rtol=1e-5, atol=1e-5)
+    q1, latent1, _ = attn.prepare(x[:1], pos[:1])  # decode's one token: the per-head GEMV
+    torch.testing.assert_close(q1, ref_q[:1], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(attn.output(o[:1]), ref_out[:1], rtol=1e-5, atol=1e-5)
+    # 5 tokens: rope fused, head_gemv declines (einsum); 1 token: both kernels run
+    assert calls == ["rope", "head_gemv 5", "head_gemv 5", "rope", "head_gemv 1", "head_gemv 1"]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("h,k,n", [(4, 16, 48), (3, 128, 512), (5, 512, 128), (2, 100, 70)])
+@pytest.mark.parametrize("k_major", [True, False])
+def test_head_gemv_matches_einsum_and_float64(dtype, h, k, n, k_major):
+    """One token's per-head products (kernels/head_gemv.py) against the einsum MLA ran and a
+    float64 oracle; x a strided view as q_nope is (the head stride spans the rope channels)."""
+    gen = torch.Generator().manual_seed(h * k + n + k_major)
+    x = rand(1, h, k + 8, dtype=dtype, gen=gen)[..., :k]  # rows of k + 8, like q's nope part
+    w = rand(h, k, n, dtype=dtype, gen=gen) if k_major else rand(h, n, k, dtype=dtype, gen=gen)
+    w = w / k**0.5
+    eq = "thk,hkn->thn" if k_major else "thk,hnk->thn"
+    ours = OPS.head_gemv(x, w, k_major)
+    assert ours.shape == (1, h, n) and ours.dtype == dtype
+    oracle = torch.einsum(eq, x.double(), w.double())
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(ours.double(), oracle, rtol=tol, atol=tol)
+    torch.testing.assert_close(ours, torch.einsum(eq, x, w), rtol=tol, atol=tol)
+    assert OPS.head_gemv(x.expand(2, h, k), w, k_major) is None  # one token only
+    assert OPS.head_gemv(x, w.double(), k_major) is None  # dtypes differ
