@@ -10,7 +10,8 @@ import torch
 
 pytest.importorskip("triton")
 
-from test_triton_ops import DEVICE, DTYPES, EPS, OPS, close_to_oracle, close_to_torch, rand  # noqa: E402
+from test_triton_ops import (DEVICE, DTYPES, EPS, OPS, close_to_oracle,  # noqa: E402
+                             close_to_torch, rand)
 from transformers import DeepseekV3Config  # noqa: E402
 
 from moeserve.kernels.triton_attention import KVStoreTarget  # noqa: E402
