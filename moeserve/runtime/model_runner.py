@@ -289,7 +289,13 @@ class ModelRunner:
         logits = self._graph_logits(fb)
         if logits is not None:
             return greedy(logits)
-        hidden = self.forward_hidden(fb)
+        return self.greedy_of_hidden(self.forward_hidden(fb))
+
+    @torch.inference_mode()
+    def greedy_of_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The greedy next token [B] of final hidden states [B, H], as forward_greedy picks it
+        (the fused greedy LM head where it applies); callers that also keep the hidden states
+        (the NextN trainer's data) use it after forward_hidden."""
         if self.greedy_head is not None:
             ids = self.cpu_kernels.greedy_head(hidden, self.greedy_head, self.hf_config.vocab_size)
             if ids is not None:

@@ -52,6 +52,19 @@ TRAIN_TOPICS = (
     "the Ice Age", "kindness", "museums", "rice farming", "sharks", "the telephone",
     "marathons", "the Milky Way", "bees and flowers", "castles", "soap", "the Eiffel Tower",
     "fireworks", "owls",
+    "the Pyramids of Giza", "hurricanes", "the printing of money", "elephants", "astronomy",
+    "the piano", "submarines", "bridges", "the Greek myths", "composting", "airplanes",
+    "the Sahara", "whales", "the human skeleton", "nutrition", "the Apollo program", "maps",
+    "knitting", "the Arctic", "vitamins", "the Mona Lisa", "skyscrapers", "spiders",
+    "the theory of evolution", "cheese making", "rain", "the compass", "wolves", "volunteering",
+    "the Great Barrier Reef", "lightning", "ancient Rome's aqueducts", "smartphones", "butterflies",
+    "the French language", "geometry", "the Samurai", "batteries", "hiking", "the Nile",
+    "magnets", "the Beatles", "frogs", "budgeting", "nuclear power", "the Aztecs", "kites",
+    "weather forecasting", "the lungs", "poetry", "rockets", "the Dead Sea", "camels",
+    "social media", "the Northern Lights", "gravity", "ballet", "the Mayan calendar",
+    "sourdough", "hummingbirds", "3D printing", "the Statue of Liberty", "sunflowers",
+    "board games", "the speed of light", "opera", "clocks", "the Himalayas", "DNA",
+    "sea turtles",
 )
 
 HELDOUT_TOPICS = (
@@ -116,7 +129,7 @@ def _split(topics, tasks, math, seed: int) -> list[str]:
 
 
 def train_prompts(seed: int = 0) -> list[str]:
-    """All training user messages (~1600), shuffled by `seed`; take a prefix for a smaller set."""
+    """All training user messages (~3000), shuffled by `seed`; take a prefix for a smaller set."""
     return _split(TRAIN_TOPICS, TRAIN_TASKS, TRAIN_MATH, seed)
 
 

@@ -37,7 +37,7 @@ estimates it; 2-core CPU shared with others, so times are A/B pairs under the sa
   no gain (128 and 40 steps); lr 3e-3 was worse than 1e-3;
 - 512 and 1024 training prompts were equal at 192 steps, but 6 epochs over 1024 reached
   0.82 train vs 0.49 held-out agreement: past ~3 epochs fresh answers beat repeats, so the
-  prompt set has ~1600 and generation may use DATA_SHARE of the budget.
+  prompt set has ~3000 and generation may use DATA_SHARE of the budget.
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", default=None, help="HF folder or .gguf (default: embedded SmolLM2)")
     p.add_argument("--out", required=True, help="output DIR (head, checkpoint, data cache)")
     p.add_argument("--prompts", default=None, help="user messages, one per line or a JSON list")
-    p.add_argument("--num-prompts", type=int, default=1600,
+    p.add_argument("--num-prompts", type=int, default=3200,
                    help="training prompts at most (fewer when the data budget runs out)")
     p.add_argument("--heldout", type=int, default=32, help="held-out prompts for the table")
     p.add_argument("--max-new-tokens", type=int, default=128)

@@ -282,21 +282,31 @@ def test_draft_vocab_training_and_file(tiny, tmp_path):
 
 
 def test_engine_generator_answers_and_hidden_states(tiny, tiny_model):
-    """The Engine generator (float32 here) answers greedily as transformers does and its
-    runner's EXTEND passes (grouped several sequences at a time) give transformers' final
-    hidden states for prompt + answer."""
+    """The generator's greedy loop on the runner (float32 here; two groups of at most 4 rows,
+    prefills of several prompts) answers as transformers' greedy generate does, and the hidden
+    states its own prefill and decode passes computed are transformers' final hidden states for
+    prompt + answer."""
     target, tokenizer, _ = tiny
     ids = data.chat_ids(tokenizer, PROMPTS)
-    gen = data.EngineGenerator(tiny_model("llama"), 12, 4, dtype="float32", hidden_tokens=64)
+    gen = data.EngineGenerator(tiny_model("llama"), 12, 4, dtype="float32", prefill_tokens=64)
     try:
         out = gen(ids)
+        reference = data.generate_hf(target, tokenizer, ids, max_new=12, batch=4)
+        assert [a for a, _ in out] == [a for a, _ in reference]
+        for p, (a, hidden) in zip(ids, out):
+            ref = data.hidden_states(target, p + a)
+            torch.testing.assert_close(hidden, ref, rtol=1e-4, atol=1e-4)
+        # an EOS id inside the answers: each stops after its first one, EOS kept, as served
+        eos = {reference[0][0][4], reference[1][0][7]}
+        cut = data.generate_with_hidden(gen.engine.runner, ids[:4], 12, eos, prefill_tokens=64)
+        for p, (a, _), (got, hidden) in zip(ids, reference, cut):
+            stop = next((i + 1 for i, t in enumerate(a) if t in eos), len(a))
+            assert got == a[:stop]
+            torch.testing.assert_close(hidden, data.hidden_states(target, p + got),
+                                       rtol=1e-4, atol=1e-4)
+        assert len(cut[0][0]) <= 5 and len(cut[1][0]) <= 8
     finally:
         gen.close()
-    reference = data.generate_hf(target, tokenizer, ids, max_new=12, batch=4)
-    assert [a for a, _ in out] == [a for a, _ in reference]
-    for p, (a, hidden) in zip(ids, out):
-        ref = data.hidden_states(target, p + a)
-        torch.testing.assert_close(hidden, ref, rtol=1e-4, atol=1e-4)
 
 
 def test_served_walk_counts_tokens_per_verify_step():
