@@ -63,7 +63,7 @@ DATA_SHARE = 0.5  # of --budget-minutes: no new training shard is started after 
 # What defines a run: a resumed run takes these from its checkpoint, not from the command line.
 RUN_KEYS = ("lr", "batch_size", "seed", "chain_steps", "detach", "feature_weight",
             "prompt_loss", "init", "weight_decay", "warmup", "negatives", "draft_vocab",
-            "bf16")
+            "bf16", "noise")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -91,6 +91,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--detach", action="store_true", help="no gradient through fed-back outputs")
     p.add_argument("--feature-weight", type=float, default=0.0,
                    help="weight of a smooth-L1 loss pulling step outputs towards h_{j+1}")
+    p.add_argument("--noise", type=float, default=0.0,
+                   help="uniform noise on the target's hidden states while training, as a "
+                   "fraction of each state's RMS (EAGLE's feature noise; 0: off)")
     p.add_argument("--negatives", type=int, default=1024,
                    help="random extra tokens scored besides labels and the target's top-16 "
                    "(-1: score the full vocabulary)")

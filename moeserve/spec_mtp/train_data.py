@@ -1,20 +1,18 @@
 """Self-distillation data for the NextN trainer: the target's own greedy answers and hidden states.
 
 The head must agree with the target's greedy tokens, so the labels are the target's generations,
-not human text: each chat prompt is answered greedily by the target, then one forward of the
-target over prompt + answer gives h at every position. Records are cached as shards under
+not human text: each chat prompt is answered greedily by the target, and h at every position of
+prompt + answer comes from the passes that made the answer (or, with `--generator hf`, a forward
+hooked during transformers' generate). Records are cached as shards under
 DIR/data/ (tokens, prompt length, float32 hidden states) with a manifest that pins the model,
 prompts and lengths, so a resumed or repeated run reuses them instead of generating again.
 
-Measured on the 2-core CPU (quiet, 2 threads, 128 prompts, 14.5k answer tokens): the project's
-offline Engine generated at 414 tok/s in float32 (128 concurrent), but a separate transformers
-forward for the hidden states then took as long again (205 tok/s overall), while transformers'
-batched `generate` ran at 230 tok/s with the hidden states hooked out of the final norm. In
-serving's dtype (bfloat16) with the hidden states from EXTEND passes of its own runner, the
-Engine made 88 tok/s overall on a CPU busy with other work (load ~5, 1 thread), where
-`generate_hf` made 30-34 (float32) or ~50-60 (bf16 autocast) at similar load; the answers and
-hidden states are then those serving sees. So `EngineGenerator` is the default, `generate_hf`
-the option (`--generator hf`).
+Measured on the 2-core CPU: transformers' batched `generate` (float32, hidden states hooked out
+of the final norm) made 230 tok/s on a quiet AVX-512 machine and 30-60 on a busy one. The
+project's runner in serving's dtype is faster and gives the states serving sees: `EngineGenerator`
+runs the greedy loop on it and keeps each pass's hidden states (on an AVX2 machine, 256 prompts:
+281 tok/s for answers and states together, where the Engine's generate plus a second EXTEND pass
+for the states made 133). So it is the default, `generate_hf` the option (`--generator hf`).
 """
 
 from __future__ import annotations

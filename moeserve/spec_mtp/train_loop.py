@@ -47,7 +47,12 @@ def step_loss(head: TrainHead, batch, lm_head: torch.Tensor, cfg: dict[str, Any]
     among the scored tokens. With `vocab` (sorted ids [D]) `lm_head` holds its rows [D, H] and
     the softmax is over them; otherwise cfg["negatives"] None scores the full vocabulary and an
     int only `candidates` (the LM head is 90% of a full-vocabulary step's time on this CPU)."""
-    outs = head.chain(batch.embeds, batch.hidden, cfg["chain_steps"], detach=cfg["detach"],
+    hidden = batch.hidden
+    if cfg.get("noise"):  # U(-a, a) times each state's RMS: the head must not rely on exact h
+        gen = gen or torch.Generator()
+        u = torch.rand(hidden.shape, generator=gen, dtype=hidden.dtype) * 2 - 1
+        hidden = hidden + cfg["noise"] * hidden.pow(2).mean(-1, keepdim=True).sqrt() * u
+    outs = head.chain(batch.embeds, hidden, cfg["chain_steps"], detach=cfg["detach"],
                       first=int(batch.start.min()))
     loss = torch.zeros(())
     accs = []

@@ -181,21 +181,23 @@ def test_save_load_round_trip(tiny, tmp_path):
         assert torch.equal(tensors[name], t), name
 
 
-def test_resume_equals_uninterrupted(tiny, tmp_path):
+@pytest.mark.parametrize("noise", [0.0, 0.1])
+def test_resume_equals_uninterrupted(tiny, tmp_path, noise):
     """Ctrl-C at step 3 saves the checkpoint; resuming to step 6 gives the same weights as one
-    uninterrupted 6-step run (the data cursor and AdamW state come back)."""
+    uninterrupted 6-step run (the data cursor and AdamW state come back; --noise draws from the
+    step's own generator, so it comes back too)."""
     target, _, records = tiny
 
     def fresh_head() -> TrainHead:
         torch.manual_seed(1)  # the same random init for both runs
         return TrainHead(target)
 
-    straight = train_mod.Trainer(fresh_head(), target, records, _cfg(), str(tmp_path))
+    straight = train_mod.Trainer(fresh_head(), target, records, _cfg(noise=noise), str(tmp_path))
     straight.run(deadline=None)
 
     part = tmp_path / "part"
     part.mkdir()
-    interrupted = train_mod.Trainer(fresh_head(), target, records, _cfg(), str(part))
+    interrupted = train_mod.Trainer(fresh_head(), target, records, _cfg(noise=noise), str(part))
     real_step = interrupted.train_step
 
     def step_then_interrupt():
@@ -209,13 +211,19 @@ def test_resume_equals_uninterrupted(tiny, tmp_path):
     assert exc.value.code == 130
     assert torch.load(part / "checkpoint.pt", weights_only=False)["step"] == 3
 
-    resumed = train_mod.Trainer(TrainHead(target), target, records, _cfg(), str(part))
+    resumed = train_mod.Trainer(TrainHead(target), target, records, _cfg(noise=noise), str(part))
     resumed.load_checkpoint()
     assert resumed.step == 3 and resumed.cursor(3) == (1, 1)
     resumed.run(deadline=None)
     assert resumed.step == 6
     for name, t in straight.head.head_state_dict().items():
         torch.testing.assert_close(resumed.head.head_state_dict()[name], t, rtol=0, atol=0)
+    if noise:  # the noise is applied: the same run without it ends elsewhere
+        (tmp_path / "p").mkdir()
+        plain = train_mod.Trainer(fresh_head(), target, records, _cfg(), str(tmp_path / "p"))
+        plain.run(deadline=None)
+        w = "eh_proj.weight"
+        assert not torch.equal(plain.head.head_state_dict()[w], straight.head.head_state_dict()[w])
 
 
 def test_cli_trains_caches_and_evaluates(tiny_model, tmp_path, capsys):
