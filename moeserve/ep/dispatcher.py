@@ -37,7 +37,7 @@ import torch
 
 from moeserve.ep.streams import CommStream
 from moeserve.kernels.peer_copy import expert_owner  # noqa: F401 (re-exported: the placement rule)
-from moeserve.layers.moe import count_per_expert
+from moeserve.kernels.slot_counts import count_per_expert
 
 if TYPE_CHECKING:
     from moeserve.core import ForwardMode

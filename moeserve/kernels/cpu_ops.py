@@ -35,7 +35,6 @@ from pathlib import Path
 import torch
 
 from moeserve.env import env, log_forced_off
-from moeserve.kernels.attach import attach_ops
 
 logger = logging.getLogger(__name__)
 
@@ -216,38 +215,6 @@ class CpuKernels:
         status = self._lib.ms_lm_head_argmax(out.data_ptr(), x.data_ptr(), packed.data_ptr(),
                                              vocab, h, t)
         return out if status == 0 else None
-
-
-def attach_cpu_kernels(model: torch.nn.Module, kernels: CpuKernels) -> int:
-    """Give the kernels to every module that can use them (those declaring a `cpu_kernels`
-    attribute: norms, attention, MoE routers, linears); returns how many. bf16 linears without
-    oneDNN's prepack get their weight packed for `CpuKernels.linear` (pack_bf16_linears)."""
-    count = attach_ops(model, "cpu_kernels", kernels)
-    pack_bf16_linears(model, kernels)
-    return count
-
-
-def pack_bf16_linears(model: torch.nn.Module, kernels: CpuKernels) -> int:
-    """bf16 weights, float32 arithmetic: each bf16 `Linear` that oneDNN did not prepack (CPUs
-    without AVX512-BW/BF16, e.g. AVX2-only x86, or MOESERVE_DISABLE_ONEDNN_BF16) runs
-    `CpuKernels.linear` instead of torch's bf16 matmul (emulated AVX2, one thread: SmolLM2's MLP
-    3072 x 576 at 16 tokens, 4.9 ms torch bf16 / 1.6 ms torch float32 / 0.83 ms this kernel).
-    Off with MOESERVE_DISABLE_CPU_LINEAR; returns how many were packed."""
-    from moeserve.layers.linear import Linear
-
-    if env().disable_cpu_linear:
-        log_forced_off("MOESERVE_DISABLE_CPU_LINEAR", "the bf16-weight linear kernel")
-        return 0
-    if not kernels.fast_linear:
-        return 0
-    linears = [m for m in model.modules() if isinstance(m, Linear) and m.packed is None
-               and m.weight.dtype == torch.bfloat16 and m.weight.device.type == "cpu"]
-    for m in linears:
-        m.w16 = kernels.pack_linear(m.weight.detach())
-    if linears:
-        logger.info("%d bf16 linear layers run the bf16-weight kernel (float32 arithmetic)",
-                    len(linears))
-    return len(linears)
 
 
 def _ptr(x: torch.Tensor | None) -> int | None:

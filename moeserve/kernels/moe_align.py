@@ -13,6 +13,7 @@ import triton
 import triton.language as tl
 
 from moeserve.kernels.pdl import launch_kwargs, pdl_wait
+from moeserve.kernels.slot_counts import count_per_expert
 
 # Up to this many pairs one single-program kernel sorts them (one launch for decode); above it
 # three parallel kernels count, lay out and scatter them (`_align_parallel`).
@@ -165,8 +166,6 @@ def _align_one_token_kernel(ids_ptr, sorted_ptr, expert_ptr, num_post_ptr, first
 
 
 def _align_torch(topk_ids, block_m, first_expert, num_local, p):
-    from moeserve.layers.moe import count_per_expert
-
     n, dev = topk_ids.numel(), topk_ids.device
     local = topk_ids.flatten().long() - first_expert  # [T*K]
     key = torch.where((local >= 0) & (local < num_local), local, num_local)  # num_local: dropped

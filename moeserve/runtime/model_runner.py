@@ -14,9 +14,10 @@ from moeserve.core import ForwardMode
 from moeserve.forward_batch import ForwardBatch
 from moeserve.host_copy import to_device
 from moeserve.distributed import ParallelMesh, single_rank_mesh
-from moeserve.kernels.cpu_ops import CpuKernels, attach_cpu_kernels, load_cpu_kernels, supports
+from moeserve.kernels.attach import attach_ops
+from moeserve.kernels.cpu_ops import CpuKernels, load_cpu_kernels, supports
 from moeserve.env import env
-from moeserve.layers.linear import onednn_bf16_linear_works, pack_linears
+from moeserve.layers.linear import onednn_bf16_linear_works, pack_bf16_linears, pack_linears
 from moeserve.layers.moe import ExpertRecorder
 from moeserve.models.loader import WeightLoadError
 from moeserve.models.quantization import resolve_quant_plan
@@ -112,8 +113,9 @@ class ModelRunner:
         self.memory, self.context_len = init_kv_memory(cfg, layout, self.context_len, self.dtype,
                                                        self.device, spare)
         self.cpu_kernels = self._cpu_kernels()
-        if self.cpu_kernels is not None:
-            attach_cpu_kernels(self.model, self.cpu_kernels)
+        if self.cpu_kernels is not None:  # to the modules declaring `cpu_kernels`; bf16
+            attach_ops(self.model, "cpu_kernels", self.cpu_kernels)  # linears without oneDNN's
+            pack_bf16_linears(self.model, self.cpu_kernels)  # prepack run CpuKernels.linear
         self.pdl = use_pdl(cfg, self.device)  # programmatic dependent launches (kernels/pdl.py)
         if self.device.type == "cuda" and hasattr(self.moe_parallel.recorder, "kernel_pdl"):
             self.moe_parallel.recorder.kernel_pdl = self.pdl  # one counting launch a layer

@@ -59,7 +59,7 @@ def test_shards_sum_to_the_whole(path):
 def test_count_per_expert_equals_bincount_without_the_spare_slot(device):
     if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    from moeserve.layers.moe import count_per_expert
+    from moeserve.kernels.slot_counts import count_per_expert
 
     slot = torch.randint(0, 9, (5000,), generator=torch.Generator().manual_seed(0))  # 8 = spare
     got = count_per_expert(slot.to(device), 8).cpu()
