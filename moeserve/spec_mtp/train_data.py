@@ -125,8 +125,10 @@ def generate_with_hidden(runner, prompts: list[list[int]], max_new: int, eos: se
     mem, n = runner.memory, len(prompts)
     lens = [len(p) for p in prompts]
     rows = mem.req_to_token.alloc(n)
-    slots = mem.allocator.alloc(sum(lens) + n * max_new)
-    if rows is None or slots is None:
+    slots = mem.allocator.alloc(sum(lens) + n * max_new) if rows is not None else None
+    if slots is None:
+        if rows is not None:
+            mem.req_to_token.free(rows)
         raise RuntimeError("the KV pool cannot hold the generation batch: lower --concurrency")
     try:
         per_seq = list(slots.split([m + max_new for m in lens]))
@@ -147,7 +149,7 @@ def generate_with_hidden(runner, prompts: list[list[int]], max_new: int, eos: se
                 [0] * len(group), [lens[g] for g in group], return_all_logits=True)
             h = runner.forward_hidden(fb)
             for g, part in zip(group, h.split([lens[g] for g in group])):
-                hidden[g].append(part.float())
+                hidden[g].append(part.float().clone())  # not a view of a reused buffer
             last = torch.tensor([sum(lens[i: g + 1]) - 1 for g in group])
             for g, tok in zip(group, runner.greedy_of_hidden(h[last]).tolist()):
                 answers[g].append(int(tok))
@@ -162,7 +164,7 @@ def generate_with_hidden(runner, prompts: list[list[int]], max_new: int, eos: se
             h = runner.forward_hidden(fb)
             toks = runner.greedy_of_hidden(h).tolist()
             for k, g in enumerate(active):
-                hidden[g].append(h[k: k + 1].float())
+                hidden[g].append(h[k: k + 1].float().clone())
                 fed[g] += 1
                 if answers[g][-1] not in eos and len(answers[g]) < max_new:
                     answers[g].append(int(toks[k]))
@@ -172,6 +174,7 @@ def generate_with_hidden(runner, prompts: list[list[int]], max_new: int, eos: se
         mem.req_to_token.free(rows)
 
 
+@torch.no_grad()
 def generate_hf(model, tokenizer, prompt_ids: list[list[int]], max_new: int,
                 batch: int) -> list[tuple[list[int], torch.Tensor | None]]:
     """Greedy answers from transformers' batched generate (left padding), cut after EOS, with
