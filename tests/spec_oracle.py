@@ -48,21 +48,3 @@ def install_mode_draft(eng: Engine, modes: list[int]) -> None:
         return torch.tensor(drafts, dtype=torch.int64, device=geo[0].device)
 
     decoder._draft_chain = chain
-
-
-def test_rejected_round_leaves_no_stale_kv(dsv3):
-    """A round rejecting everything, then one accepting: the second one's queries past its first
-    attend over positions whose drafts the first rejected — they must see the new tokens' K/V
-    (a batch of one request keeps the same rows and lengths, so cached K/V would be reused)."""
-    path, prompts, _, _ = dsv3
-    sp = {**GREEDY, "max_new_tokens": 16}
-    with Engine(path, FP32_CPU) as eng:
-        plain = eng.generate(input_ids=prompts[:1], sampling_params=sp, return_logprob=True)[0]
-    with Engine(path, FP32_CPU + SPEC + ["spec.num_steps=3"]) as eng:
-        install_oracle_draft(eng, {tuple(prompts[0]): plain["output_ids"]}, 0.0, 0,
-                             alternate=True)
-        out = eng.generate(input_ids=prompts[:1], sampling_params=sp, return_logprob=True)[0]
-    assert out["output_ids"] == plain["output_ids"]
-    assert out["meta"]["output_logprobs"] == pytest.approx(plain["meta"]["output_logprobs"],
-                                                           abs=1e-4)
-    assert 1.5 < out["meta"]["spec_accept_length"] < 4

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from moeserve.kernels.cpu_ops import CpuKernels
+from moeserve.kernels.slot_counts import count_per_expert
 from moeserve.layers.activation import silu_and_mul
 from moeserve.tbo.operations import YIELD, MoEStepState, Op
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 import random
 
 import pytest
-import torch
 from parity import FP32_CPU
 from scipy.stats import chi2_contingency
 
@@ -196,3 +195,21 @@ def test_config_errors_name_the_key(tiny_model):
         Engine(tiny_model("llama"), FP32_CPU + SPEC)  # no MTP layer and no trained head
     with pytest.raises(ConfigError, match="spec.num_steps"):
         Engine(tiny_model("deepseek_v3"), FP32_CPU + SPEC + ["spec.num_steps=0"])
+
+
+def test_rejected_round_leaves_no_stale_kv(dsv3):
+    """A round rejecting everything, then one accepting: the second one's queries past its first
+    attend over positions whose drafts the first rejected — they must see the new tokens' K/V
+    (a batch of one request keeps the same rows and lengths, so cached K/V would be reused)."""
+    path, prompts, _, _ = dsv3
+    sp = {**GREEDY, "max_new_tokens": 16}
+    with Engine(path, FP32_CPU) as eng:
+        plain = eng.generate(input_ids=prompts[:1], sampling_params=sp, return_logprob=True)[0]
+    with Engine(path, FP32_CPU + SPEC + ["spec.num_steps=3"]) as eng:
+        install_oracle_draft(eng, {tuple(prompts[0]): plain["output_ids"]}, 0.0, 0,
+                             alternate=True)
+        out = eng.generate(input_ids=prompts[:1], sampling_params=sp, return_logprob=True)[0]
+    assert out["output_ids"] == plain["output_ids"]
+    assert out["meta"]["output_logprobs"] == pytest.approx(plain["meta"]["output_logprobs"],
+                                                           abs=1e-4)
+    assert 1.5 < out["meta"]["spec_accept_length"] < 4
