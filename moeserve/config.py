@@ -81,6 +81,10 @@ def validate(cfg: MoeserveConfig) -> MoeserveConfig:
     _check_positive("cuda_graph.max_bs", cfg.cuda_graph.max_bs, False)
     if (cfg.cuda_graph.max_extend_tokens or 0) < 0:
         raise ConfigError("cuda_graph.max_extend_tokens", "must be >= 0 (0: extend runs eager)")
+    if cfg.model.fp8_lm_head and cfg.model.quantization == "none":
+        raise ConfigError("model.fp8_lm_head", "needs FP8 weights (model.quantization=auto with an "
+                          "FP8 checkpoint, or fp8); model.quantization=none keeps every weight "
+                          "in the model dtype")
     if cfg.model.pdl and cfg.device == "cpu":
         raise ConfigError("model.pdl", "programmatic dependent launch needs a CUDA device (sm90+)")
     if cfg.cuda_graph.enabled and cfg.device == "cpu":

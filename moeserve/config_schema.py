@@ -45,6 +45,10 @@ class ModelConfig:
     # blocks (also on CPU, with reference matmuls) | none: dequantize FP8 checkpoints at load.
     # models/quantization.py says which weights stay in higher precision (docs/fp8.md)
     quantization: str = "auto"
+    # with FP8 weights (quantization resolved to FP8 on CUDA): the LM head too, quantized at load
+    # into the same blocks. Off by default: DeepSeek ships it in bf16 and sampling reads its
+    # logits; at decode batch 1 it is the largest single weight stream (docs/fp8.md)
+    fp8_lm_head: bool = False
     # CPU: run the decode step's small ops (norms, q/k norm + rope, router top-k, small experts,
     # attention, the greedy LM head) as C kernels built with the system C compiler
     # (kernels/cpu_ops.py); without one, torch ops

@@ -41,10 +41,11 @@ from moeserve.layers.fp8_linear import FUSED_MAX_M, Fp8Linear, fp8_gemm_path, sc
 
 # (K, N) of DeepSeek-V3: dense MLP up (gate or up), q_a, q_b, kv_a, o_proj, dense MLP down
 SHAPES = [(7168, 18432), (7168, 1536), (1536, 24576), (7168, 576), (16384, 7168), (18432, 7168)]
-# the M = 1 table, as the model runs them: dense gate_up (merged), dense down, q_a, kv_a, q_b,
-# o_proj, shared expert gate_up (merged) and down
-GEMV_SHAPES = [(7168, 36864), (18432, 7168), (7168, 1536), (7168, 576), (1536, 24576),
-               (16384, 7168), (7168, 4096), (2048, 7168)]
+# the M = 1 table: dense gate_up (merged), dense down, q_a, kv_a, their merge as the model runs
+# it (fused_qkv_a_proj), q_b, o_proj, shared expert gate_up (merged) and down, the LM head
+# (FP8 with model.fp8_lm_head)
+GEMV_SHAPES = [(7168, 36864), (18432, 7168), (7168, 1536), (7168, 576), (7168, 2112),
+               (1536, 24576), (16384, 7168), (7168, 4096), (2048, 7168), (7168, 129280)]
 MOE_SHAPE = (32, 7168, 2048, 8)  # experts made (8 touched), H, I, top-k: DeepSeek-V3's
 TOKENS = (1, 16, 64, 256, 4096)
 SWEEP = [GemmConfig(16, 64), GemmConfig(16, 128, num_stages=4), GemmConfig(32, 128),
@@ -190,17 +191,20 @@ def bench_gemv_shape(k: int, n: int, sweep: bool) -> str:
                               copies, 5) for c in {*_fused_sweep(n, k), fused}}
         c, t = min(tried.items(), key=lambda kv: kv[1])
         line += (f" fused best {t:.2f} µs at (bn {c.block_n}, split {c.split_k}, stages "
-                 f"{c.num_stages}, swap {c.swap_ab}); default {tried[fused]:.2f}; all "
+                 f"{c.num_stages}, swap {c.swap_ab}, tma {c.tma}); default {tried[fused]:.2f}; "
+                 "all (bn/split/stages, s: swapped, t: TMA) "
                  + " ".join(f"{c.block_n}/{c.split_k}/{c.num_stages}{'s' if c.swap_ab else ''}"
-                            f"={t:.1f}" for c, t in sorted(tried.items(), key=lambda kv: kv[1])))
+                            f"{'t' if c.tma else ''}={t:.1f}"
+                            for c, t in sorted(tried.items(), key=lambda kv: kv[1])))
     return line
 
 
 def _fused_sweep(n: int, k: int) -> set[GemmConfig]:
     """Decode configs of the fused kernel: swapped 64/128-row weight tiles, K split 1-16."""
     groups = -(-k // 128)
-    return {GemmConfig(16, bn, split, 4, stages, swap_ab=True) for bn in (64, 128)
-            for split in (1, 2, 4, 8, 16) for stages in (3, 4) if split <= max(groups // 2, 1)}
+    return {GemmConfig(16, bn, split, 4, stages, swap_ab=True, tma=tma) for bn in (64, 128)
+            for split in (1, 2, 4, 8, 16) for stages in (3, 4) for tma in (False, True)
+            if split <= max(groups // 2, 1)}
 
 
 def _gemv_sweep(n: int, k: int) -> set[GemvConfig]:

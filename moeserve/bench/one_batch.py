@@ -295,8 +295,11 @@ def main(argv: list[str] | None = None) -> None:
         del runner
         _free(dev)
         runner = ModelRunner(compose([*overrides, extra]), path)
+        print(_weights_line(runner), flush=True)
         _, decode_other = _bench_runner(runner, args, bw, extra)
         _speedup_table({label: decode, extra: decode_other})
+        if args.compare_quantization:  # e.g. model.fp8_lm_head=true against bf16
+            _speedup_table({extra: decode_other, bf16: decode_bf16})
     if args.compare_hf:
         dummy = cfg.model.load_format == "dummy"
         del runner

@@ -28,6 +28,11 @@ import triton.language as tl
 from moeserve.kernels.fp8_format import FP8, FP8_BLOCK, FP8_MAX, Block, as_block
 from moeserve.kernels.pdl import launch_kwargs, pdl_wait
 
+try:  # host-side TMA descriptors (Triton >= 3.4)
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # pragma: no cover - older Triton: GemmConfig.tma falls back to pointers
+    TensorDescriptor = None
+
 SPLIT_TILES = 1024  # split-K tiles one launch may count on (per-device int32 counters)
 
 
@@ -109,6 +114,14 @@ def _quant_group_kernel(x_ptr, q_ptr, s_ptr, t, k, stride_x, stride_q, stride_st
     tl.store(s_ptr + row * stride_st + g * stride_sg + tl.arange(0, 1), scale)
 
 
+def tma_ok(w: torch.Tensor) -> bool:
+    """w [N, K] e4m3 can be read through a TMA descriptor: CUDA sm90+, 16-byte aligned base and
+    row stride, unit column stride."""
+    return (TensorDescriptor is not None and w.is_cuda and w.stride(1) == 1
+            and w.stride(0) % 16 == 0 and w.data_ptr() % 16 == 0
+            and torch.cuda.get_device_capability(w.device)[0] >= 9)
+
+
 @dataclass(frozen=True)
 class GemmConfig:
     block_m: int = 16
@@ -117,6 +130,9 @@ class GemmConfig:
     num_warps: int = 4
     num_stages: int = 3
     swap_ab: bool = False  # the weight tile as tl.dot's A operand (module docstring)
+    # weight tiles through a TMA tensor descriptor (Hopper's bulk copies) instead of per-thread
+    # pointer loads; fused (QUANT_A) launches on CUDA only, where `tma_ok` holds
+    tma: bool = False
 
 
 @functools.cache
@@ -154,11 +170,14 @@ def fused_config(n: int, k: int, block_k: int, device: torch.device,
     """Decode (M <= 16, QUANT_A): a weight-read-bound GEMV, which needs every SM streaming.
     - One row (`rows` 1; Fp8Linear's large weights at batch 1): the weight tile is tl.dot's A
       operand (SWAP_AB: 128 weight rows fill Hopper's 64-row wgmma tiles, one activation row
-      would waste them), 128-column tiles and K split until ~2 programs per SM (each split >= 2
-      K groups), 4 stages; at >= 2 tiles per SM, 64-column tiles, no split and 3 stages. From
-      the H200 sweep (`bench.fp8_gemm --gemv-sweep`, graphs, cold weights, µs): 7168 -> 36864
-      73.8 at 64 / split 1 / 3 stages (86.3 at 128 / split 8 / 4 stages); 16384 -> 7168 36.4
-      and 18432 -> 7168 41.0 at 128 / split 4 / 4 stages (38.0 and 42.9 with 3 stages).
+      would waste them), read through TMA (`tma`), 128-row tiles and K split until ~2 programs
+      per SM (each split >= 2 K groups), 4 stages; at >= 2 tiles per SM no split and 3 stages,
+      4 from 4 tiles per SM (the LM head). From the H200 sweeps (`bench.fp8_gemm --gemv-sweep`,
+      graphs, cold weights, µs): 7168 -> 36864 70.5 at 128 / split 1 / 3 stages / TMA (72.1
+      with pointer loads at 64 columns, the previous default; 94.9 with 4 stages); 7168 ->
+      129280 218.7 at 128 / 1 / 4 / TMA (4.24 TB/s; 234.3 before, 225.4 with 3 stages);
+      16384 -> 7168 34.8 and 18432 -> 7168 39.0 at 128 / split 4 / 4 / TMA (35.8 and 40.2
+      with pointer loads; 38.0 and 42.9 with 3 stages).
     - More rows: 64-column tiles and K split until about 3 programs per SM, 4 stages."""
     if device.type != "cuda":
         return GemmConfig(block_m=16, block_n=128, swap_ab=rows == 1)
@@ -166,10 +185,11 @@ def fused_config(n: int, k: int, block_k: int, device: torch.device,
     if rows == 1:
         n_tiles = triton.cdiv(n, 128)
         if n_tiles >= 2 * sms:
-            return GemmConfig(block_m=16, block_n=64, num_warps=4, num_stages=3, swap_ab=True)
+            return GemmConfig(block_m=16, block_n=128, num_warps=4,
+                              num_stages=4 if n_tiles >= 4 * sms else 3, swap_ab=True, tma=True)
         split = max(1, min(2 * sms // n_tiles, groups // 2))
         return GemmConfig(block_m=16, block_n=128, split_k=split, num_warps=4, num_stages=4,
-                          swap_ab=True)
+                          swap_ab=True, tma=True)
     n_tiles = triton.cdiv(n, 64)
     split = 1 if n_tiles >= 2 * sms else min(triton.cdiv(3 * sms, n_tiles), max(groups // 2, 1))
     return GemmConfig(block_m=16, block_n=64, split_k=split, num_warps=4, num_stages=4)
@@ -225,6 +245,15 @@ def _launch_gemm(a: torch.Tensor, a_scale: torch.Tensor | None, w: torch.Tensor,
         else out
     a_s, s_strides = (a, (0, 0)) if a_scale is None else (a_scale, a_scale.stride())
     grid = (triton.cdiv(t, cfg.block_m), triton.cdiv(n, cfg.block_n), split)
+    if cfg.tma and a_scale is None and tma_ok(w):
+        _fp8_tma_matmul_kernel[grid](
+            a, TensorDescriptor.from_tensor(w, [cfg.block_n, bk]), w_scale, out,
+            out if bias is None else bias, partials, counters, t, n, k, per_split, a.stride(0),
+            w_scale.stride(0), out.stride(0), t * n, SCALE_BN=bn, BLOCK_M=cfg.block_m,
+            BLOCK_N=cfg.block_n, BLOCK_K=bk, SPLIT_K=split, HAS_BIAS=bias is not None,
+            FP8_MAX=FP8_MAX, SWAP_AB=cfg.swap_ab, num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages, **launch_kwargs(pdl))
+        return out
     _fp8_block_matmul_kernel[grid](
         a, a_s, w, w_scale, out, out if bias is None else bias, partials, counters, t, n, k,
         per_split, a.stride(0),
@@ -275,6 +304,55 @@ def _fp8_block_matmul_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, bias_ptr, part
                           QUANT_A, FP8_MAX, EXACT_E4M3, SWAP_AB)
     if SWAP_AB:
         acc = tl.trans(acc)  # [BLOCK_M, BLOCK_N]
+    _write_tile(acc, c_ptr, bias_ptr, part_ptr, count_ptr, offs_m, offs_n, mask_m, mask_n, n,
+                stride_cm, stride_part, BLOCK_M, BLOCK_N, SPLIT_K, HAS_BIAS)
+
+
+@triton.jit(do_not_specialize=["m"])
+def _fp8_tma_matmul_kernel(a_ptr, w_desc, bs_ptr, c_ptr, bias_ptr, part_ptr, count_ptr, m, n, k,
+                           groups_per_split, stride_am, stride_bsn, stride_cm, stride_part,
+                           SCALE_BN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                           BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr,
+                           FP8_MAX: tl.constexpr, SWAP_AB: tl.constexpr,
+                           USE_PDL: tl.constexpr):
+    """`_fp8_block_matmul_kernel` with QUANT_A, its weight tiles [BLOCK_N, BLOCK_K] read through
+    the tensor descriptor `w_desc` (TMA; out-of-bounds rows and columns arrive as zeros)."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_s = tl.program_id(2)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_m, mask_n = offs_m < m, offs_n < n
+    offs_k = tl.arange(0, BLOCK_K)
+    a_rows = a_ptr + offs_m.to(tl.int64)[:, None] * stride_am
+    w_block = offs_n // SCALE_BN
+    g0 = pid_s * groups_per_split
+    g1 = tl.minimum(g0 + groups_per_split, tl.cdiv(k, BLOCK_K))
+    n0 = pid_n * BLOCK_N
+    b_first = w_desc.load([n0, g0 * BLOCK_K])
+    pdl_wait(USE_PDL)
+    acc = _fp8_group(a_rows, a_ptr, bs_ptr, b_first, g0, offs_m, offs_k, w_block, mask_m, mask_n,
+                     k, 0, 0, stride_bsn, BLOCK_M, BLOCK_N, BLOCK_K, True, FP8_MAX, False, SWAP_AB)
+    for g in range(g0 + 1, g1):
+        b = w_desc.load([n0, g * BLOCK_K])
+        acc += _fp8_group(a_rows, a_ptr, bs_ptr, b, g, offs_m, offs_k, w_block, mask_m, mask_n,
+                          k, 0, 0, stride_bsn, BLOCK_M, BLOCK_N, BLOCK_K, True, FP8_MAX, False,
+                          SWAP_AB)
+    if SWAP_AB:
+        acc = tl.trans(acc)  # [BLOCK_M, BLOCK_N]
+    _write_tile(acc, c_ptr, bias_ptr, part_ptr, count_ptr, offs_m, offs_n, mask_m, mask_n, n,
+                stride_cm, stride_part, BLOCK_M, BLOCK_N, SPLIT_K, HAS_BIAS)
+
+
+@triton.jit
+def _write_tile(acc, c_ptr, bias_ptr, part_ptr, count_ptr, offs_m, offs_n, mask_m, mask_n, n,
+                stride_cm, stride_part, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """acc [BLOCK_M, BLOCK_N] (+ bias) into c; under split-K as fp32 partials, which the tile's
+    last split to arrive adds in split order."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_s = tl.program_id(2)
     mask_c = mask_m[:, None] & mask_n[None, :]
     c = c_ptr + offs_m.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
     if HAS_BIAS:

@@ -21,6 +21,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from moeserve.kernels.fp8_format import FP8
+
 if TYPE_CHECKING:
     from moeserve.kernels.triton_attention import KVStoreTarget
     from moeserve.layers.router import RouterConfig
@@ -165,16 +167,21 @@ class TritonOps:
         return mla_rope_norm(q, kv, positions, table, interleaved, norm_weight, eps, store,
                              pdl=self.pdl)
 
-    def head_gemv(self, x: torch.Tensor, w: torch.Tensor, k_major: bool) -> torch.Tensor | None:
+    def head_gemv(self, x: torch.Tensor, w: torch.Tensor, k_major: bool,
+                  w_scale: torch.Tensor | None = None,
+                  block: tuple[int, int] | None = None) -> torch.Tensor | None:
         """One token's per-head products x [1, H, K] @ w[h] (w [H, K, N], k_major) or @ w[h]^T
         (w [H, N, K]) in one launch (kernels/head_gemv.py): MLA's absorbed W_UK / W_UV at
-        decode. None where it does not apply (more tokens, dtypes differ, a gradient wanted)."""
+        decode; with `w_scale` and `block`, w is e4m3 (FP8-resident kv_b_proj). None where it
+        does not apply (more tokens, dtypes differ, unaligned FP8 heads, a gradient wanted)."""
+        w_ok = (w.dtype == FP8 and w_scale is not None and w_scale.dtype == torch.float32
+                if w_scale is not None or w.dtype == FP8 else w.dtype == x.dtype)
         if (x.dim() != 3 or x.shape[0] != 1 or w.dim() != 3 or w.shape[0] != x.shape[1]
-                or x.dtype != w.dtype or x.dtype not in GEMV_DTYPES or x.stride(2) != 1
+                or not w_ok or x.dtype not in GEMV_DTYPES or x.stride(2) != 1
                 or w.stride(2) != 1 or w.shape[1 if k_major else 2] != x.shape[2]
                 or (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))):
             return None
-        return head_gemv(x, w, k_major, pdl=self.pdl)
+        return head_gemv(x, w, k_major, pdl=self.pdl, w_scale=w_scale, block=block)
 
     def router_topk(self, x: torch.Tensor, weight: torch.Tensor, k: int, renormalize: bool):
         """One token's router linear and softmax top-k in one launch (kernels/router_topk.py):

@@ -24,7 +24,7 @@ from torch import nn
 
 from moeserve.forward_batch import ForwardBatch
 from moeserve.layers.attention import PagedAttention
-from moeserve.layers.linear import Linear
+from moeserve.layers.linear import Linear, MergedLinear
 from moeserve.layers.moe import MoEParallel, run_routed_experts
 from moeserve.layers.norm import RMSNorm
 from moeserve.layers.rotary import get_rope, rope_parameters
@@ -40,6 +40,11 @@ _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.")
 # NOTE: the MTP layer shares embedding and LM head with the target model; the checkpoint's copies
 # under model.layers.{N}. are not loaded.
 _MTP_SHARED = ("embed_tokens.weight", "shared_head.head.weight")
+# With a q LoRA (V2 full, V3) the checkpoint's q_a_proj and kv_a_proj_with_mqa load into one
+# `fused_qkv_a_proj` = [q_a | kv_a]: at decode batch 1 they were two GEMVs of the same x, each too
+# small to stream at full bandwidth (DeepSeek-V3, H200: 7.9 + 4.7 µs in FP8, 8.5 + 5.4 in bf16).
+QKV_A_PACKING = {"q_a_proj": ("fused_qkv_a_proj", "q_a"),
+                 "kv_a_proj_with_mqa": ("fused_qkv_a_proj", "kv_a")}
 
 
 def softmax_scale(cfg: Any) -> float:
@@ -65,17 +70,20 @@ class MLAttention(nn.Module):
         h, bias, q_size = cfg.hidden_size, cfg.attention_bias, self.num_heads * (
             self.nope_dim + self.rope_dim)
         self.q_lora_rank = cfg.q_lora_rank
+        kv_a = self.kv_lora_rank + self.rope_dim
         if self.q_lora_rank is None:
             self.q_proj = Linear(h, q_size, bias=False)
-        else:
-            self.q_a_proj = Linear(h, self.q_lora_rank, bias=bias)
+            self.kv_a_proj_with_mqa = Linear(h, kv_a, bias=bias)
+        else:  # q_a and kv_a read the same x: one weight stream and one launch (QKV_A_PACKING)
+            self.fused_qkv_a_proj = MergedLinear(h, [self.q_lora_rank, kv_a], ["q_a", "kv_a"],
+                                                 bias=bias)
             self.q_a_layernorm = RMSNorm(self.q_lora_rank, LORA_NORM_EPS)
             self.q_b_proj = Linear(self.q_lora_rank, q_size, bias=False)
-        self.kv_a_proj_with_mqa = Linear(h, self.kv_lora_rank + self.rope_dim, bias=bias)
         self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, LORA_NORM_EPS)
         self.kv_b_proj = Linear(self.kv_lora_rank, self.num_heads * (self.nope_dim + self.v_dim),
                                    bias=False)
         self.o_proj = Linear(self.num_heads * self.v_dim, h, bias=bias)
+        self.register_buffer("kv_b_dense", None, persistent=False)  # after_load(), FP8 only
         # V2 rotates interleaved pairs (complex freqs); V3 too unless rope_interleave is False.
         interleaved = getattr(cfg, "rope_interleave", True)
         self.rotary = get_rope(cfg, self.rope_dim, cfg.max_position_embeddings,
@@ -83,27 +91,58 @@ class MLAttention(nn.Module):
         self.attn = PagedAttention(layer_id, self.num_heads, 1, self.kv_lora_rank + self.rope_dim,
                                    softmax_scale(cfg), v_head_dim=self.kv_lora_rank)
 
-    def _q(self, x: torch.Tensor) -> torch.Tensor:
+    def _q_kv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """→ (q [T, H * (nope + r)], kv_a's output [T, R + r], rows possibly strided)."""
         if self.q_lora_rank is None:
-            return self.q_proj(x)
-        return self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+            return self.q_proj(x), self.kv_a_proj_with_mqa(x)
+        q_a, kv = self.fused_qkv_a_proj(x).split(
+            [self.q_lora_rank, self.kv_lora_rank + self.rope_dim], dim=-1)
+        return self.q_b_proj(self.q_a_layernorm(q_a)), kv
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         return self.output(self.core(self.prepare(x, positions, fb), fb))
 
-    def _w_kv(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """kv_b_proj as (W_UK [H, nope, R], W_UV [H, v, R])."""
-        w_kv = self.kv_b_proj.weight.view(self.num_heads, self.nope_dim + self.v_dim,
-                                          self.kv_lora_rank)
+    def _w_kv(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """kv_b_proj's weight [H * (nope + v), R] as views (W_UK [H, nope, R], W_UV [H, v, R])."""
+        w_kv = weight.view(self.num_heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
         return w_kv.split([self.nope_dim, self.v_dim], dim=1)
+
+    def _absorbed(self, x: torch.Tensor, part: int) -> torch.Tensor:
+        """The per-head products of weight absorption: q_nope [T, H, nope] @ W_UK[h] → [T, H, R]
+        (part 0), or the attention output [T, H, R] @ W_UV[h]^T → [T, H, v] (part 1). One decode
+        token runs the per-head GEMV (on kv_b_proj's e4m3 bytes and block scales where it is
+        FP8-resident); more tokens an einsum (on the dequantized weight)."""
+        kv_b = self.kv_b_proj
+        scale = getattr(kv_b, "weight_scale_inv", None)  # an Fp8Linear
+        ops = self.gpu_ops if self.gpu_ops is not None and self.gpu_ops.usable(x) else None
+        if ops is not None:
+            out = ops.head_gemv(x, self._w_kv(kv_b.weight)[part], k_major=part == 0,
+                                w_scale=scale, block=None if scale is None else kv_b.block)
+            if out is not None:
+                return out
+        weight = kv_b.weight if scale is None else self.kv_b_dense
+        if weight is None:  # FP8 and no after_load() (a module used on its own)
+            weight = kv_b.dequantized()
+        eq = "thn,hnr->thr" if part == 0 else "thr,hvr->thv"
+        return torch.einsum(eq, x, self._w_kv(weight.to(x.dtype))[part])
+
+    def after_load(self) -> None:
+        """With kv_b_proj FP8-resident: its dequantized copy in the model dtype, for the einsums
+        of more than one token, which the per-head FP8 GEMV does not serve (dequantizing per
+        call cost DeepSeek-V3's 7-layer cut 2.2 ms of a 12 ms batch-64 decode step, H200).
+        A buffer, so weight_bytes counts it: +16.8M model-dtype elements a layer on V3."""
+        kv_b = self.kv_b_proj
+        dense = kv_b.dequantized().to(self.kv_a_layernorm.weight.dtype) \
+            if hasattr(kv_b, "weight_scale_inv") else None
+        self.kv_b_dense = dense
 
     # The three stages of the op list (DecoderLayer.operations): projections, backend, output.
     def prepare(self, x: torch.Tensor, positions: torch.Tensor,
                 fb: ForwardBatch | None = None) -> tuple:
         """→ (absorbed q [T, H, R + r], latent [T, 1, R + r], kv_stored); kv_stored: the GPU
         kernel also wrote the latent into fb's KV pool, else the backend stores it."""
-        q = self._q(x).view(-1, self.num_heads, self.nope_dim + self.rope_dim)
-        kv = self.kv_a_proj_with_mqa(x)  # [T, R + r]
+        q, kv = self._q_kv(x)  # kv: [T, R + r]
+        q = q.view(-1, self.num_heads, self.nope_dim + self.rope_dim)
         ops = self.gpu_ops if self.gpu_ops is not None and self.gpu_ops.usable(q) else None
         store = None
         if ops is not None and q.stride(2) == 1 and kv.stride(1) == 1 \
@@ -118,10 +157,7 @@ class MLAttention(nn.Module):
             c_kv, k_pe = kv.split([self.kv_lora_rank, self.rope_dim], dim=-1)
             q_pe, k_pe = self.rotary(positions, q_pe, k_pe[:, None])  # k_pe: [T, 1, r]
             latent = torch.cat([self.kv_a_layernorm(c_kv)[:, None], k_pe], dim=-1)  # [T, 1, R+r]
-        w_uk = self._w_kv()[0]  # [H, nope, R]
-        q_lat = ops.head_gemv(q_nope, w_uk, k_major=True) if ops is not None else None
-        if q_lat is None:
-            q_lat = torch.einsum("thn,hnr->thr", q_nope, w_uk)  # [T, H, R]
+        q_lat = self._absorbed(q_nope, 0)  # [T, H, R]
         return torch.cat([q_lat, q_pe], dim=-1), latent, store is not None
 
     def core(self, q_latent: tuple, fb: ForwardBatch) -> torch.Tensor:
@@ -129,12 +165,7 @@ class MLAttention(nn.Module):
         return self.attn(q, latent, None, fb, kv_stored=kv_stored)  # [T, H * R]
 
     def output(self, out: torch.Tensor) -> torch.Tensor:
-        w_uv = self._w_kv()[1]  # [H, v, R]
-        out = out.view(-1, self.num_heads, self.kv_lora_rank)
-        ops = self.gpu_ops if self.gpu_ops is not None and self.gpu_ops.usable(out) else None
-        v = ops.head_gemv(out, w_uv, k_major=False) if ops is not None else None  # decode
-        if v is None:
-            v = torch.einsum("thr,hvr->thv", out, w_uv)
+        v = self._absorbed(out.view(-1, self.num_heads, self.kv_lora_rank), 1)  # [T, H, v]
         return self.o_proj(v.flatten(1))  # [T, hidden]
 
 
@@ -278,6 +309,8 @@ class DeepseekV2ForCausalLM(CausalLM):
         model = DeepseekModel(cfg, lambda i: DeepseekDecoderLayer(cfg, i, make_mlp(i)), mtp)
         super().__init__(cfg, model)
         self.load_mtp = load_mtp
+        if cfg.q_lora_rank is not None:
+            self.packed_modules_mapping = {**self.packed_modules_mapping, **QKV_A_PACKING}
 
     @property
     def mtp(self) -> DeepseekMTPLayer:

@@ -8,15 +8,18 @@
   one). On CPU too, where the layers run their torch reference (dequantize, then matmul).
 - `none`: FP8 checkpoints dequantized at load (to the model dtype).
 
-Eligible: the linear projections of the decoder layers (attention q / q_a / q_b / kv_a / o, dense
-MLPs, shared experts, the MTP eh_proj) and the routed experts. Kept in higher precision:
-- MLA `kv_b_proj` (bf16, dequantized at load): weight absorption uses it per head, as W_UK on
-  the query and W_UV on the attention output (batched einsums over the latent, not a token GEMM
-  that FP8 kernels serve), and it is small: 16.8M of DeepSeek-V3's 187M attention weights a layer;
+Eligible: the linear projections of the decoder layers (attention q / q_a / q_b / kv_a / o, MLA's
+kv_b, dense MLPs, shared experts, the MTP eh_proj) and the routed experts. MLA's `kv_b_proj` is
+never run as a linear: weight absorption uses it per head, as W_UK on the query and W_UV on the
+attention output. The decode token's per-head GEMV reads its e4m3 bytes with the block scales
+(kernels/head_gemv.py: DeepSeek-V3's heads start on 128-row blocks), so FP8 halves a layer's
+33.6 MB there too; more tokens run the einsum on its dequantized copy (made per call: a
+prefill's cost, not resident memory). Until 2026-12-04 it stayed bf16. Kept in higher precision:
 - routers (`gate`, float32 in DeepSeek's checkpoints) and the score-correction bias: top-k
   choices flip on small errors, and they are tiny;
 - the embedding (a row gather) and the LM head (the logits that sampling reads), which DeepSeek
-  ships in bf16; norms.
+  ships in bf16, unless `model.fp8_lm_head` (untied heads only): at decode batch 1 on a cut
+  model it is the largest weight stream (docs/fp8.md); norms.
 The conversion runs after the model is built and before loading: the routed experts (nearly all
 of the bytes) are built in FP8 directly (`MoEParallel.fp8_block`); the other projections are
 built in the model dtype and swapped one by one.
@@ -44,8 +47,9 @@ from moeserve.models.loader import (checkpoint_files, fp8_target, iterate_weight
 logger = logging.getLogger(__name__)
 
 # module names (last component) kept in the model dtype even when eligible by place (see above)
-HIGH_PRECISION_MODULES = ("kv_b_proj", "gate")
+HIGH_PRECISION_MODULES = ("gate",)
 LAYER_PREFIX = "model.layers."
+LM_HEAD = "lm_head"  # FP8 only with model.fp8_lm_head
 
 
 def fp8_quantization_config(hf_config) -> dict | None:
@@ -91,6 +95,7 @@ class QuantPlan:
     backend: str = "torch"  # Fp8Linear forward: triton (CUDA) | torch (reference)
     checkpoint_fp8: frozenset[str] | None = None  # auto: only these weights (None: all eligible)
     skip: tuple[str, ...] = ()  # quantization_config.modules_to_not_convert
+    lm_head: bool = False  # model.fp8_lm_head: the (untied) LM head too, quantized at load
 
     def configure(self, par: MoEParallel) -> None:
         """Routed experts built in FP8 (before the model is constructed)."""
@@ -110,12 +115,16 @@ class QuantPlan:
             parent = model.get_submodule(parent_name)
             setattr(parent, attr, self._fp8_linear(getattr(parent, attr)))
         experts = sum(isinstance(m, Fp8MoEExperts) for m in model.modules())
-        logger.info("FP8 weights (e4m3, %dx%d blocks, %s GEMMs): %d linear layers, routed experts "
-                    "of %d layers; kv_b_proj, routers, embedding, LM head and norms stay in "
-                    "higher precision", *self.block, self.backend, len(names), experts)
+        logger.info("FP8 weights (e4m3, %dx%d blocks, %s GEMMs): %d linear layers%s, routed "
+                    "experts of %d layers; routers, embedding, %snorms stay in higher "
+                    "precision", *self.block, self.backend, len(names),
+                    " (the LM head among them)" if LM_HEAD in names else "", experts,
+                    "" if LM_HEAD in names else "LM head and ")
         return model
 
     def _eligible(self, model: nn.Module, name: str) -> bool:
+        if name == LM_HEAD:
+            return self.lm_head
         leaf = name.rpartition(".")[2]
         if not name.startswith(LAYER_PREFIX) or leaf in HIGH_PRECISION_MODULES:
             return False
@@ -190,7 +199,13 @@ def resolve_quant_plan(model_cfg: ModelConfig, hf_config, path: str,
     """`model.quantization` for this checkpoint on this device (see the module docstring)."""
     mode = model_cfg.quantization
     qc = fp8_quantization_config(hf_config)
+    if model_cfg.fp8_lm_head and getattr(hf_config, "tie_word_embeddings", False):
+        raise ConfigError("model.fp8_lm_head", "this model's LM head is tied to its embedding, "
+                          "which stays in the model dtype (a row gather)")
     if mode == "none" or (mode == "auto" and (qc is None or device.type != "cuda")):
+        if model_cfg.fp8_lm_head:
+            logger.info("model.fp8_lm_head ignored: the weights load in the model dtype here "
+                        "(model.quantization=%s, %s)", mode, device.type)
         return QuantPlan()
     block = (FP8_BLOCK, FP8_BLOCK)
     if qc is not None and qc.get("weight_block_size"):
@@ -203,4 +218,4 @@ def resolve_quant_plan(model_cfg: ModelConfig, hf_config, path: str,
     if mode == "auto" and model_cfg.load_format != "dummy":
         stored = checkpoint_fp8_weights(path)
     return QuantPlan(fp8=True, block=block, backend="triton" if device.type == "cuda" else "torch",
-                     checkpoint_fp8=stored, skip=skip)
+                     checkpoint_fp8=stored, skip=skip, lm_head=model_cfg.fp8_lm_head)

@@ -146,6 +146,9 @@ class ModelRunner:
             quant.init_dummy(model, self.cfg.seed)
         else:
             quant.load(model, path)
+        for m in model.modules():  # copies derived from the loaded weights (MLAttention's)
+            if hasattr(m, "after_load"):
+                m.after_load()
         if self.cfg.spec.algorithm != "none":
             from moeserve.spec_mtp.draft import build_draft
 

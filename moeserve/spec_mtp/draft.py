@@ -62,7 +62,10 @@ def build_draft(cfg: MoeserveConfig, model: nn.Module, hf_config: Any) -> Draft 
     from moeserve.spec_mtp.head import load_head, random_head
 
     layer_id = hf_config.num_hidden_layers
+    lm_head = model.lm_head  # an Fp8Linear under model.fp8_lm_head: its rows as they act
     head = (random_head(hf_config, layer_id, cfg.seed) if spec.draft_path == "dummy"
-            else load_head(spec.draft_path, hf_config, layer_id, model.lm_head.weight))
+            else load_head(spec.draft_path, hf_config, layer_id, lm_head.dequantized().to(
+                model.model.embed_tokens.weight.dtype) if hasattr(lm_head, "dequantized")
+                else lm_head.weight))
     model.add_module("nextn_head", head)
     return Draft(head, model, 1, "head")

@@ -59,14 +59,15 @@ class RankPlan:
 
 def _attention_matrices(c) -> list[tuple[int, int, bool]]:
     """(rows, cols, FP8-able) of one layer's attention projections: MLA for DeepSeek, else GQA.
-    MLA's kv_b_proj stays bf16 under FP8 (weight absorption; models/quantization.py)."""
+    MLA's kv_b_proj is FP8-resident too, plus a bf16 copy for more than one token
+    (models/quantization.py, MLAttention.after_load)."""
     h = c.hidden_size
     if getattr(c, "kv_lora_rank", None):
         heads, qk = c.num_attention_heads, c.qk_nope_head_dim + c.qk_rope_head_dim
         q = ([(c.q_lora_rank, h, True), (heads * qk, c.q_lora_rank, True)] if c.q_lora_rank
              else [(heads * qk, h, True)])
         kv = [(c.kv_lora_rank + c.qk_rope_head_dim, h, True),
-              (heads * (c.qk_nope_head_dim + c.v_head_dim), c.kv_lora_rank, False)]
+              (heads * (c.qk_nope_head_dim + c.v_head_dim), c.kv_lora_rank, True)]
         return q + kv + [(h, heads * c.v_head_dim, True)]
     d = getattr(c, "head_dim", None) or h // c.num_attention_heads
     q, kv = c.num_attention_heads * d, c.num_key_value_heads * d
@@ -97,6 +98,9 @@ def plan_rank(cfg: MoeserveConfig, c, fmt: str, gpu_bytes: int) -> RankPlan:
     h = c.hidden_size
     attention = layers * sum(matrix_bytes(r, k, fmt if fp8_able else "bf16")
                              for r, k, fp8_able in _attention_matrices(c))
+    if fmt == "fp8" and getattr(c, "kv_lora_rank", None):  # kv_b's bf16 copy (MLAttention)
+        attention += layers * c.num_attention_heads * (
+            c.qk_nope_head_dim + c.v_head_dim) * c.kv_lora_rank * 2
     dense = (layers - moe) * 3 * matrix_bytes(c.intermediate_size, h, fmt)
     experts = shared = 0
     if moe:
@@ -113,7 +117,10 @@ def plan_rank(cfg: MoeserveConfig, c, fmt: str, gpu_bytes: int) -> RankPlan:
     else:
         gate = 0
     tied = getattr(c, "tie_word_embeddings", False)
-    embeddings = c.vocab_size * h * 2 * (1 if tied else 2)  # embedding + LM head stay bf16
+    # the embedding stays bf16; so does the LM head unless model.fp8_lm_head (untied only)
+    head = 0 if tied else (matrix_bytes(c.vocab_size, h, fmt) if cfg.model.fp8_lm_head
+                           else c.vocab_size * h * 2)
+    embeddings = c.vocab_size * h * 2 + head
     norms = layers * 4 * h * 2 + gate
     return RankPlan(fmt, attention, dense, experts, shared, embeddings, norms,
                     _kv_bytes_per_token(c, layers),

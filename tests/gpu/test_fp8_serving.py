@@ -33,20 +33,23 @@ def fp8_tiny(tmp_path_factory):
                      intermediate_size=200)
 
 
-def _runner(path: str, quantization: str) -> ModelRunner:
+def _runner(path: str, quantization: str, extra: tuple[str, ...] = ()) -> ModelRunner:
     """Eager (prefill logits and bytes only; the Engine test below runs the CUDA graphs)."""
     return ModelRunner(compose([*BF16_CUDA, f"model.quantization={quantization}",
-                                "cuda_graph.enabled=false"]), path)
+                                "cuda_graph.enabled=false", *extra]), path)
 
 
-def test_auto_keeps_fp8_resident_and_logits_within_fp8_tolerance(fp8_tiny):
-    fp8, bf16 = _runner(fp8_tiny, "auto"), _runner(fp8_tiny, "none")
+@pytest.mark.parametrize("fp8_head", [False, True])
+def test_auto_keeps_fp8_resident_and_logits_within_fp8_tolerance(fp8_tiny, fp8_head):
+    extra = ("model.fp8_lm_head=true",) if fp8_head else ()
+    fp8, bf16 = _runner(fp8_tiny, "auto", extra), _runner(fp8_tiny, "none")
     mods = dict(fp8.model.named_modules())
+    assert (mods["lm_head"].weight.dtype == FP8) == fp8_head
     q_b = mods["model.layers.1.self_attn.q_b_proj"]
     assert isinstance(q_b, Fp8Linear) and q_b.backend == "triton" and q_b.weight.dtype == FP8
     experts = mods["model.layers.1.mlp.experts"]
     assert isinstance(experts, Fp8MoEExperts) and experts.backend == "triton"
-    assert mods["model.layers.1.self_attn.kv_b_proj"].weight.dtype == torch.bfloat16
+    assert mods["model.layers.1.self_attn.kv_b_proj"].weight.dtype == FP8
     prompts = prompts_of_lengths([5, 33, 17, 9], fp8.hf_config.vocab_size, seed=5)
     for ours, ref, p in zip(prefill_logits(fp8, prompts), prefill_logits(bf16, prompts), prompts):
         err = rel_err(ours, ref)
@@ -54,12 +57,15 @@ def test_auto_keeps_fp8_resident_and_logits_within_fp8_tolerance(fp8_tiny):
         assert err < LOGITS_TOL
 
 
-def test_auto_greedy_tokens_mostly_equal_to_bf16(fp8_tiny):
+@pytest.mark.parametrize("fp8_head", [False, True])
+def test_auto_greedy_tokens_mostly_equal_to_bf16(fp8_tiny, fp8_head):
     prompts = prompts_of_lengths([4, 9, 15, 21, 6, 12, 30, 3], 30000, seed=5)
     greedy = {"temperature": 0, "max_new_tokens": 16, "ignore_eos": True}
     outs = {}
+    head = [f"model.fp8_lm_head={str(fp8_head).lower()}"]
     for q in ("auto", "none"):  # auto: CUDA graphs over the FP8 kernels
-        with Engine(fp8_tiny, overrides=[*BF16_CUDA, f"model.quantization={q}"]) as eng:
+        with Engine(fp8_tiny, overrides=[*BF16_CUDA, f"model.quantization={q}",
+                                         *(head if q == "auto" else [])]) as eng:
             outs[q] = [o["output_ids"] for o in eng.generate(input_ids=prompts,
                                                               sampling_params=greedy)]
     prefix = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), 16)

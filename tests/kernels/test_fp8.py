@@ -5,6 +5,8 @@ float32 -> e4m3 cast is wrong where rounding carries or ties; the kernels round 
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -158,6 +160,35 @@ def test_fused_quant_matmul_equals_quantize_then_gemm(t, n, k, block, cfg):
     assert float((fused.double() - ref).norm() / ref.norm()) < tol
     assert torch.count_nonzero(fp8._split_counters(x.device)) == 0  # reset for the next launch
     assert torch.equal(fp8_quant_matmul(x, w_q, w_s, block, config=cfg), fused)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="TMA descriptors need CUDA (sm90+)")
+@pytest.mark.parametrize("t,n,k,cfg", [
+    (1, 200, 1024, GemmConfig(16, 128, swap_ab=True)),  # a partial N tile: TMA's zero fill
+    (1, 576, 7168, GemmConfig(16, 128, split_k=8, num_stages=4, swap_ab=True)),  # kv_a-like
+    (1, 1000, 2112, GemmConfig(16, 64, swap_ab=True)),  # a partial K group (2112 = 16.5 x 128)
+    (5, 300, 1024, GemmConfig(16, 128, split_k=4, swap_ab=True)),
+    (3, 256, 512, GemmConfig(16, 64, split_k=2)),  # x tile as the A operand
+])
+def test_tma_weight_loads_equal_pointer_loads(t, n, k, cfg):
+    """GemmConfig.tma reads the weight tiles through a TMA descriptor: the same products as the
+    pointer loads, bit for bit, and the float64 reference on the dequantized operands."""
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("TMA needs sm90+")
+    g = torch.Generator().manual_seed(t * n + k)
+    x = (torch.randn(t, k, generator=g) * 3).to("cuda", torch.bfloat16)
+    w_q, w_s = quantize_fp8_blocks((torch.randn(n, k, generator=g) * 0.05).cuda())
+    assert fp8.tma_ok(w_q)
+    plain = fp8_quant_matmul(x, w_q, w_s, config=cfg)
+    tma = fp8_quant_matmul(x, w_q, w_s, config=dataclasses.replace(cfg, tma=True))
+    assert torch.equal(tma, plain)
+    x_q, x_s = torch.empty((t, k), dtype=FP8, device="cuda"), torch.empty(
+        (t, triton.cdiv(k, 128)), dtype=torch.float32, device="cuda")
+    fp8._launch_quant(x, x_q, x_s, 128)
+    ref = _dequant_rows(x_q, x_s) @ dequantize_fp8_blocks(w_q, w_s).double().T
+    assert float((tma.double() - ref).norm() / ref.norm()) < 1e-2
+    assert torch.count_nonzero(fp8._split_counters(x.device)) == 0
 
 
 def test_fused_config_streams_the_weights_on_every_sm(monkeypatch):

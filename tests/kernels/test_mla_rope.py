@@ -136,3 +136,34 @@ def test_head_gemv_matches_einsum_and_float64(dtype, h, k, n, k_major):
     torch.testing.assert_close(ours, torch.einsum(eq, x, w), rtol=tol, atol=tol)
     assert OPS.head_gemv(x.expand(2, h, k), w, k_major) is None  # one token only
     assert OPS.head_gemv(x, w.double(), k_major) is None  # dtypes differ
+
+
+@pytest.mark.parametrize("block,h,nope,v,r", [((32, 32), 3, 32, 32, 64), ((16, 32), 2, 32, 48, 96),
+                                              ((128, 128), 2, 128, 128, 512)])
+def test_head_gemv_on_fp8_kv_b_matches_float64_on_dequantized_weights(block, h, nope, v, r):
+    """kv_b_proj resident in FP8 (e4m3 + block scales): the per-head GEMV over W_UK and W_UV
+    views of it against float64 einsums on the dequantized matrix (the second case's W_UK spans
+    two scale rows per head); heads whose rows do not start on a scale block are declined
+    (None: MLA then runs its einsum)."""
+    from moeserve.kernels.fp8_format import dequantize_fp8_blocks, quantize_fp8_blocks
+
+    gen = torch.Generator().manual_seed(h * nope + r)
+    w = torch.randn(h * (nope + v), r, generator=gen) / r**0.5
+    w[:, :5] *= 30  # blocks of very different scales
+    w_q, w_s = (t.to(DEVICE) for t in quantize_fp8_blocks(w, block))
+    deq = dequantize_fp8_blocks(w_q.cpu(), w_s.cpu(), block).double().view(h, nope + v, r)
+    w_uk, w_uv = w_q.view(h, nope + v, r).split([nope, v], dim=1)
+    dtype = torch.float32 if DEVICE == "cpu" else torch.bfloat16
+    q_nope = rand(1, h, nope + 8, dtype=dtype, gen=gen)[..., :nope]
+    o = rand(1, h, r, dtype=dtype, gen=gen)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    for x, wv, k_major, ref in ((q_nope, w_uk, True, torch.einsum(
+            "thn,hnr->thr", q_nope.double().cpu(), deq[:, :nope])), (o, w_uv, False, torch.einsum(
+            "thr,hvr->thv", o.double().cpu(), deq[:, nope:]))):
+        ours = OPS.head_gemv(x, wv, k_major, w_scale=w_s, block=block)
+        assert ours is not None and ours.dtype == dtype
+        torch.testing.assert_close(ours.double().cpu(), ref, rtol=tol, atol=tol)
+    tall = (block[0] * 2, block[1])  # W_UV's rows would start inside a scale block
+    w_q2, w_s2 = quantize_fp8_blocks(w.to(DEVICE), tall)
+    assert OPS.head_gemv(o, w_q2.view(h, nope + v, r)[:, nope:], False, w_scale=w_s2,
+                         block=tall) is None

@@ -43,8 +43,8 @@ def test_quantize_at_load_writes_the_checkpoint_blocks(checkpoints):
     assert isinstance(mods["model.layers.0.mlp.gate_up_proj"], Fp8MergedLinear)
     assert isinstance(mods["model.layers.1.self_attn.q_b_proj"], Fp8Linear)
     assert isinstance(mods["model.layers.1.mlp.experts"], Fp8MoEExperts)
-    for high in ("model.layers.1.self_attn.kv_b_proj", "lm_head"):  # higher precision
-        assert type(mods[high]) is Linear and mods[high].weight.dtype == torch.float32
+    assert isinstance(mods["model.layers.1.self_attn.kv_b_proj"], Fp8Linear)  # per-head GEMVs
+    assert type(mods["lm_head"]) is Linear and mods["lm_head"].weight.dtype == torch.float32
     a, b = _fp8_params(quantized), _fp8_params(stored)
     assert a.keys() == b.keys() and len(a) > 20
     for name in a:
@@ -106,7 +106,7 @@ def test_dummy_weights_quantized_at_load(tiny_model):
     experts = runner.model.model.layers[1].mlp.experts
     w13, w2 = experts.stacked_weights(torch.float32)
     assert abs(float(w13.std()) - 0.02) < 2e-3 and abs(float(w2.std()) - 0.02) < 2e-3
-    q_a = runner.model.model.layers[0].self_attn.q_a_proj
+    q_a = runner.model.model.layers[0].self_attn.fused_qkv_a_proj
     assert abs(float(q_a.dequantized().std()) - 0.02) < 2e-3
     prompts = prompts_of_lengths([4], runner.hf_config.vocab_size, seed=1)
     assert torch.isfinite(prefill_logits(runner, prompts)[0]).all()
@@ -178,7 +178,7 @@ def test_auto_on_cuda_keeps_exactly_what_the_checkpoint_stores_in_fp8(checkpoint
     runner = make_runner(path)
     mods = dict(runner.model.named_modules())
     assert type(mods["model.layers.0.self_attn.o_proj"]) is Linear
-    assert mods["model.layers.0.self_attn.q_a_proj"].backend == "triton"
+    assert mods["model.layers.0.self_attn.fused_qkv_a_proj"].backend == "triton"
     assert mods["model.layers.1.mlp.experts"].backend == "torch"  # moe.backend=auto on CPU
     monkeypatch.undo()
     prompts = prompts_of_lengths([7], runner.hf_config.vocab_size, seed=3)
@@ -200,3 +200,36 @@ def test_unsupported_quantization_configs_name_the_key(checkpoints, tmp_path, qc
     with pytest.raises(ConfigError, match=needle) as err:
         make_runner(path, FP8_ON)
     assert err.value.key == "model.quantization"
+
+
+def test_fp8_lm_head_is_quantized_at_load_and_stays_within_fp8_tolerance(checkpoints):
+    """model.fp8_lm_head: DeepSeek's bf16 (here float32) LM head quantized at load into 128 x 128
+    blocks; its weight is the float one within e4m3 rounding, the logits within FP8 tolerance of
+    the float model, and the rest of the model is the one without the flag."""
+    f32 = checkpoints[0]
+    plain, with_head = make_runner(f32, FP8_ON), make_runner(f32, [*FP8_ON, "model.fp8_lm_head=true"])
+    head = with_head.model.lm_head
+    assert isinstance(head, Fp8Linear) and head.weight.dtype == FP8
+    w = plain.model.lm_head.weight.detach()
+    err = (head.dequantized() - w).abs()
+    # e4m3 keeps 3 mantissa bits: each element within 2^-4 of the largest magnitude
+    assert 0 < float(err.max()) <= 2 ** -4 * float(w.abs().max())
+    prompts = prompts_of_lengths([6, 13], plain.hf_config.vocab_size, seed=7)
+    for a, b in zip(prefill_logits(with_head, prompts), prefill_logits(plain, prompts)):
+        assert 1e-5 < rel_err(a, b) < 0.1
+    a, b = _fp8_params(with_head.model), _fp8_params(plain.model)
+    assert set(a) - set(b) == {"lm_head.weight", "lm_head.weight_scale_inv"}
+    assert all(torch.equal(a[n], b[n]) for n in b)
+
+
+def test_fp8_lm_head_needs_fp8_weights_and_an_untied_head(tiny_model):
+    from moeserve.config import ConfigError
+
+    with pytest.raises(ConfigError, match="quantization") as err:
+        make_runner(tiny_model("deepseek_v3"), ["model.quantization=none", "model.fp8_lm_head=true"])
+    assert err.value.key == "model.fp8_lm_head"
+    with pytest.raises(ConfigError, match="tied") as err:
+        make_runner(tiny_model("qwen2"), [*FP8_ON, "model.fp8_lm_head=true"])
+    assert err.value.key == "model.fp8_lm_head"
+    runner = make_runner(tiny_model("llama"), ["model.fp8_lm_head=true"])  # auto, float: ignored
+    assert type(runner.model.lm_head) is Linear

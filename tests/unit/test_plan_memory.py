@@ -41,23 +41,30 @@ def test_bf16_plan_equals_the_built_model(tiny_model):
 
 
 def test_fp8_plan_equals_the_fp8_resident_model(tiny_model):
-    """model.quantization=fp8 builds what the FP8 column counts: e4m3 projections and experts
-    with their block scales, kv_b_proj in bf16."""
+    """model.quantization=fp8 builds what the FP8 column counts: e4m3 projections (MLA's kv_b
+    too) and experts with their block scales; with model.fp8_lm_head the LM head as well."""
     path = tiny_model("deepseek_v3")
     cfg = compose(["device=cpu", "model.dtype=bfloat16", "model.cpu_kernels=false",
-                   "model.quantization=fp8"])
+                   "model.quantization=fp8", "model.fp8_lm_head=true"])
     runner = ModelRunner(cfg, path)
     model = runner.model
     plan = plan_rank(cfg, runner.hf_config, "fp8", 80 << 30)
     params = dict(model.named_parameters())
     assert params["model.layers.1.self_attn.q_b_proj.weight"].dtype == torch.float8_e4m3fn
+    dense_kv_b = [b for n, b in model.named_buffers() if n.endswith("kv_b_dense")]
+    assert len(dense_kv_b) == runner.hf_config.num_hidden_layers  # MLA's bf16 copy of kv_b
     assert plan.attention == _bytes(p for n, p in params.items()
-                                    if ".self_attn." in n and "layernorm" not in n)
+                                    if ".self_attn." in n and "layernorm" not in n) + _bytes(
+                                        dense_kv_b)
     assert plan.experts == _bytes(p for m in model.modules() if isinstance(m, MoEExperts)
                                   for p in m.parameters())
     assert plan.shared == _bytes(p for n, p in params.items() if ".shared_experts." in n)
     assert plan.dense == _bytes(p for n, p in params.items() if ".mlp." in n
                                 and "experts" not in n and ".gate." not in n)
+    assert params["model.layers.1.self_attn.kv_b_proj.weight"].dtype == torch.float8_e4m3fn
+    assert params["lm_head.weight"].dtype == torch.float8_e4m3fn
+    assert plan.embeddings == _bytes(p for n, p in params.items()
+                                     if n.startswith(("lm_head.", "model.embed_tokens.")))
 
 
 def test_fp8_matrix_bytes_count_partial_blocks():
