@@ -12,7 +12,7 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 
 from moeserve.config_schema import (  # noqa: F401 (re-exported: callers import them from here)
-    DTYPES, LOAD_FORMATS, QUANTIZATIONS, ATTENTION_BACKENDS, MOE_BACKENDS, DEVICES,
+    DTYPES, FP8_GEMMS, LOAD_FORMATS, QUANTIZATIONS, ATTENTION_BACKENDS, MOE_BACKENDS, DEVICES,
     SCHEDULE_POLICIES, A2A_BACKENDS, DEEPEP_MODES, DP_POLICIES, RECORD_MODES, CLUSTER_KINDS,
     TOOL_PARSERS, REASONING_PARSERS, SPEC_ALGORITHMS, ConfigError, ModelConfig, CacheConfig,
     SchedulerConfig, ServerConfig, ParallelConfig, EPLBConfig, AttentionConfig, MoEConfig,
@@ -72,6 +72,7 @@ def validate(cfg: MoeserveConfig) -> MoeserveConfig:
     _check_choice("model.dtype", cfg.model.dtype, DTYPES)
     _check_choice("model.load_format", cfg.model.load_format, LOAD_FORMATS)
     _check_choice("model.quantization", cfg.model.quantization, QUANTIZATIONS)
+    _check_choice("model.fp8_gemm", cfg.model.fp8_gemm, FP8_GEMMS)
     _check_choice("attention.backend", cfg.attention.backend, ATTENTION_BACKENDS)
     if cfg.attention.backend == "cpu" and (cfg.device == "cuda" or not cfg.model.cpu_kernels):
         raise ConfigError("attention.backend", "the cpu backend needs device=cpu (or auto "

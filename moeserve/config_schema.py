@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("safetensors", "dummy")
 QUANTIZATIONS = ("auto", "none", "fp8")
+FP8_GEMMS = ("triton", "deep_gemm")
 ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")
 MOE_BACKENDS = ("auto", "torch", "triton")
 DEVICES = ("auto", "cpu", "cuda")
@@ -49,6 +50,10 @@ class ModelConfig:
     # into the same blocks. Off by default: DeepSeek ships it in bf16 and sampling reads its
     # logits; at decode batch 1 it is the largest single weight stream (docs/fp8.md)
     fp8_lm_head: bool = False
+    # FP8 linears' GEMM at prefill sizes (M > 16) on CUDA: triton (the Triton GEMM, or
+    # torch._scaled_mm where its probe passed) | deep_gemm (DeepGEMM where the shape fits; it
+    # must be installed: kernels/deepgemm_linear.py). Decode's small M is the same either way
+    fp8_gemm: str = "triton"
     # CPU: run the decode step's small ops (norms, q/k norm + rope, router top-k, small experts,
     # attention, the greedy LM head) as C kernels built with the system C compiler
     # (kernels/cpu_ops.py); without one, torch ops

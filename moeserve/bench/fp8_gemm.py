@@ -37,6 +37,8 @@ from moeserve.kernels.fp8 import (GemmConfig, fp8_block_matmul, fp8_quant_matmul
 from moeserve.kernels.fp8_format import dequantize_fp8_blocks, quantize_fp8_blocks
 from moeserve.kernels.fused_moe_small import fused_moe_small, small_moe_config
 from moeserve.kernels.gemv import GemvConfig, gemv, gemv_fp8, gemv_fp8_config
+from moeserve.kernels.deepgemm_linear import (deep_gemm_linear, deep_gemm_module,
+                                              deep_gemm_supports)
 from moeserve.layers.fp8_linear import FUSED_MAX_M, Fp8Linear, fp8_gemm_path, scaled_mm_layout
 
 # (K, N) of DeepSeek-V3: dense MLP up (gate or up), q_a, q_b, kv_a, o_proj, dense MLP down
@@ -115,6 +117,9 @@ def bench_shape(m: int, k: int, n: int, bw: float, sweep: bool) -> str:
              f"{flops / t_mm / 1e6:>9.1f}" if t_mm else f"{'-':>9}",
              f"{t_bf16 / t_lin:>6.2f}x", f"{100 * weight_gbs / bw:>6.1f}%"]
     line = "| " + " | ".join(cells) + " |"
+    if deep_gemm_module() is not None and deep_gemm_supports(n, k, (128, 128), x.dtype):
+        t_dg = _us(lambda: deep_gemm_linear(x, w_q, w_s))  # its quantization launch included
+        line += f" deep_gemm {flops / t_dg / 1e6:.1f} TFLOP/s ({t_lin / t_dg:.2f}x fp8 lin)"
     if sweep:
         line += " " + _sweep(m, k, n, x, x_q, x_s, w_q, w_s, flops)
     return line

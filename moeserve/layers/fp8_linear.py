@@ -25,6 +25,8 @@ into the same blocks (kernels/fp8_format.py, `model.quantization=fp8`). Two forw
   K a multiple of 512 and N of 16, contiguous weights; the quantization kernel writes the
   activation scales in the layout the probe found;
 - otherwise: the quantization kernel, then the Triton GEMM on the quantized activations.
+With backend "deep_gemm" (`model.fp8_gemm=deep_gemm`, where `deep_gemm` imports) the last two
+run DeepGEMM instead wherever it takes the shape (kernels/deepgemm_linear.py).
 """
 
 from __future__ import annotations
@@ -37,12 +39,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moeserve.kernels.deepgemm_linear import deep_gemm_linear, deep_gemm_supports
 from moeserve.kernels.fp8_format import (FP8, FP8_BLOCK, Block, as_block, check_block,
                                          dequantize_fp8_blocks, quantize_fp8_blocks, scale_shape)
 
 logger = logging.getLogger(__name__)
 
-FP8_BACKENDS = ("triton", "torch")
+FP8_BACKENDS = ("triton", "deep_gemm", "torch")  # deep_gemm: triton with DeepGEMM at large M
 W8A16_MAX_M = 1  # M <= this: the W8A16 GEMV (as `Linear` takes the bf16 GEMV: LINEAR_MAX_M)
 W8A16_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # kernels/gemv.py GEMV_DTYPES
 FUSED_MAX_M = 16  # M <= this: activation quantization fused into the GEMM (one launch)
@@ -156,10 +159,11 @@ def fp8_gemm_path(m: int, n: int, k: int, block: Block, dtype: torch.dtype,
 
 def fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
                bias: torch.Tensor | None = None, block: int | Block = FP8_BLOCK,
-               pdl: bool = False) -> torch.Tensor:
+               pdl: bool = False, deep_gemm: bool = False) -> torch.Tensor:
     """A linear layer on block-FP8 weights: x [..., K] → [..., N] in x.dtype (module docstring:
     which GEMM runs). `pdl`: the GEMV and fused paths as programmatic dependent launches
-    (kernels/pdl.py); the other paths launch plainly."""
+    (kernels/pdl.py); the other paths launch plainly. `deep_gemm`: DeepGEMM instead of
+    torch._scaled_mm / the Triton GEMM where the shape fits (kernels/deepgemm_linear.py)."""
     from moeserve.kernels import fp8 as kernels  # imports Triton
 
     x2 = x.reshape(-1, x.shape[-1])  # [M, K]
@@ -167,7 +171,14 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
     path = fp8_gemm_path(x2.shape[0], w.shape[0], x2.shape[1], block, x.dtype, x.device)
     if path == "scaled_mm" and not (w.is_contiguous() and w_scale.is_contiguous()):
         path = "triton"  # torch._scaled_mm reads w.t() as column-major [K, N]
-    if path == "gemv":
+    if deep_gemm and path in ("scaled_mm", "triton") and w.is_contiguous() \
+            and deep_gemm_supports(w.shape[0], x2.shape[1], block, x.dtype):
+        path = "deep_gemm"
+    if path == "deep_gemm":
+        out = deep_gemm_linear(x2 if x2.is_contiguous() else x2.contiguous(), w, w_scale)
+        if bias is not None:
+            out += bias
+    elif path == "gemv":
         from moeserve.kernels.gemv import gemv_fp8
 
         x2 = x2 if x2.stride(1) == 1 else x2.contiguous()
@@ -225,7 +236,8 @@ class Fp8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.backend == "torch":
             return F.linear(x, self.dequantized().to(x.dtype), self.bias)
-        return fp8_linear(x, self.weight, self.weight_scale_inv, self.bias, self.block, self.pdl)
+        return fp8_linear(x, self.weight, self.weight_scale_inv, self.bias, self.block, self.pdl,
+                          deep_gemm=self.backend == "deep_gemm")
 
     @property
     def pdl(self) -> bool:

@@ -36,6 +36,7 @@ import torch
 from torch import nn
 
 from moeserve.config import ConfigError, ModelConfig
+from moeserve.kernels.deepgemm_linear import deep_gemm_module
 from moeserve.kernels.fp8_format import FP8_BLOCK, check_block
 from moeserve.layers.fp8_linear import Fp8Linear, Fp8MergedLinear
 from moeserve.layers.fp8_moe import Fp8MoEExperts
@@ -92,7 +93,7 @@ class QuantPlan:
 
     fp8: bool = False  # FP8-resident modules
     block: tuple[int, int] = (FP8_BLOCK, FP8_BLOCK)
-    backend: str = "torch"  # Fp8Linear forward: triton (CUDA) | torch (reference)
+    backend: str = "torch"  # Fp8Linear forward: triton | deep_gemm (CUDA) | torch (reference)
     checkpoint_fp8: frozenset[str] | None = None  # auto: only these weights (None: all eligible)
     skip: tuple[str, ...] = ()  # quantization_config.modules_to_not_convert
     lm_head: bool = False  # model.fp8_lm_head: the (untied) LM head too, quantized at load
@@ -217,5 +218,11 @@ def resolve_quant_plan(model_cfg: ModelConfig, hf_config, path: str,
     stored = None
     if mode == "auto" and model_cfg.load_format != "dummy":
         stored = checkpoint_fp8_weights(path)
-    return QuantPlan(fp8=True, block=block, backend="triton" if device.type == "cuda" else "torch",
-                     checkpoint_fp8=stored, skip=skip, lm_head=model_cfg.fp8_lm_head)
+    backend = "torch"
+    if device.type == "cuda":
+        backend = model_cfg.fp8_gemm  # triton | deep_gemm
+        if backend == "deep_gemm" and deep_gemm_module() is None:
+            raise ConfigError("model.fp8_gemm", "deep_gemm does not import here: install "
+                              "DeepGEMM for this CUDA, or use model.fp8_gemm=triton")
+    return QuantPlan(fp8=True, block=block, backend=backend, checkpoint_fp8=stored, skip=skip,
+                     lm_head=model_cfg.fp8_lm_head)

@@ -191,6 +191,27 @@ def test_tma_weight_loads_equal_pointer_loads(t, n, k, cfg):
     assert torch.count_nonzero(fp8._split_counters(x.device)) == 0
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,n,k", [(64, 256, 512), (300, 576, 7168), (17, 24576, 1536)])
+def test_deep_gemm_linear_equals_float64_on_quantized_operands(m, n, k):
+    """model.fp8_gemm=deep_gemm (kernels/deepgemm_linear.py), where DeepGEMM is installed: the
+    float64 product of the quantized activations and dequantized weights, and `fp8_linear`
+    routes prefill sizes to it."""
+    from moeserve.kernels.deepgemm_linear import deep_gemm_linear, deep_gemm_module
+
+    if DEVICE != "cuda" or deep_gemm_module() is None:
+        pytest.skip("needs CUDA and deep_gemm")
+    g = torch.Generator().manual_seed(m + n + k)
+    x = (torch.randn(m, k, generator=g) * 3).to("cuda", torch.bfloat16)
+    w_q, w_s = quantize_fp8_blocks((torch.randn(n, k, generator=g) * 0.05).cuda())
+    out = deep_gemm_linear(x, w_q, w_s)
+    x_q, x_s = quant_fp8_per_token_group(x)
+    ref = _dequant_rows(x_q, x_s) @ dequantize_fp8_blocks(w_q, w_s).double().T
+    assert out.dtype == torch.bfloat16
+    assert float((out.double() - ref).norm() / ref.norm()) < 1e-2
+    assert torch.equal(fp8_linear(x, w_q, w_s, deep_gemm=True), out)
+
+
 def test_fused_config_streams_the_weights_on_every_sm(monkeypatch):
     """Decode on DeepSeek-V3's shapes (132 SMs), 16 rows and one row (the large weights at batch
     1): at least one program per SM (the 128-row tiles of 7168 -> 576 are 5), each split >= 2 K

@@ -233,3 +233,28 @@ def test_fp8_lm_head_needs_fp8_weights_and_an_untied_head(tiny_model):
     assert err.value.key == "model.fp8_lm_head"
     runner = make_runner(tiny_model("llama"), ["model.fp8_lm_head=true"])  # auto, float: ignored
     assert type(runner.model.lm_head) is Linear
+
+
+def test_fp8_gemm_deep_gemm_is_chosen_by_config_and_needs_deep_gemm(checkpoints, monkeypatch):
+    """model.fp8_gemm=deep_gemm: the FP8 linears' backend on CUDA where deep_gemm imports; a
+    config error naming the key where it does not; CPU keeps the torch reference."""
+    from moeserve.config import ConfigError, compose
+    from moeserve.models import quantization
+    from moeserve.runtime import model_runner as mr
+
+    path = checkpoints[1]
+    hf = mr.load_hf_config(path)
+    model_cfg = compose([*FP8_ON, "model.fp8_gemm=deep_gemm"]).model
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    monkeypatch.setattr(quantization, "deep_gemm_module", lambda: None)
+    with pytest.raises(ConfigError, match="deep_gemm") as err:
+        quantization.resolve_quant_plan(model_cfg, hf, path, cuda)
+    assert err.value.key == "model.fp8_gemm"
+    assert quantization.resolve_quant_plan(model_cfg, hf, path, cpu).backend == "torch"
+    monkeypatch.setattr(quantization, "deep_gemm_module", lambda: object())
+    assert quantization.resolve_quant_plan(model_cfg, hf, path, cuda).backend == "deep_gemm"
+    triton = compose(FP8_ON).model
+    assert quantization.resolve_quant_plan(triton, hf, path, cuda).backend == "triton"
+    with pytest.raises(ConfigError) as err:
+        compose(["model.fp8_gemm=cutlass"])
+    assert err.value.key == "model.fp8_gemm"
