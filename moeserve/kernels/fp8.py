@@ -278,18 +278,9 @@ def _fp8_block_matmul_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, bias_ptr, part
     product scaled by its activation-row scales and its weight block's scale. SWAP_AB: the
     product is formed as w_tile @ a_tile^T ([BLOCK_N, BLOCK_M]) and transposed once at the end.
     The first group's weight tile loads before the PDL wait (weights only)."""
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    pid_s = tl.program_id(2)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_m, mask_n = offs_m < m, offs_n < n
-    offs_k = tl.arange(0, BLOCK_K)
-    a_rows = a_ptr + offs_m.to(tl.int64)[:, None] * stride_am
+    offs_m, offs_n, mask_m, mask_n, offs_k, a_rows, w_block, g0, g1 = _program_tile(
+        a_ptr, m, n, k, groups_per_split, stride_am, SCALE_BN, BLOCK_M, BLOCK_N, BLOCK_K)
     b_rows = b_ptr + offs_n.to(tl.int64)[:, None] * stride_bn
-    w_block = offs_n // SCALE_BN  # the weight scale row of each output column
-    g0 = pid_s * groups_per_split
-    g1 = tl.minimum(g0 + groups_per_split, tl.cdiv(k, BLOCK_K))
     b_first = tl.load(b_rows + (g0 * BLOCK_K + offs_k)[None, :],
                       mask=mask_n[:, None] & (g0 * BLOCK_K + offs_k < k)[None, :], other=0.0)
     pdl_wait(USE_PDL)
@@ -317,18 +308,9 @@ def _fp8_tma_matmul_kernel(a_ptr, w_desc, bs_ptr, c_ptr, bias_ptr, part_ptr, cou
                            USE_PDL: tl.constexpr):
     """`_fp8_block_matmul_kernel` with QUANT_A, its weight tiles [BLOCK_N, BLOCK_K] read through
     the tensor descriptor `w_desc` (TMA; out-of-bounds rows and columns arrive as zeros)."""
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    pid_s = tl.program_id(2)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_m, mask_n = offs_m < m, offs_n < n
-    offs_k = tl.arange(0, BLOCK_K)
-    a_rows = a_ptr + offs_m.to(tl.int64)[:, None] * stride_am
-    w_block = offs_n // SCALE_BN
-    g0 = pid_s * groups_per_split
-    g1 = tl.minimum(g0 + groups_per_split, tl.cdiv(k, BLOCK_K))
-    n0 = pid_n * BLOCK_N
+    offs_m, offs_n, mask_m, mask_n, offs_k, a_rows, w_block, g0, g1 = _program_tile(
+        a_ptr, m, n, k, groups_per_split, stride_am, SCALE_BN, BLOCK_M, BLOCK_N, BLOCK_K)
+    n0 = tl.program_id(1) * BLOCK_N
     b_first = w_desc.load([n0, g0 * BLOCK_K])
     pdl_wait(USE_PDL)
     acc = _fp8_group(a_rows, a_ptr, bs_ptr, b_first, g0, offs_m, offs_k, w_block, mask_m, mask_n,
@@ -342,6 +324,21 @@ def _fp8_tma_matmul_kernel(a_ptr, w_desc, bs_ptr, c_ptr, bias_ptr, part_ptr, cou
         acc = tl.trans(acc)  # [BLOCK_M, BLOCK_N]
     _write_tile(acc, c_ptr, bias_ptr, part_ptr, count_ptr, offs_m, offs_n, mask_m, mask_n, n,
                 stride_cm, stride_part, BLOCK_M, BLOCK_N, SPLIT_K, HAS_BIAS)
+
+
+@triton.jit
+def _program_tile(a_ptr, m, n, k, groups_per_split, stride_am, SCALE_BN: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """This program's (m block, n block, K split) of the GEMM: row / column offsets and masks,
+    the K offsets of a group, its activation rows, each output column's weight scale row, and
+    its K groups [g0, g1)."""
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    a_rows = a_ptr + offs_m.to(tl.int64)[:, None] * stride_am
+    g0 = tl.program_id(2) * groups_per_split
+    g1 = tl.minimum(g0 + groups_per_split, tl.cdiv(k, BLOCK_K))
+    return (offs_m, offs_n, offs_m < m, offs_n < n, tl.arange(0, BLOCK_K), a_rows,
+            offs_n // SCALE_BN, g0, g1)
 
 
 @triton.jit
