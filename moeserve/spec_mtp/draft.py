@@ -16,6 +16,7 @@ from torch import nn
 
 from moeserve.config import ConfigError, MoeserveConfig
 from moeserve.forward_batch import ForwardBatch
+from moeserve.layers.fp8_linear import Fp8Linear
 from moeserve.runtime.sampler import greedy
 
 
@@ -62,10 +63,10 @@ def build_draft(cfg: MoeserveConfig, model: nn.Module, hf_config: Any) -> Draft 
     from moeserve.spec_mtp.head import load_head, random_head
 
     layer_id = hf_config.num_hidden_layers
-    lm_head = model.lm_head  # an Fp8Linear under model.fp8_lm_head: its rows as they act
+    rows = model.lm_head.weight  # a draft vocabulary gathers these
+    if isinstance(model.lm_head, Fp8Linear):  # model.fp8_lm_head: the rows as they act
+        rows = model.lm_head.dequantized().to(model.model.embed_tokens.weight.dtype)
     head = (random_head(hf_config, layer_id, cfg.seed) if spec.draft_path == "dummy"
-            else load_head(spec.draft_path, hf_config, layer_id, lm_head.dequantized().to(
-                model.model.embed_tokens.weight.dtype) if hasattr(lm_head, "dequantized")
-                else lm_head.weight))
+            else load_head(spec.draft_path, hf_config, layer_id, rows))
     model.add_module("nextn_head", head)
     return Draft(head, model, 1, "head")

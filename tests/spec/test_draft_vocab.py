@@ -159,3 +159,21 @@ def test_bf16_verify_through_the_greedy_head(tiny_model, tmp_path):
         assert [o["output_ids"] for o in outs] == want
         assert without_logits and all(without_logits)
         assert eng.scheduler.is_memory_clean()
+
+
+def test_vocab_rows_of_an_fp8_lm_head_are_its_dequantized_rows(tiny_model, tmp_path):
+    """model.fp8_lm_head with a draft vocabulary: the head gathers the FP8 LM head's rows as
+    they act (dequantized), not its e4m3 bytes."""
+    from parity import make_runner
+
+    from moeserve.layers.fp8_linear import Fp8Linear
+
+    model_dir = tiny_model("llama")
+    head_dir = write_head(str(tmp_path / "head"), model_dir)
+    vocab = [3, 17, 40, 41, 200]
+    _add_vocab(head_dir, vocab)
+    runner = make_runner(model_dir, ["model.quantization=fp8", "model.fp8_lm_head=true",
+                                     "spec.algorithm=nextn", f"spec.draft_path={head_dir}"])
+    assert isinstance(runner.model.lm_head, Fp8Linear)
+    want = runner.model.lm_head.dequantized()[torch.tensor(vocab)]
+    assert torch.equal(runner.draft.lm_head.weight, want.to(runner.draft.lm_head.weight.dtype))
