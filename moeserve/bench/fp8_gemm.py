@@ -32,13 +32,13 @@ import argparse
 import torch
 import triton
 
+from moeserve.kernels.deepgemm_linear import (deep_gemm_linear, deep_gemm_module,
+                                              deep_gemm_supports)
 from moeserve.kernels.fp8 import (GemmConfig, fp8_block_matmul, fp8_quant_matmul, fused_config,
                                   gemm_config, quant_fp8_per_token_group)
 from moeserve.kernels.fp8_format import dequantize_fp8_blocks, quantize_fp8_blocks
 from moeserve.kernels.fused_moe_small import fused_moe_small, small_moe_config
 from moeserve.kernels.gemv import GemvConfig, gemv, gemv_fp8, gemv_fp8_config
-from moeserve.kernels.deepgemm_linear import (deep_gemm_linear, deep_gemm_module,
-                                              deep_gemm_supports)
 from moeserve.layers.fp8_linear import FUSED_MAX_M, Fp8Linear, fp8_gemm_path, scaled_mm_layout
 
 # (K, N) of DeepSeek-V3: dense MLP up (gate or up), q_a, q_b, kv_a, o_proj, dense MLP down

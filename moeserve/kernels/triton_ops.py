@@ -174,8 +174,8 @@ class TritonOps:
         (w [H, N, K]) in one launch (kernels/head_gemv.py): MLA's absorbed W_UK / W_UV at
         decode; with `w_scale` and `block`, w is e4m3 (FP8-resident kv_b_proj). None where it
         does not apply (more tokens, dtypes differ, unaligned FP8 heads, a gradient wanted)."""
-        w_ok = (w.dtype == FP8 and w_scale is not None and w_scale.dtype == torch.float32
-                if w_scale is not None or w.dtype == FP8 else w.dtype == x.dtype)
+        w_ok = (w.dtype == x.dtype if w_scale is None
+                else w.dtype == FP8 and w_scale.dtype == torch.float32)
         if (x.dim() != 3 or x.shape[0] != 1 or w.dim() != 3 or w.shape[0] != x.shape[1]
                 or not w_ok or x.dtype not in GEMV_DTYPES or x.stride(2) != 1
                 or w.stride(2) != 1 or w.shape[1 if k_major else 2] != x.shape[2]

@@ -13,8 +13,9 @@ kv_b, dense MLPs, shared experts, the MTP eh_proj) and the routed experts. MLA's
 never run as a linear: weight absorption uses it per head, as W_UK on the query and W_UV on the
 attention output. The decode token's per-head GEMV reads its e4m3 bytes with the block scales
 (kernels/head_gemv.py: DeepSeek-V3's heads start on 128-row blocks), so FP8 halves a layer's
-33.6 MB there too; more tokens run the einsum on its dequantized copy (made per call: a
-prefill's cost, not resident memory). Until 2026-12-04 it stayed bf16. Kept in higher precision:
+33.6 MB there too; more tokens run the einsum on a bf16 copy made at load
+(`MLAttention.after_load`: resident, +16.8M elements a layer). Until 2026-12-04 it stayed bf16
+only. Kept in higher precision:
 - routers (`gate`, float32 in DeepSeek's checkpoints) and the score-correction bias: top-k
   choices flip on small errors, and they are tiny;
 - the embedding (a row gather) and the LM head (the logits that sampling reads), which DeepSeek
