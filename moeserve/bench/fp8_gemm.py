@@ -28,6 +28,7 @@ split, stages) and prints the best beside the default.
 from __future__ import annotations
 
 import argparse
+import itertools
 
 import torch
 import triton
@@ -253,8 +254,8 @@ def bench_moe(sweep: bool) -> list[str]:
         for part in ("gate_up", "down"):
             tried = {}
             for bn in ((8, 16, 32, 64) if part == "gate_up" else (4, 8, 16, 32)):
-                for warps in (4, 8):
-                    c = base._replace(**{part: GemvConfig(bn, 128, warps)})
+                for bk, warps in itertools.product((64, 128), (2, 4, 8)):
+                    c = base._replace(**{part: GemvConfig(bn, bk, warps)})
                     tried[c] = _us(fp8(c), rep=20)
             c, t = min(tried.items(), key=lambda kv: kv[1])
             lines.append(f"| experts T=1 sweep {part}: best {t:.2f} µs "
