@@ -80,7 +80,9 @@ def small_moe_config(t: int, k: int, h: int, i: int, device: torch.device,
     gu_k = min(bk, triton.next_power_of_2(h))
     gu_n = block_n_for(i, t * k, max(1, min(bn, FP8_TILE_ELEMS // (2 * gu_k))))
     dn_k = min(bk, triton.next_power_of_2(i))  # rows capped at 8 as in bf16: DeepSeek-V3, T=1,
-    # 8 x 128 over 896 programs vs 16 x 128 over 448: 122.9-123.2 µs vs 128.3-128.5 (whole call)
+    # 8 x 128 over 896 programs vs 16 x 128 over 448: 122.9-123.2 µs vs 128.3-128.5 (whole call).
+    # 4 x 128 on 2 warps led a later sweep (123.9 µs) but one_batch did not move (batch 1:
+    # 495.1 vs 495.0 tok/s, same call): these steps are not what bounds the down kernel
     dn_n = block_n_for(h, t, max(1, min(8, bn, DOWN_TILE_ELEMS // (top * dn_k))), DOWN_PROGRAMS)
     return SmallMoeConfig(GemvConfig(gu_n, gu_k), GemvConfig(dn_n, dn_k))
 
