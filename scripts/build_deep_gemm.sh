@@ -30,17 +30,20 @@ ln -sfn "$src/third-party/cutlass/include/cutlass" "$src/deep_gemm/include/cutla
 ln -sfn "$src/third-party/cutlass/include/cute" "$src/deep_gemm/include/cute"
 start=$(date +%s)
 (cd "$src" && python3 - <<'EOF'
-import glob, os, shutil, torch
+import ast, glob, os, re, shutil, torch
 from torch.utils.cpp_extension import load
 
 home = os.environ["CUDA_HOME"]
+# the libraries its setup.py links (2.1.x adds the driver, `cuda`, which links from stubs/)
+libs = ast.literal_eval(re.search(r"build_libraries = (\[.*?\])", open("setup.py").read()).group(1))
 build = os.path.abspath("build_jit")
 os.makedirs(build, exist_ok=True)
 load(name="_C", sources=["csrc/python_api.cpp"], build_directory=build, verbose=False,
      extra_include_paths=[f"{home}/include", f"{home}/include/cccl", "deep_gemm/include",
                           "third-party/cutlass/include", "third-party/fmt/include"],
      extra_cflags=["-std=c++17", "-O3", "-Wno-psabi", "-Wno-deprecated-declarations"],
-     extra_ldflags=[f"-L{home}/lib64", "-lcudart", "-lnvrtc"], is_python_module=True)
+     extra_ldflags=[f"-L{home}/lib64", f"-L{home}/lib64/stubs"] + [f"-l{x}" for x in libs],
+     is_python_module=True)
 so = glob.glob(os.path.join(build, "_C*.so"))[0]
 shutil.copy(so, os.path.join("deep_gemm", os.path.basename(so)))
 EOF
