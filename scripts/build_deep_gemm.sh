@@ -36,20 +36,24 @@ from torch.utils.cpp_extension import load
 home = os.environ["CUDA_HOME"]
 # the libraries its setup.py links (2.1.x adds the driver, `cuda`, which links from stubs/)
 libs = ast.literal_eval(re.search(r"build_libraries = (\[.*?\])", open("setup.py").read()).group(1))
+# the extension's name: "deep_gemm._C" (2.2 on) lives in the package, "deep_gemm_cpp" (2.1.x)
+# is a top-level module beside it
+full = re.search(r"CUDAExtension\(name=['\"]([\w.]+)['\"]", open("setup.py").read()).group(1)
+pkg, _, name = full.rpartition(".")
 build = os.path.abspath("build_jit")
 os.makedirs(build, exist_ok=True)
-load(name="_C", sources=["csrc/python_api.cpp"], build_directory=build, verbose=False,
+load(name=name, sources=["csrc/python_api.cpp"], build_directory=build, verbose=False,
      extra_include_paths=[f"{home}/include", f"{home}/include/cccl", "deep_gemm/include",
                           "third-party/cutlass/include", "third-party/fmt/include"],
      extra_cflags=["-std=c++17", "-O3", "-Wno-psabi", "-Wno-deprecated-declarations"],
      extra_ldflags=[f"-L{home}/lib64", f"-L{home}/lib64/stubs"] + [f"-l{x}" for x in libs],
      is_python_module=True)
-so = glob.glob(os.path.join(build, "_C*.so"))[0]
-shutil.copy(so, os.path.join("deep_gemm", os.path.basename(so)))
+so = glob.glob(os.path.join(build, f"{name}*.so"))[0]
+shutil.copy(so, os.path.join(pkg.replace(".", "/") or ".", os.path.basename(so)))
 EOF
 ) > "$out/deep_gemm_build.log" 2>&1
 rc=$?
 echo "build_deep_gemm: rc $rc in $(( $(date +%s) - start )) s (log: deep_gemm_build.log)"
 [ $rc = 0 ] || grep -E "error|Error" "$out/deep_gemm_build.log" | head -20
-PYTHONPATH=$src${PYTHONPATH:+:$PYTHONPATH} python3 -c "import deep_gemm; print('deep_gemm', \
+PYTHONPATH=$src${PYTHONPATH:+:$PYTHONPATH} python3 -c "import torch, deep_gemm; print('deep_gemm', \
 deep_gemm.__version__, 'imports')" 2>&1 | tail -2
