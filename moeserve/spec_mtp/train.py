@@ -3,6 +3,7 @@
     python -m moeserve.spec_mtp.train --out .cache/nextn_smollm2            # embedded SmolLM2
     python -m moeserve.spec_mtp.train --out DIR --resume                    # continue after Ctrl-C
     python -m moeserve.spec_mtp.train --out DIR --eval-only                 # the agreement table
+    python -m moeserve.spec_mtp.train --out DIR --eval-only --tree-topk 2 4 # + draft trees' bound
 
 Self-distillation (train_data.py): the target answers chat prompts greedily (by default the
 offline Engine in serving's dtype), one pass of its runner gives the hidden states, both cached in
@@ -114,6 +115,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--save-every", type=int, default=50, help="checkpoint period (steps)")
     p.add_argument("--resume", action="store_true", help="continue from DIR/checkpoint.pt")
     p.add_argument("--eval-only", action="store_true", help="print DIR's held-out table")
+    p.add_argument("--tree-topk", type=int, nargs="*", default=[], metavar="K",
+                   help="with --eval-only, also the accept length of full K-ary draft trees")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: pick 1 or 2 by a "
                    "probe; on a shared 2-core CPU one thread is often faster)")
     p.add_argument("--budget-minutes", type=float, default=28.0,
@@ -218,7 +221,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.eval_only:
         head, meta = load_head(args.out, target)
         _, heldout = build_data(args, model_path, target, tokenizer, train=False)
-        print(summary(evaluate(head, target, heldout, args.chain_steps), args.out, t_start, meta))
+        result = evaluate(head, target, heldout, args.chain_steps, tree_topk=tuple(args.tree_topk))
+        print(summary(result, args.out, t_start, meta))
         return 0
     torch.manual_seed(args.seed)
     ckpt = os.path.join(args.out, CHECKPOINT)

@@ -22,6 +22,8 @@ from typing import Any
 
 import torch
 
+from moeserve.spec_mtp.draft_vocab import to_draft_index
+
 
 @dataclass
 class Batch:
@@ -89,31 +91,68 @@ def chain_correct(head, lm_head: torch.Tensor, batch: Batch, steps: int) -> list
     return correct
 
 
+NOT_RANKED = 1 << 40  # label_ranks' rank of a label the draft cannot propose
+
+
+@torch.no_grad()
+def label_ranks(head, lm_head: torch.Tensor, batch: Batch, steps: int) -> list[torch.Tensor]:
+    """Per step k, [B, n] long: how many draft logits beat the label's at step k (0: the label
+    is the argmax; a label outside the draft vocabulary, or none, ranks past every k)."""
+    vocab = getattr(head, "vocab", None)
+    weight = lm_head if vocab is None else lm_head[vocab]
+    labels = batch.labels
+    if vocab is not None:  # label ids -> rows of the draft vocabulary (-1: not in it)
+        labels = torch.where(labels >= 0, to_draft_index(labels.clamp(min=0), vocab, -1), -1)
+    flat_l = labels.reshape(-1)
+    ranks = []
+    for o in head.chain(batch.embeds, batch.hidden, steps, first=int(batch.start.min())):
+        rank = torch.full(labels.shape, NOT_RANKED, dtype=torch.long)
+        flat_o, flat_r = o.reshape(-1, o.shape[-1]), rank.view(-1)
+        for i in range(0, flat_o.shape[0], 2048):
+            logits, lab = flat_o[i: i + 2048] @ weight.T, flat_l[i: i + 2048]
+            own = logits.gather(1, lab.clamp(min=0)[:, None])
+            r = (logits > own).sum(1)
+            flat_r[i: i + 2048] = torch.where(lab >= 0, r, NOT_RANKED)
+        ranks.append(rank)
+    return ranks
+
+
 @torch.no_grad()
 def evaluate(head, target, records: list[dict[str, Any]], steps: int = 3,
-             batch_size: int = 8) -> dict[str, Any]:
+             batch_size: int = 8, tree_topk: tuple[int, ...] = ()) -> dict[str, Any]:
     """Chained agreement on `records` (answers only), aggregated over chain starts p whose
     `steps` steps all have labels: per-step, conditional and joint rates, the mean accept length
     over those starts (`accept_length_per_start`), and the accept length serving measures
-    (`accept_length`: tokens per verify step of `served_walk` over each answer, N = 1..steps)."""
+    (`accept_length`: tokens per verify step of `served_walk` over each answer, N = 1..steps).
+
+    `tree_topk`: per k, the same walk for a full k-ary draft tree (k + k^2 + .. + k^N nodes
+    verified at once): a step is accepted when the label is among the draft's top k at every
+    step so far (`tree_accept_length[k]`). The path of right tokens feeds the head exactly what
+    the tree's node on it would, so this is what such a tree would accept with this head, an
+    upper bound for pruned trees."""
     was_training = head.training
     head.eval()
     embed, lm_head = target.get_input_embeddings(), target.get_output_embeddings().weight
     hits = []  # per chain start: [steps] bool
     walked = [[0, 0] for _ in range(steps)]  # per N: tokens, verify steps
+    tree_walked = {k: [[0, 0] for _ in range(steps)] for k in tree_topk}
     for i in range(0, len(records), batch_size):
         batch = collate(records[i: i + batch_size], embed)
         correct = chain_correct(head, lm_head, batch, steps)
+        ranks = label_ranks(head, lm_head, batch, steps) if tree_topk else None
         for b in range(batch.labels.shape[0]):
             n_labels = int((batch.labels[b] >= 0).sum())
             last = n_labels - steps  # last start with all labels
             for p in range(int(batch.start[b]), last + 1):
                 hits.append(torch.stack([correct[k][b, p + k] for k in range(steps)]))
-            seq = [correct[k][b].tolist() for k in range(steps)]
-            for n in range(1, steps + 1):
-                tokens, verify = served_walk(seq, int(batch.start[b]), n_labels, n)
-                walked[n - 1][0] += tokens
-                walked[n - 1][1] += verify
+            seqs = [(walked, [correct[k][b].tolist() for k in range(steps)])]
+            seqs += [(tree_walked[t], [(ranks[k][b] < t).tolist() for k in range(steps)])
+                     for t in tree_topk]
+            for acc, seq in seqs:
+                for n in range(1, steps + 1):
+                    tokens, verify = served_walk(seq, int(batch.start[b]), n_labels, n)
+                    acc[n - 1][0] += tokens
+                    acc[n - 1][1] += verify
     head.train(was_training)
     h = torch.stack(hits).float() if hits else torch.zeros(0, steps)  # [starts, steps]
     joint = torch.cumprod(h, dim=1)
@@ -124,9 +163,11 @@ def evaluate(head, target, records: list[dict[str, Any]], steps: int = 3,
         rows.append({"step": k + 1, "agree": float(h[:, k].mean()) if len(h) else 0.0,
                      "given_prev": cond, "joint": float(joint[:, k].mean()) if len(h) else 0.0})
     per_start = [1.0 + sum(r["joint"] for r in rows[: k + 1]) for k in range(steps)]
-    served = [t / v if v else 1.0 for t, v in walked]
+    def ratio(acc):
+        return [t / v if v else 1.0 for t, v in acc]
     return {"starts": len(h), "rows": rows, "accept_length_per_start": per_start,
-            "accept_length": served, "verify_steps": [v for _, v in walked]}
+            "accept_length": ratio(walked), "verify_steps": [v for _, v in walked],
+            "tree_accept_length": {k: ratio(acc) for k, acc in tree_walked.items()}}
 
 
 def served_walk(correct: list[list[bool]], start: int, n_labels: int, n: int) -> tuple[int, int]:
@@ -160,6 +201,18 @@ def format_table(result: dict[str, Any], extra: dict[str, Any] | None = None) ->
                                    result["accept_length"]):
         lines.append(f"| {row['step']} | {row['agree']:.3f} | {row['given_prev']:.3f} | "
                      f"{row['joint']:.3f} | {per_start:.2f} | {acc:.2f} |")
+    trees = result.get("tree_accept_length") or {}
+    if trees:
+        steps = len(result["rows"])
+        lines += ["full k-ary draft trees (upper bound: the label in the draft's top k at every "
+                  "step), accept length as served:",
+                  "| k | nodes at N=1.." + str(steps) + " | " +
+                  " | ".join(f"N={n}" for n in range(1, steps + 1)) + " |",
+                  "|---|---|" + "---|" * steps]
+        for k, acc in trees.items():
+            nodes = "/".join(str(sum(k ** d for d in range(1, n + 1)))
+                             for n in range(1, steps + 1))
+            lines.append(f"| {k} | {nodes} | " + " | ".join(f"{a:.2f}" for a in acc) + " |")
     for key, value in (extra or {}).items():
         lines.append(f"{key}: {value}")
     return "\n".join(lines)

@@ -251,6 +251,40 @@ def test_evaluate_counts_only_full_chains(tiny):
     assert len(result["rows"]) == 3 and result["accept_length"][0] >= 1.0
 
 
+@pytest.mark.parametrize("vocab_size", [None, 64])
+def test_tree_bound_ranks_against_topk(tiny, vocab_size):
+    """The tree bound's step k is accepted iff the label is among torch.topk's k draft tokens
+    (over the draft vocabulary when there is one); k=1 walks exactly as the chain does, and a
+    wider tree never accepts less."""
+    from moeserve.spec_mtp.draft_vocab import pick_vocab
+    from moeserve.spec_mtp.train_eval import label_ranks
+
+    target, _, records = tiny
+    torch.manual_seed(0)
+    head = TrainHead(target)
+    if vocab_size:
+        head.vocab = pick_vocab(records, vocab_size, target.config.vocab_size)
+    lm_head = target.get_output_embeddings().weight
+    batch = collate(records[:4], target.get_input_embeddings())
+    ranks = label_ranks(head, lm_head, batch, 2)
+    rows = lm_head if head.vocab is None else lm_head[head.vocab]
+    outs = head.chain(batch.embeds, batch.hidden, 2, first=int(batch.start.min()))
+    for k in (1, 3):
+        for step in range(2):
+            with torch.no_grad():
+                top = (outs[step] @ rows.T).topk(k, dim=-1).indices
+            top = top if head.vocab is None else head.vocab[top]
+            expect = (top == batch.labels[..., None]).any(-1)
+            valid = batch.valid(step + 1)  # the positions evaluate() counts
+            assert valid.sum() > 20 and torch.equal((ranks[step] < k)[valid], expect[valid])
+    every = len(rows)  # a "tree" over the whole draft vocabulary accepts every label it has
+    result = evaluate(head, target, records, steps=2, tree_topk=(1, 2, every))
+    trees = result["tree_accept_length"]
+    assert trees[1] == result["accept_length"]
+    assert all(a <= b <= c for a, b, c in zip(trees[1], trees[2], trees[every]))
+    assert trees[every][1] > 2.0 > trees[1][1]
+
+
 def test_draft_vocab_training_and_file(tiny, tmp_path):
     """With a draft vocabulary the softmax is over its D tokens: 30 steps learn the greedy
     answers, the file carries the sorted ids (served by spec_mtp/head.py), loading restores them,
