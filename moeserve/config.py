@@ -126,6 +126,10 @@ def validate(cfg: MoeserveConfig) -> MoeserveConfig:
     return cfg
 
 
+MAX_TREE_TOPK = 4
+MAX_TREE_NODES = 64  # draft nodes per request in a tree's verify step
+
+
 def _validate_spec(cfg: MoeserveConfig) -> None:
     """Speculative decoding's keys (the model-dependent checks happen when the draft is built)."""
     s = cfg.spec
@@ -139,6 +143,16 @@ def _validate_spec(cfg: MoeserveConfig) -> None:
     if s.max_batch_size is not None and s.max_batch_size < 0:
         raise ConfigError("spec.max_batch_size",
                           "must be >= 0 (0: always speculate) or null (the device's default)")
+    if not 1 <= s.topk <= MAX_TREE_TOPK:
+        raise ConfigError("spec.topk", f"must be in [1, {MAX_TREE_TOPK}], got {s.topk}")
+    if s.topk > 1:
+        if s.draft_nodes > MAX_TREE_NODES:
+            raise ConfigError("spec.topk", f"a tree of topk {s.topk} and depth {s.num_steps} has "
+                              f"{s.draft_nodes} nodes, more than {MAX_TREE_NODES}: lower "
+                              "spec.topk or spec.num_steps")
+        if cfg.parallel.dp_size > 1:
+            raise ConfigError("spec.topk", "draft trees (topk > 1) are not built for DP "
+                              "attention; use spec.topk=1 with parallel.dp_size > 1")
 
 
 def loads_mtp_layer(cfg: MoeserveConfig) -> bool:

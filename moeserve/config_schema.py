@@ -222,12 +222,24 @@ class SpecConfig:
     `num_steps` tokens, the target verifies them in one pass; outputs are those of plain decoding."""
 
     algorithm: str = "none"  # none | nextn
-    num_steps: int = 3  # draft chain length (topk 1)
+    num_steps: int = 3  # draft steps: the chain's length, or the tree's depth
+    # 1: a chain; k > 1: a full k-ary draft tree of depth num_steps (spec_mtp/tree.py)
+    topk: int = 1
     # a trained NextN head (python -m moeserve.spec_mtp.train) instead of the checkpoint's MTP layer
     draft_path: str | None = None
     # decode batches larger than this run plain decode steps (the draft keeps up with one token);
     # 0: always speculate; None: the size measured for the device (SPEC_STEP_ASIDE)
     max_batch_size: int | None = None
+
+    @property
+    def draft_nodes(self) -> int:
+        """Draft tokens a verify step scores per request: num_steps, or the tree's nodes."""
+        return sum(self.topk ** d for d in range(1, self.num_steps + 1))
+
+    @property
+    def verify_width(self) -> int:
+        """New positions per request in a verify step: the last token and the drafts."""
+        return self.draft_nodes + 1
 
     def step_aside_above(self, device: str) -> int:
         """max_batch_size resolved for a "cpu" or "cuda" rank (0: never step aside)."""

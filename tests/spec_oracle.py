@@ -48,3 +48,66 @@ def install_mode_draft(eng: Engine, modes: list[int]) -> None:
         return torch.tensor(drafts, dtype=torch.int64, device=geo[0].device)
 
     decoder._draft_chain = chain
+
+
+def install_oracle_tree(eng: Engine, reference: dict[tuple, list[int]], corrupt: float,
+                        seed: int) -> None:
+    """A draft tree (spec.topk > 1) around the reference continuation: at every node on the
+    reference path one child, in a random place among the k, is the next reference token (a wrong
+    one with probability `corrupt`); every other child is a distinct wrong token."""
+    decoder, sched = eng.scheduler.worker.spec, eng.scheduler
+    vocab, shape, rng = eng.runner.hf_config.vocab_size, decoder.shape, random.Random(seed)
+    k = shape.topk
+
+    def chain(fi, geo):
+        by_row = {r.req_pool_idx: r for r in sched.running}
+        trees = []
+        for row, start in zip(fi.rows, fi.prefix_lens):
+            req = by_row[row]
+            full = req.input_ids + reference[tuple(req.input_ids)]
+            tokens = [0] * (shape.nodes + 1)
+            on_ref = {0: True}  # heap index -> whether the path to it is the reference
+            for d in range(1, shape.depth + 1):
+                nxt = full[start + d] if start + d < len(full) else 0
+                for parent in shape.level(d - 1):
+                    right = rng.randrange(k) if on_ref[parent] else -1
+                    taken = {nxt}
+                    for j in range(k):
+                        child = k * parent + 1 + j
+                        good = j == right and rng.random() >= corrupt
+                        if good:
+                            tokens[child] = nxt
+                        else:
+                            t = rng.randrange(vocab)
+                            while t in taken:
+                                t = rng.randrange(vocab)
+                            taken.add(t)
+                            tokens[child] = t
+                        on_ref[child] = good
+            trees.append(tokens)
+        return torch.tensor(trees, dtype=torch.int64, device=geo[0].device)
+
+    decoder._draft_chain = chain
+
+
+def install_ranked_tree(eng: Engine, ranked: list[list[int]]) -> None:
+    """A draft tree whose children at output position j are the plain run's k most frequent
+    tokens there, most frequent first: both the first and the later children are often right."""
+    decoder, sched = eng.scheduler.worker.spec, eng.scheduler
+    shape = decoder.shape
+
+    def chain(fi, geo):
+        by_row = {r.req_pool_idx: r for r in sched.running}
+        trees = []
+        for row, start in zip(fi.rows, fi.prefix_lens):
+            first = start + 1 - len(by_row[row].input_ids)  # output index of depth 1
+            tokens = [0] * (shape.nodes + 1)
+            for d in range(1, shape.depth + 1):
+                cands = ranked[min(first + d - 1, len(ranked) - 1)]
+                for parent in shape.level(d - 1):
+                    for j in range(shape.topk):
+                        tokens[shape.topk * parent + 1 + j] = cands[j]
+            trees.append(tokens)
+        return torch.tensor(trees, dtype=torch.int64, device=geo[0].device)
+
+    decoder._draft_chain = chain

@@ -94,9 +94,12 @@ class TorchAttentionBackend(AttentionBackend):
         # NOTE: a TBO micro-batch keeps nothing: its two halves would evict each other's K/V
         rows = tuple(fb.req_pool_indices.tolist()) if table.device.type == "cpu" else ()
         # NOTE: a speculative verify batch repeats a row per query; the next one is a step
-        # further only where nothing was rejected, so such batches keep nothing either
+        # further only where nothing was rejected, so such batches keep nothing either; nor do
+        # batches over a draft tree's scratch rows (past the pool's live rows), which hold other
+        # nodes' ancestors every step
         if (fb.forward_mode.is_decode() and table.device.type == "cpu" and not fb.micro_batch
-                and len(set(rows)) == len(rows)):
+                and len(set(rows)) == len(rows)
+                and max(rows, default=0) < fb.req_to_token_pool.size):
             meta.step_key = (rows, tuple(fb.seq_lens_cpu), max_len)
             meta.prev_key = (rows, tuple(n - 1 for n in fb.seq_lens_cpu), max_len)
             meta.append_at = (torch.arange(len(rows), device=table.device), fb.seq_lens - 1)

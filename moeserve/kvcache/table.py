@@ -15,11 +15,15 @@ class ReqToTokenPool:
     must not be read.
     """
 
-    def __init__(self, size: int, max_context_len: int, device: torch.device | str):
-        self.size = size
+    def __init__(self, size: int, max_context_len: int, device: torch.device | str,
+                 scratch: int = 0):
+        """`scratch`: rows past the `size` live ones, never handed out: a draft tree's nodes
+        attend through them (spec_mtp/tree_decoder.py), each over its own ancestors."""
+        self.size, self.scratch = size, scratch
         self.max_context_len = max_context_len
-        self.req_to_token = torch.zeros((size, max_context_len), dtype=torch.int64, device=device)
-        self.token_ids = torch.zeros((size, max_context_len + 1), dtype=torch.int64, device=device)
+        rows = size + scratch
+        self.req_to_token = torch.zeros((rows, max_context_len), dtype=torch.int64, device=device)
+        self.token_ids = torch.zeros((rows, max_context_len + 1), dtype=torch.int64, device=device)
         self._free: list[int] = list(range(size))
 
     def available_size(self) -> int:

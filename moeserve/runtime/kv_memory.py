@@ -52,12 +52,15 @@ def auto_kv_tokens(cfg: MoeserveConfig, layout: dict, dtype: torch.dtype,
 
 
 def init_kv_memory(cfg: MoeserveConfig, layout: dict, context_len: int, dtype: torch.dtype,
-                   device: torch.device, spec_width: int = 0) -> tuple[KVMemory, int]:
+                   device: torch.device, spec_width: int = 0,
+                   scratch_rows: int = 0) -> tuple[KVMemory, int]:
     """(memory, context length capped at the pool's size). spec_width: positions a speculative
-    verify step reads and writes past a request's last token (num_steps + 1; 0 without)."""
+    verify step reads and writes past a request's last token (its verify width; 0 without);
+    scratch_rows: table rows for a draft tree's nodes."""
     size = cfg.cache.max_total_tokens or auto_kv_tokens(cfg, layout, dtype, device)
     context_len = min(context_len, size)
-    table = ReqToTokenPool(cfg.cache.max_running_requests + 1, context_len + spec_width, device)
+    table = ReqToTokenPool(cfg.cache.max_running_requests + 1, context_len + spec_width, device,
+                           scratch_rows)
     allocator = TokenToKVPoolAllocator(size)
     if layout["kind"] == "mla":
         pool = MLAKVPool(size, layout["layers"], layout["kv_lora_rank"], layout["rope_dim"],

@@ -108,10 +108,10 @@ class ModelRunner:
         self.model = self._build_model(model_path)
         self.context_len = cfg.model.context_length or self.hf_config.max_position_embeddings
         layout = kv_layout(self.model, self.hf_config, self.draft)
-        # a verify step reads and writes num_steps + 1 positions past a request's last token
-        spare = cfg.spec.num_steps + 1 if self.draft is not None else 0
+        # a verify step reads and writes its width of positions past a request's last token
+        spare = cfg.spec.verify_width if self.draft is not None else 0
         self.memory, self.context_len = init_kv_memory(cfg, layout, self.context_len, self.dtype,
-                                                       self.device, spare)
+                                                       self.device, spare, self._tree_rows())
         self.cpu_kernels = self._cpu_kernels()
         if self.cpu_kernels is not None:  # to the modules declaring `cpu_kernels`; bf16
             attach_ops(self.model, "cpu_kernels", self.cpu_kernels)  # linears without oneDNN's
@@ -159,6 +159,15 @@ class ModelRunner:
         if self.device.type == "cpu":
             pack_linears(model)  # after loading: the packed copies are taken from loaded weights
         return model.eval()
+
+    def _tree_rows(self) -> int:
+        """Scratch table rows of a draft tree: one per node of every request a verify step may
+        hold (spec.max_batch_size, else every running request)."""
+        spec = self.cfg.spec
+        if self.draft is None or spec.topk == 1:
+            return 0
+        batch = spec.step_aside_above(self.device.type) or self.cfg.cache.max_running_requests
+        return spec.draft_nodes * min(batch, self.cfg.cache.max_running_requests)
 
     def _cpu_kernels(self) -> CpuKernels | None:
         """The C decode kernels, for a CPU model in float32 or bfloat16 with model.cpu_kernels on;
@@ -210,8 +219,8 @@ class ModelRunner:
             return None
         from moeserve.runtime.cuda_graph import CudaGraphRunner
 
-        # a speculative verify step is a decode batch of num_steps + 1 queries per request
-        width = self.cfg.spec.num_steps + 1 if self.draft is not None else 1
+        # a speculative verify step is a decode batch of its width of queries per request
+        width = self.cfg.spec.verify_width if self.draft is not None else 1
         graphs = CudaGraphRunner(self, min(self.cfg.cuda_graph.max_bs,
                                            width * self.cfg.cache.max_running_requests))
         self.extend_graphs = self._extend_graphs()

@@ -66,6 +66,8 @@ class ForwardOutput:
     spec_tokens: list[list[int]] | None = None
     spec_logprobs: list[list[float]] | None = None
     spec_top_logprobs: list[list[list[tuple[int, float]]]] | None = None
+    # a draft tree's accepted nodes per request (heap indices, spec_mtp/tree.py): their KV slots
+    spec_paths: list[list[int]] | None = None
     # the sampled ids still on their way to the host (host_copy.PendingHost): the worker is free
     # to launch the next step before this one's tokens are read
     pending: object | None = None

@@ -272,7 +272,8 @@ class Scheduler:
                     if finish is not None:
                         break
                 self.spec.count(req, k + 1)  # the tokens kept: a stop may cut the block
-                self.spec.settle(req, batch.kv_ends[i], k + 1, self.runner.memory.allocator)
+                self.spec.settle(req, batch.kv_ends[i], k + 1, self.runner.memory.allocator,
+                                 out.spec_paths[i] if out.spec_paths else None)
             if finish is not None:
                 self._finish(req, finish)
             touched.append(req)
@@ -321,7 +322,7 @@ class Scheduler:
                            prompt_tokens=len(req.input_ids), completion_tokens=len(req.output_ids),
                            cached_tokens=req.cached_tokens, logprobs=lp, top_logprobs=top,
                            spec_verify_steps=req.spec_verify_steps,
-                           spec_draft_tokens=req.spec_verify_steps * self.cfg.spec.num_steps,
+                           spec_draft_tokens=req.spec_verify_steps * self.cfg.spec.draft_nodes,
                            spec_accepted_tokens=req.spec_accepted_tokens)
 
     def _take_stop_strings(self, reqs: list[Req]) -> dict[str, list[str]]:

@@ -1,7 +1,8 @@
 """The scheduler's side of speculative decoding: when a decode batch verifies, and how an accepted
 block lands in a request (its KV slots past the accepted tokens go back to the allocator).
 
-A verify step gives each request num_steps + 1 new positions (its last token and the drafts);
+A verify step gives each request its verify width of new positions (its last token and the
+drafts: num_steps of a chain, every node of a tree);
 `settle` keeps the KV of the positions whose tokens were accepted, as plain decoding would have
 computed them, so only those ever reach the prefix cache.
 """
@@ -34,13 +35,20 @@ class SpecPolicy:
             return 1
         if any(r.sampling.edits_logits for r in reqs):
             return 1
-        return self.cfg.num_steps + 1
+        if self.cfg.topk > 1 and any(r.grammar is not None for r in reqs):
+            return 1  # a grammar's walk over a draft tree is not built
+        return self.cfg.verify_width
 
-    def settle(self, req: Req, kv_end: int, emitted: int, allocator: TokenToKVPoolAllocator
-               ) -> None:
+    def settle(self, req: Req, kv_end: int, emitted: int, allocator: TokenToKVPoolAllocator,
+               path: list[int] | None = None) -> None:
         """After a verify step appended `emitted` tokens (fewer if a stop condition cut the
-        block): keep KV for the positions whose tokens are known and computed, free the rest."""
-        start = kv_end - (self.cfg.num_steps + 1)
+        block): keep KV for the positions whose tokens are known and computed, free the rest.
+        `path`: a draft tree's accepted nodes (heap indices), whose slots follow the root's."""
+        start = kv_end - self.cfg.verify_width
+        if path:
+            new = req.kv_slots[start:kv_end]
+            order = [0, *path] + [i for i in range(1, len(new)) if i not in set(path)]
+            req.kv_slots[start:kv_end] = [new[i] for i in order]
         keep = min(start + emitted, len(req.fill_ids) - 1)
         surplus = req.kv_slots[keep:]
         if surplus:
@@ -58,4 +66,4 @@ class SpecPolicy:
         req.spec_accepted_tokens += produced
         self.verify_steps += 1
         self.accepted_tokens += produced
-        self.draft_tokens += self.cfg.num_steps
+        self.draft_tokens += self.cfg.draft_nodes

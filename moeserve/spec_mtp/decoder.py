@@ -246,8 +246,13 @@ class SpecDecoder:
         if logits is None:
             logits = self.draft.logits(chosen)
         row_t = torch.tensor(rows, dtype=torch.int64).to(chosen.device)
-        self.next_draft[row_t] = self.draft.tokens(logits)
+        self.next_draft[row_t] = self._first_drafts(logits)
         self.hidden[row_t] = chosen
+
+    def _first_drafts(self, logits: torch.Tensor) -> torch.Tensor:
+        """What a request keeps from the draft extend for its next round: d_1 (a tree: its
+        first level, the top k)."""
+        return self.draft.tokens(logits)
 
     def _draft_step(self, fb: ForwardBatch, hidden: torch.Tensor
                     ) -> tuple[torch.Tensor, torch.Tensor]:

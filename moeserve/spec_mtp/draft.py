@@ -46,6 +46,11 @@ class Draft:
         idx = greedy(logits)
         return idx if self.vocab is None else self.vocab[idx]
 
+    def topk_tokens(self, logits: torch.Tensor, k: int) -> torch.Tensor:
+        """The k best drafted token ids [T, k] (distinct, best first) of `logits()`."""
+        idx = logits.topk(k, dim=-1).indices
+        return idx if self.vocab is None else self.vocab[idx]
+
 
 def build_draft(cfg: MoeserveConfig, model: nn.Module, hf_config: Any) -> Draft | None:
     """The draft for spec.algorithm=nextn (None when off). Call under the model's default dtype
