@@ -126,11 +126,18 @@ if [[ $what == spec ]]; then
   python3 -m moeserve.tools.make_random --shape deepseek_v3 --layers 5 --config-only \
     --out /tmp/dsv3_l5 >/dev/null  # 3 dense + 2 MoE layers, + the MTP layer (MoE)
   python3 -m moeserve.tools.make_random --shape llama3_8b --config-only --out /tmp/llama8b >/dev/null
-  for m in "/tmp/dsv3_l5 model.quantization=none" "/tmp/llama8b spec.draft_path=dummy"; do
-    set -- $m
-    timeout 280 python3 -m moeserve.bench.spec_step --model $1 --batch 1 16 64 --num-steps 3 \
+  # SPEC_MODELS picks rows: dsv3 (its MTP layer), llama (random NextN head), llama_tree (a
+  # draft tree, topk 2, depth 3: 14 nodes a request)
+  for m in ${SPEC_MODELS:-dsv3 llama llama_tree}; do
+    case $m in
+      dsv3) set -- /tmp/dsv3_l5 model.quantization=none ;;
+      llama) set -- /tmp/llama8b spec.draft_path=dummy ;;
+      llama_tree) set -- /tmp/llama8b spec.draft_path=dummy spec.topk=2 spec.max_batch_size=0 ;;
+    esac
+    model=$1; shift
+    timeout 280 python3 -m moeserve.bench.spec_step --model $model --batch 1 16 64 --num-steps 3 \
       --accept ${SPEC_ACCEPT:-2.0 2.5} --override model.load_format=dummy --override device=cuda \
-      --override $2 --override cache.max_total_tokens=80000 2>&1 \
+      $(printf -- "--override %s " "$@") --override cache.max_total_tokens=80000 2>&1 \
       | grep -v -E "Warning|warn|capturing" | tee -a "$OUT/spec_step.log" | tail -8
   done
 fi

@@ -2,9 +2,10 @@
 speed with and without speculation, on chat prompts the draft head was not trained on.
 
     python -m moeserve.bench.spec_accept --draft-path DIR [--model DIR] --steps 1 2 3 4 \
-        --max-new-tokens 128 --prompts 8 --concurrency 16 [--repeat 3] [--threads 1]
+        --max-new-tokens 128 --prompts 8 --concurrency 16 [--repeat 3] [--threads 1] \
+        [--trees 2x3 3x2]
 
-Rows: `off` (plain decoding) and one per chain length N: batch-1 decode tok/s (requests one at a
+Rows: `off` (plain decoding), one per chain length N and one per draft tree (topk K, depth N): batch-1 decode tok/s (requests one at a
 time; time to first token excluded via a 1-token run of the same prompt), the accept length
 (tokens per verify pass), the share of drafts accepted, and for each --concurrency C the served
 tok/s of an engine admitting C requests at a time (cache.max_running_requests=C) given max(2 C,
@@ -65,8 +66,17 @@ def _load() -> str:
     return "load %.2f %.2f %.2f" % os.getloadavg()
 
 
-def _run(args, n: int, base: list[str], prompts: list[str]) -> dict:
-    spec = [] if n == 0 else ["spec.algorithm=nextn", f"spec.num_steps={n}",
+Config = tuple[int, int]  # (num_steps, topk); (0, 1): speculation off
+
+
+def _label(cfg: Config) -> str:
+    n, k = cfg
+    return "off" if n == 0 else f"N={n}" if k == 1 else f"N={n} tree k={k}"
+
+
+def _run(args, cfg: Config, base: list[str], prompts: list[str]) -> dict:
+    n, k = cfg
+    spec = [] if n == 0 else ["spec.algorithm=nextn", f"spec.num_steps={n}", f"spec.topk={k}",
                               f"spec.draft_path={quote_override(args.draft_path)}"]
     with Engine(args.model, base + spec) as eng:
         chats = _chat(eng, prompts)
@@ -89,7 +99,9 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default=None, help="default: the embedded SmolLM2")
     p.add_argument("--draft-path", required=True)
-    p.add_argument("--steps", type=int, nargs="+", default=[1, 2, 3, 4])
+    p.add_argument("--steps", type=int, nargs="*", default=[1, 2, 3, 4])
+    p.add_argument("--trees", nargs="*", default=[], metavar="KxN",
+                   help="draft-tree rows: topk K, depth N (e.g. 2x3)")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--prompts", type=int, default=8)
     p.add_argument("--concurrency", type=int, nargs="+", default=[16],
@@ -102,16 +114,17 @@ def main(argv: list[str] | None = None) -> None:
         torch.set_num_threads(args.threads)
     base = list(args.override)
     prompts = heldout_prompts(args.prompts)
-    configs = [0, *args.steps]
-    runs: dict[int, list[dict]] = {n: [] for n in configs}
+    configs = [(0, 1)] + [(n, 1) for n in args.steps]
+    configs += [(int(t.split("x")[1]), int(t.split("x")[0])) for t in args.trees]
+    runs: dict[Config, list[dict]] = {c: [] for c in configs}
     print(f"{_load()}; torch threads {torch.get_num_threads()}", flush=True)
     for rep in range(args.repeat):
-        for n in configs:
-            r = _run(args, n, base, prompts)
-            runs[n].append(r)
-            same = r["outs"] == runs[0][0]["outs"]
+        for c in configs:
+            r = _run(args, c, base, prompts)
+            runs[c].append(r)
+            same = r["outs"] == runs[(0, 1)][0]["outs"]
             acc = r["accepted"] / r["verify"] if r["verify"] else None
-            print(f"[{rep + 1}/{args.repeat}] {'off' if n == 0 else f'N={n}'}: batch-1 "
+            print(f"[{rep + 1}/{args.repeat}] {_label(c)}: batch-1 "
                   f"{r['b1']:.1f} tok/s, accept length {acc if acc is None else round(acc, 2)}, "
                   f"served {_tok_s(r['served'])} tok/s, outputs = off: {same}; {_load()}",
                   flush=True)
@@ -122,11 +135,11 @@ def _tok_s(served: list[float]) -> str:
     return " / ".join(f"{s:.1f}" for s in served)
 
 
-def _table(args, configs: list[int], runs: dict[int, list[dict]], n_prompts: int) -> None:
+def _table(args, configs: list[Config], runs: dict[Config, list[dict]], n_prompts: int) -> None:
     med = {n: (statistics.median(r["b1"] for r in runs[n]),
                [statistics.median(r["served"][i] for r in runs[n])
                 for i in range(len(args.concurrency))]) for n in configs}
-    off_b1, off_served = med[0]
+    off_b1, off_served = med[(0, 1)]
     print(f"\n{n_prompts} held-out chat prompts, {args.max_new_tokens} new tokens, greedy; "
           f"served: max(2 C, {n_prompts}) requests at C in flight; "
           f"medians of {args.repeat} cycle(s); {_load()}")
@@ -136,12 +149,12 @@ def _table(args, configs: list[int], runs: dict[int, list[dict]], n_prompts: int
     print("|---|---|---|---|---|" + "---|---|" * len(args.concurrency) + "---|")
     for n in configs:
         r0, (b1, served) = runs[n][0], med[n]
-        same = all(r["outs"] == runs[0][0]["outs"] for r in runs[n])
+        same = all(r["outs"] == runs[(0, 1)][0]["outs"] for r in runs[n])
         acc = f"{r0['accepted'] / r0['verify']:.2f}" if r0["verify"] else "-"
         share = (f"{100 * (r0['accepted'] - r0['verify']) / r0['drafts']:.0f}%"
                  if r0["drafts"] else "-")
         cols = "".join(f" {s:.1f} | {s / o:.2f}x |" for s, o in zip(served, off_served))
-        print(f"| {'off' if n == 0 else f'N={n}'} | {b1:.1f} | {b1 / off_b1:.2f}x | {acc} | "
+        print(f"| {_label(n)} | {b1:.1f} | {b1 / off_b1:.2f}x | {acc} | "
               f"{share} |{cols} {same} |")
 
 

@@ -69,8 +69,8 @@ class Setup:
         return self.runner.make_batch(ForwardMode.DECODE, torch.zeros(b, dtype=torch.int64),
                                       [c] * b, self.per_req[:, c], self.rows_dev, [c] * b, [1] * b)
 
-    def verify_input(self, num_steps: int) -> ForwardInput:
-        c, b, w = self.context, self.batch, num_steps + 1
+    def verify_input(self, w: int) -> ForwardInput:
+        c, b = self.context, self.batch
         greedy = SamplingParams(temperature=0.0)
         return ForwardInput(ForwardMode.TARGET_VERIFY, list(self.rows), [c] * b, [w] * b,
                             self.per_req[:, c : c + w].flatten(), None, [greedy] * b, [None] * b,
@@ -98,19 +98,20 @@ def _count_replays(runner: ModelRunner) -> dict[str, int]:
     return counts
 
 
-def bench(runner: ModelRunner, batches: list[int], context: int, num_steps: int,
-          accepts: list[float], reps: int) -> list[dict]:
+def bench(runner: ModelRunner, batches: list[int], context: int, accepts: list[float],
+          reps: int) -> list[dict]:
     dev, worker = runner.device, ForwardWorker(runner, threaded=False)
     spec, graphs = worker.spec, runner.graph_runner
+    width = runner.cfg.spec.verify_width  # num_steps + 1, or a draft tree's nodes + 1
     rows = []
     for b in batches:
-        s = Setup(runner, b, context, num_steps + 1)
+        s = Setup(runner, b, context, width)
 
         def plain():
             return runner.forward_greedy(s.decode_batch()).tolist()
 
         def round_():
-            return spec.run(s.verify_input(num_steps))
+            return spec.run(s.verify_input(width))
 
         with torch.inference_mode():
             runner.graph_runner = None  # eager rows first
@@ -123,7 +124,7 @@ def bench(runner: ModelRunner, batches: list[int], context: int, num_steps: int,
                 rnd_graph = _timed(round_, dev, reps)
                 print(f"batch {b}: replays per round: target {counts['target'] / (reps + 2):.1f}, "
                       f"draft {counts['draft'] / (reps + 2):.1f}", flush=True)
-            fi = s.verify_input(num_steps)
+            fi = s.verify_input(width)
             geo = spec._geometry(fi)
             chain = _timed(lambda: spec._draft_chain(fi, geo).tolist(), dev, reps)
         s.free()
@@ -149,9 +150,10 @@ def main(argv: list[str] | None = None) -> None:
                    f"spec.num_steps={args.num_steps}",
                    f"cache.max_running_requests={max(args.batch)}", *args.override])
     runner = ModelRunner(cfg, args.model)
-    rows = bench(runner, args.batch, args.context, args.num_steps, args.accept, args.reps)
+    rows = bench(runner, args.batch, args.context, args.accept, args.reps)
     print(f"\nspeculative round (draft chain of {args.num_steps - 1} + verify of "
-          f"{args.num_steps + 1} tokens + draft extend) vs one plain decode step, context "
+          f"{cfg.spec.verify_width} tokens + draft extend, topk {cfg.spec.topk}) vs one plain "
+          f"decode step, context "
           f"{args.context}, draft: {runner.draft.kind}")
     head = ["batch", "plain eager ms", "round eager ms", "plain graph ms", "round graph ms",
             "of it chain ms"] + [f"speed-up @ accept {a}" for a in args.accept]

@@ -98,7 +98,7 @@ class TreeSpecDecoder(SpecDecoder):
         for d in range(1, self.n):
             lv = self.shape.level(d)
             count = len(lv)
-            pos = (starts[:, None] + (d - 1)).expand(b, count).reshape(-1)
+            pos = (starts + (d - 1)).repeat_interleave(count)
             fb = self.runner.make_batch(
                 ForwardMode.DECODE, tokens[:, lv.start: lv.stop].reshape(-1), pos,
                 slots[:, lv.start: lv.stop].reshape(-1),

@@ -91,6 +91,8 @@ def test_tree_config_errors_name_the_key():
         compose(["spec=nextn", "spec.topk=9"])
     with pytest.raises(ConfigError, match=r"spec\.topk"):
         compose(["spec=nextn", "spec.topk=4", "spec.num_steps=4"])  # 340 nodes
+    with pytest.raises(ConfigError, match=r"spec\.topk.*DP attention"):
+        compose(["spec=nextn", "spec.topk=2", "parallel.tp_size=2", "parallel.dp_size=2"])
     cfg = compose(["spec=nextn", "spec.topk=2", "spec.num_steps=3"])
     assert cfg.spec.draft_nodes == 14 and cfg.spec.verify_width == 15
 
@@ -128,6 +130,25 @@ def test_mtp_layer_tree_equals_plain(dsv3, overrides):
         for _ in range(2):  # the second run is served mostly from the prefix cache
             outs = eng.generate(input_ids=prompts, sampling_params=params)
             assert [o["output_ids"] for o in outs] == [o["output_ids"] for o in plain]
+        assert eng.scheduler.is_memory_clean()
+
+
+def test_nextn_head_tree_equals_plain(tiny_model):
+    """A NextN head (random) drafting trees on Llama: its chain passes over tree levels run the
+    head's own kernels (rope on each level's positions), and the outputs are plain decoding's."""
+    path = tiny_model("llama")
+    rng = random.Random(5)
+    prompts = [[rng.randrange(3, 200) for _ in range(rng.randrange(2, 25))] for _ in range(6)]
+    params = {**GREEDY, "max_new_tokens": 14}
+    with Engine(path, FP32_CPU) as eng:
+        plain = [o["output_ids"] for o in eng.generate(input_ids=prompts, sampling_params=params)]
+    spec = TREE + ["spec.draft_path=dummy", "spec.topk=2", "spec.num_steps=3"]
+    with Engine(path, FP32_CPU + spec) as eng:
+        outs = eng.generate(input_ids=prompts, sampling_params=params)
+        assert [o["output_ids"] for o in outs] == plain
+        assert all(o["meta"]["spec_verify_steps"] >= 1 for o in outs)
+        alone = eng.generate(input_ids=prompts[:1], sampling_params=params)  # batch 1
+        assert alone[0]["output_ids"] == plain[0]
         assert eng.scheduler.is_memory_clean()
 
 
