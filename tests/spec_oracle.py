@@ -11,6 +11,25 @@ import torch
 from moeserve import Engine
 
 
+def oracle_workload(eng: Engine, prompts: list[list[int]], rng: random.Random
+                    ) -> tuple[dict[tuple, list[int]], list[dict], list[dict]]:
+    """(reference, params, plain): each prompt's plain 24-token continuation (what the oracle
+    drafts propose), greedy params with max_new_tokens of every residue mod 4 and, on every
+    third prompt, a token of its reference as a stop id, and the plain outputs (with logprobs)
+    for those params."""
+    greedy = {"temperature": 0, "ignore_eos": True, "max_new_tokens": 24}
+    long = eng.generate(input_ids=prompts, sampling_params=greedy)
+    reference = {tuple(p): o["output_ids"] for p, o in zip(prompts, long)}
+    params = []
+    for i, p in enumerate(prompts):
+        sp = {"temperature": 0, "max_new_tokens": 5 + i % 4 + rng.randrange(0, 12)}
+        if i % 3 == 0:
+            sp["stop_token_ids"] = [reference[tuple(p)][rng.randrange(2, 12)]]
+        params.append(sp)
+    plain = eng.generate(input_ids=prompts, sampling_params=params, return_logprob=True)
+    return reference, params, plain
+
+
 def install_oracle_draft(eng: Engine, reference: dict[tuple, list[int]], corrupt: float,
                          seed: int, alternate: bool = False) -> None:
     """Replace the draft chain by the reference continuation (from the plain run), each token
@@ -111,3 +130,17 @@ def install_ranked_tree(eng: Engine, ranked: list[list[int]]) -> None:
         return torch.tensor(trees, dtype=torch.int64, device=geo[0].device)
 
     decoder._draft_chain = chain
+
+
+def assert_same_distribution(samples: dict[str, list[list[int]]], positions: int = 3) -> None:
+    """Chi-squared homogeneity of the two runs' tokens at each output position (p > 1e-3),
+    tokens seen fewer than 10 times in both pooled into one column."""
+    from scipy.stats import chi2_contingency
+
+    for pos in range(positions):
+        tokens = sorted({s[pos] for v in samples.values() for s in v})
+        table = [[sum(s[pos] == t for s in samples[k]) for t in tokens] for k in samples]
+        keep = [j for j in range(len(tokens)) if table[0][j] + table[1][j] >= 10]
+        rest = [sum(row[j] for j in range(len(tokens)) if j not in keep) for row in table]
+        table = [[row[j] for j in keep] + ([r] if sum(rest) else []) for row, r in zip(table, rest)]
+        assert chi2_contingency(table).pvalue > 1e-3, (pos, table)

@@ -13,10 +13,10 @@ import random
 
 import pytest
 from parity import FP32_CPU
-from scipy.stats import chi2_contingency
 
 from moeserve import Engine
-from spec_oracle import install_mode_draft, install_oracle_draft
+from spec_oracle import (assert_same_distribution, install_mode_draft, install_oracle_draft,
+                         oracle_workload)
 
 GREEDY = {"temperature": 0, "ignore_eos": True}
 SPEC = ["spec.algorithm=nextn", "spec.max_batch_size=0"]
@@ -68,16 +68,7 @@ def oracle_case(dsv3):
     the plain outputs for them."""
     path, prompts, _, _ = dsv3
     with Engine(path, FP32_CPU) as eng:
-        long = eng.generate(input_ids=prompts, sampling_params={**GREEDY, "max_new_tokens": 24})
-        reference = {tuple(p): o["output_ids"] for p, o in zip(prompts, long)}
-        rng = random.Random(1)
-        params = []
-        for i, p in enumerate(prompts):
-            sp = {"temperature": 0, "max_new_tokens": 5 + i % 4 + rng.randrange(0, 12)}
-            if i % 3 == 0:  # a token of the reference output becomes a stop id
-                sp["stop_token_ids"] = [reference[tuple(p)][rng.randrange(2, 12)]]
-            params.append(sp)
-        plain = eng.generate(input_ids=prompts, sampling_params=params, return_logprob=True)
+        reference, params, plain = oracle_workload(eng, prompts, random.Random(1))
     expected = [o["output_ids"] for o in plain]
     logprobs = [o["meta"]["output_logprobs"] for o in plain]
     return path, prompts, params, reference, expected, logprobs
@@ -138,14 +129,7 @@ def test_sampling_distribution_matches_plain(tiny_model):
                 steps = [o["meta"]["spec_verify_steps"] for o in outs]
                 assert set(steps) == {1, 2}
                 assert 0.1 * len(steps) < steps.count(1) < 0.95 * len(steps)
-    for pos in range(3):
-        tokens = sorted({s[pos] for v in samples.values() for s in v})
-        table = [[sum(s[pos] == t for s in samples[k]) for t in tokens] for k in samples]
-        keep = [j for j in range(len(tokens)) if table[0][j] + table[1][j] >= 10]
-        rest = [sum(row[j] for j in range(len(tokens)) if j not in keep) for row in table]
-        table = [[row[j] for j in keep] + ([r] if sum(rest) else []) for row, r in zip(table, rest)]
-        p_value = chi2_contingency(table).pvalue
-        assert p_value > 1e-3, (pos, table)
+    assert_same_distribution(samples)
 
 
 def test_plain_steps_above_max_batch_size_and_for_edited_logits(dsv3):

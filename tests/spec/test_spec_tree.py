@@ -10,13 +10,14 @@ import random
 import pytest
 import torch
 from parity import FP32_CPU
-from scipy.stats import chi2_contingency, chisquare
+from scipy.stats import chisquare
 
 from moeserve import Engine
 from moeserve.config import ConfigError, compose
 from moeserve.core import SamplingParams
 from moeserve.spec_mtp.tree import TreeShape, greedy_tree_accept, tree_rejection_accept
-from spec_oracle import install_oracle_tree, install_ranked_tree
+from spec_oracle import (assert_same_distribution, install_oracle_tree, install_ranked_tree,
+                         oracle_workload)
 
 GREEDY = {"temperature": 0, "ignore_eos": True}
 TREE = ["spec.algorithm=nextn", "spec.max_batch_size=0"]
@@ -107,15 +108,7 @@ def dsv3(tiny_model):
         prompts = [(system if i % 2 else system[:5]) +
                    [rng.randrange(3, vocab) for _ in range(rng.randrange(1, 30))]
                    for i in range(10)]
-        long = eng.generate(input_ids=prompts, sampling_params={**GREEDY, "max_new_tokens": 24})
-        reference = {tuple(p): o["output_ids"] for p, o in zip(prompts, long)}
-        params = []
-        for i, p in enumerate(prompts):
-            sp = {"temperature": 0, "max_new_tokens": 5 + i % 4 + rng.randrange(0, 12)}
-            if i % 3 == 0:  # a token of the reference output becomes a stop id
-                sp["stop_token_ids"] = [reference[tuple(p)][rng.randrange(2, 12)]]
-            params.append(sp)
-        plain = eng.generate(input_ids=prompts, sampling_params=params, return_logprob=True)
+        reference, params, plain = oracle_workload(eng, prompts, rng)
     return path, prompts, params, reference, plain
 
 
@@ -211,10 +204,4 @@ def test_tree_sampling_distribution_matches_plain(tiny_model):
                     ranked.append(sorted(set(col), key=lambda t: -col.count(t))[:2] + [0, 1])
             else:  # accepted first nodes: the first child and the second, each often
                 assert seen.count(1) > 100 and seen.count(2) > 100, (seen.count(1), seen.count(2))
-    for pos in range(3):
-        tokens = sorted({s[pos] for v in samples.values() for s in v})
-        table = [[sum(s[pos] == t for s in samples[k]) for t in tokens] for k in samples]
-        keep = [j for j in range(len(tokens)) if table[0][j] + table[1][j] >= 10]
-        rest = [sum(row[j] for j in range(len(tokens)) if j not in keep) for row in table]
-        table = [[row[j] for j in keep] + ([r] if sum(rest) else []) for row, r in zip(table, rest)]
-        assert chi2_contingency(table).pvalue > 1e-3, (pos, table)
+    assert_same_distribution(samples)
