@@ -97,3 +97,19 @@ def test_sampled_constrained_outputs_follow_the_grammar(case):
     for o, g in zip(outs, GRAMMARS):
         done = o["meta"]["finish_reason"] == "stop"
         assert _accepted(path, g, o["output_ids"], done), (g, o["text"])
+
+
+def test_draft_tree_batches_with_grammars_take_plain_steps(case):
+    """spec.topk=2: a batch holding a constrained request takes plain decode steps (a grammar's
+    walk over a tree is not built), so the outputs are still the plain constrained ones; the
+    unconstrained request alone afterwards is verified through the tree."""
+    path, prompts, params, plain = case
+    tree = ["spec.algorithm=nextn", "spec.max_batch_size=0", "spec.num_steps=2", "spec.topk=2"]
+    with Engine(path, FP32_CPU + tree) as eng:
+        outs = eng.generate(input_ids=prompts, sampling_params=params)
+        assert [o["output_ids"] for o in outs] == [o["output_ids"] for o in plain]
+        assert all(o["meta"].get("spec_verify_steps", 0) == 0 for o in outs[:-1])
+        alone = eng.generate(input_ids=prompts[-1:], sampling_params=params[-1:])[0]
+        assert alone["output_ids"] == plain[-1]["output_ids"]
+        assert alone["meta"]["spec_verify_steps"] >= 1
+        assert eng.scheduler.is_memory_clean()
