@@ -145,11 +145,21 @@ def _validate_spec(cfg: MoeserveConfig) -> None:
                           "must be >= 0 (0: always speculate) or null (the device's default)")
     if not 1 <= s.topk <= MAX_TREE_TOPK:
         raise ConfigError("spec.topk", f"must be in [1, {MAX_TREE_TOPK}], got {s.topk}")
+    if s.num_draft_tokens:
+        full = sum(s.topk ** d for d in range(1, s.num_steps + 1))
+        if s.topk == 1:
+            raise ConfigError("spec.num_draft_tokens", "sizes a draft tree: set spec.topk > 1 "
+                              "(a chain verifies spec.num_steps + 1 tokens)")
+        if not 3 <= s.num_draft_tokens <= full + 1:
+            raise ConfigError("spec.num_draft_tokens", f"must be in [3, {full + 1}] (the last "
+                              f"token + 2 .. {full} nodes of the topk {s.topk}, depth "
+                              f"{s.num_steps} tree), got {s.num_draft_tokens}")
     if s.topk > 1:
         if s.draft_nodes > MAX_TREE_NODES:
             raise ConfigError("spec.topk", f"a tree of topk {s.topk} and depth {s.num_steps} has "
                               f"{s.draft_nodes} nodes, more than {MAX_TREE_NODES}: lower "
-                              "spec.topk or spec.num_steps")
+                              "spec.topk or spec.num_steps, or prune it with "
+                              "spec.num_draft_tokens")
         if cfg.parallel.dp_size > 1:
             raise ConfigError("spec.topk", "draft trees (topk > 1) are not built for DP "
                               "attention; use spec.topk=1 with parallel.dp_size > 1")

@@ -223,8 +223,12 @@ class SpecConfig:
 
     algorithm: str = "none"  # none | nextn
     num_steps: int = 3  # draft steps: the chain's length, or the tree's depth
-    # 1: a chain; k > 1: a full k-ary draft tree of depth num_steps (spec_mtp/tree.py)
+    # 1: a chain; k > 1: a draft tree of depth num_steps, ranks < k at each node (spec_mtp/tree.py)
     topk: int = 1
+    # with topk > 1: tokens a verify step scores per request (the last token + the tree's nodes,
+    # as SGLang's speculative_num_draft_tokens): a pruned tree of the num_draft_tokens - 1 rank
+    # paths the draft head's eval found most often right; 0: the full k-ary tree
+    num_draft_tokens: int = 0
     # a trained NextN head (python -m moeserve.spec_mtp.train) instead of the checkpoint's MTP layer
     draft_path: str | None = None
     # decode batches larger than this run plain decode steps (the draft keeps up with one token);
@@ -234,6 +238,8 @@ class SpecConfig:
     @property
     def draft_nodes(self) -> int:
         """Draft tokens a verify step scores per request: num_steps, or the tree's nodes."""
+        if self.topk > 1 and self.num_draft_tokens:
+            return self.num_draft_tokens - 1
         return sum(self.topk ** d for d in range(1, self.num_steps + 1))
 
     @property

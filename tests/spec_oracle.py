@@ -76,7 +76,6 @@ def install_oracle_tree(eng: Engine, reference: dict[tuple, list[int]], corrupt:
     one with probability `corrupt`); every other child is a distinct wrong token."""
     decoder, sched = eng.scheduler.worker.spec, eng.scheduler
     vocab, shape, rng = eng.runner.hf_config.vocab_size, decoder.shape, random.Random(seed)
-    k = shape.topk
 
     def chain(fi, geo):
         by_row = {r.req_pool_idx: r for r in sched.running}
@@ -85,14 +84,16 @@ def install_oracle_tree(eng: Engine, reference: dict[tuple, list[int]], corrupt:
             req = by_row[row]
             full = req.input_ids + reference[tuple(req.input_ids)]
             tokens = [0] * (shape.nodes + 1)
-            on_ref = {0: True}  # heap index -> whether the path to it is the reference
+            on_ref = {0: True}  # node -> whether the path to it is the reference
             for d in range(1, shape.depth + 1):
                 nxt = full[start + d] if start + d < len(full) else 0
                 for parent in shape.level(d - 1):
-                    right = rng.randrange(k) if on_ref[parent] else -1
+                    kids = shape.children(parent)
+                    if not kids:
+                        continue
+                    right = rng.randrange(len(kids)) if on_ref[parent] else -1
                     taken = {nxt}
-                    for j in range(k):
-                        child = k * parent + 1 + j
+                    for j, child in enumerate(kids):
                         good = j == right and rng.random() >= corrupt
                         if good:
                             tokens[child] = nxt
@@ -123,9 +124,8 @@ def install_ranked_tree(eng: Engine, ranked: list[list[int]]) -> None:
             tokens = [0] * (shape.nodes + 1)
             for d in range(1, shape.depth + 1):
                 cands = ranked[min(first + d - 1, len(ranked) - 1)]
-                for parent in shape.level(d - 1):
-                    for j in range(shape.topk):
-                        tokens[shape.topk * parent + 1 + j] = cands[j]
+                for child in shape.level(d):
+                    tokens[child] = cands[shape.rank[child]]
             trees.append(tokens)
         return torch.tensor(trees, dtype=torch.int64, device=geo[0].device)
 

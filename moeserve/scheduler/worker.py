@@ -35,11 +35,12 @@ class ForwardWorker:
         self.spec = None  # spec_mtp.decoder.SpecDecoder: runs every step when speculating
         if runner.draft is not None:
             from moeserve.spec_mtp.decoder import SpecDecoder
+            from moeserve.spec_mtp.tree import tree_shape
             from moeserve.spec_mtp.tree_decoder import TreeSpecDecoder
 
             spec = runner.cfg.spec
-            self.spec = (SpecDecoder(runner, self, spec.num_steps) if spec.topk == 1
-                         else TreeSpecDecoder(runner, self, spec.num_steps, spec.topk))
+            self.spec = (SpecDecoder(runner, self, spec.num_steps) if spec.topk == 1 else
+                         TreeSpecDecoder(runner, self, tree_shape(spec, runner.draft.tree_paths)))
         dev = runner.device
         self._cuda_index = None if dev.type != "cuda" else (
             dev.index if dev.index is not None else torch.cuda.current_device())

@@ -4,6 +4,7 @@
     python -m moeserve.spec_mtp.train --out DIR --resume                    # continue after Ctrl-C
     python -m moeserve.spec_mtp.train --out DIR --eval-only                 # the agreement table
     python -m moeserve.spec_mtp.train --out DIR --eval-only --tree-topk 2 4 # + draft trees' bound
+    python -m moeserve.spec_mtp.train --out DIR --eval-only --tree-nodes 4 6 8 --save-tree-paths
 
 Self-distillation (train_data.py): the target answers chat prompts greedily (by default the
 offline Engine in serving's dtype), one pass of its runner gives the hidden states, both cached in
@@ -61,7 +62,8 @@ from moeserve.spec_mtp import train_data as data
 from moeserve.spec_mtp.draft_vocab import coverage_table, pick_vocab
 from moeserve.spec_mtp.prompts import heldout_prompts, read_prompts, train_prompts
 from moeserve.spec_mtp.train_eval import evaluate, format_table
-from moeserve.spec_mtp.train_head import TrainHead, fit_eh_proj, load_head, save_head
+from moeserve.spec_mtp.train_head import (TrainHead, fit_eh_proj, load_head, save_head,
+                                          write_tree_paths)
 from moeserve.spec_mtp.train_loop import CHECKPOINT, Trainer, lr_at, step_loss  # noqa: F401
 
 DRAFT_VOCAB = 4096  # default --draft-vocab
@@ -117,6 +119,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--eval-only", action="store_true", help="print DIR's held-out table")
     p.add_argument("--tree-topk", type=int, nargs="*", default=[], metavar="K",
                    help="with --eval-only, also the accept length of full K-ary draft trees")
+    p.add_argument("--tree-nodes", type=int, nargs="*", default=[4, 6, 8], metavar="M",
+                   help="the accept length of the best M-node pruned trees (ranks < "
+                   "--tree-path-ranks), reported after training and with --eval-only")
+    p.add_argument("--tree-path-ranks", type=int, default=4,
+                   help="draft ranks counted in the rank paths written to config.json")
+    p.add_argument("--save-tree-paths", action="store_true",
+                   help="with --eval-only: write the rank paths into DIR/config.json (training "
+                   "always does)")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: pick 1 or 2 by a "
                    "probe; on a shared 2-core CPU one thread is often faster)")
     p.add_argument("--budget-minutes", type=float, default=28.0,
@@ -221,7 +231,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.eval_only:
         head, meta = load_head(args.out, target)
         _, heldout = build_data(args, model_path, target, tokenizer, train=False)
-        result = evaluate(head, target, heldout, args.chain_steps, tree_topk=tuple(args.tree_topk))
+        result = evaluate(head, target, heldout, args.chain_steps, tree_topk=tuple(args.tree_topk),
+                          tree_nodes=tuple(args.tree_nodes), path_ranks=args.tree_path_ranks)
+        if args.save_tree_paths:
+            write_tree_paths(args.out, result["tree_paths"], args.tree_path_ranks)
         print(summary(result, args.out, t_start, meta))
         return 0
     torch.manual_seed(args.seed)
@@ -261,7 +274,9 @@ def main(argv: list[str] | None = None) -> int:
     meta = {"trained_steps": trainer.step, "prompts": len(train), "tokens": tokens}
     save_head(trainer.head, target, args.out, meta)
     meta["tokens_seen"] = round(tokens * trainer.step * trainer.cfg["batch_size"] / len(train))
-    result = evaluate(trainer.head, target, heldout, trainer.cfg["chain_steps"])
+    result = evaluate(trainer.head, target, heldout, trainer.cfg["chain_steps"],
+                      tree_nodes=tuple(args.tree_nodes), path_ranks=args.tree_path_ranks)
+    write_tree_paths(args.out, result["tree_paths"], args.tree_path_ranks)
     print(summary(result, args.out, t_start, meta))
     return 0
 

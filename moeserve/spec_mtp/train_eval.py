@@ -23,6 +23,8 @@ from typing import Any
 import torch
 
 from moeserve.spec_mtp.draft_vocab import to_draft_index
+from moeserve.spec_mtp.tree_stats import (Answer, paths_to_json, pruned_tree_accept,
+                                          rank_path_counts, walk)
 
 
 @dataclass
@@ -119,7 +121,8 @@ def label_ranks(head, lm_head: torch.Tensor, batch: Batch, steps: int) -> list[t
 
 @torch.no_grad()
 def evaluate(head, target, records: list[dict[str, Any]], steps: int = 3,
-             batch_size: int = 8, tree_topk: tuple[int, ...] = ()) -> dict[str, Any]:
+             batch_size: int = 8, tree_topk: tuple[int, ...] = (),
+             tree_nodes: tuple[int, ...] = (), path_ranks: int = 0) -> dict[str, Any]:
     """Chained agreement on `records` (answers only), aggregated over chain starts p whose
     `steps` steps all have labels: per-step, conditional and joint rates, the mean accept length
     over those starts (`accept_length_per_start`), and the accept length serving measures
@@ -129,22 +132,31 @@ def evaluate(head, target, records: list[dict[str, Any]], steps: int = 3,
     verified at once): a step is accepted when the label is among the draft's top k at every
     step so far (`tree_accept_length[k]`). The path of right tokens feeds the head exactly what
     the tree's node on it would, so this is what such a tree would accept with this head, an
-    upper bound for pruned trees."""
+    upper bound for pruned trees.
+
+    `path_ranks` = K > 0: also count the label rank paths (ranks < K, tree_stats.py) into
+    `tree_paths`, and for each M in `tree_nodes` the served accept length at N = steps of the
+    best M-node tree of ranks < K (`pruned_tree_accept_length`, cross-fitted)."""
     was_training = head.training
     head.eval()
     embed, lm_head = target.get_input_embeddings(), target.get_output_embeddings().weight
     hits = []  # per chain start: [steps] bool
     walked = [[0, 0] for _ in range(steps)]  # per N: tokens, verify steps
     tree_walked = {k: [[0, 0] for _ in range(steps)] for k in tree_topk}
+    answers: list[Answer] = []  # label ranks per answer, for rank paths
     for i in range(0, len(records), batch_size):
         batch = collate(records[i: i + batch_size], embed)
         correct = chain_correct(head, lm_head, batch, steps)
-        ranks = label_ranks(head, lm_head, batch, steps) if tree_topk else None
+        want_ranks = bool(tree_topk) or path_ranks > 0
+        ranks = label_ranks(head, lm_head, batch, steps) if want_ranks else None
         for b in range(batch.labels.shape[0]):
             n_labels = int((batch.labels[b] >= 0).sum())
             last = n_labels - steps  # last start with all labels
             for p in range(int(batch.start[b]), last + 1):
                 hits.append(torch.stack([correct[k][b, p + k] for k in range(steps)]))
+            if path_ranks:
+                answers.append(Answer(int(batch.start[b]), n_labels,
+                                      [ranks[k][b].tolist() for k in range(steps)]))
             seqs = [(walked, [correct[k][b].tolist() for k in range(steps)])]
             seqs += [(tree_walked[t], [(ranks[k][b] < t).tolist() for k in range(steps)])
                      for t in tree_topk]
@@ -165,29 +177,31 @@ def evaluate(head, target, records: list[dict[str, Any]], steps: int = 3,
     per_start = [1.0 + sum(r["joint"] for r in rows[: k + 1]) for k in range(steps)]
     def ratio(acc):
         return [t / v if v else 1.0 for t, v in acc]
-    return {"starts": len(h), "rows": rows, "accept_length_per_start": per_start,
-            "accept_length": ratio(walked), "verify_steps": [v for _, v in walked],
-            "tree_accept_length": {k: ratio(acc) for k, acc in tree_walked.items()}}
+    out = {"starts": len(h), "rows": rows, "accept_length_per_start": per_start,
+           "accept_length": ratio(walked), "verify_steps": [v for _, v in walked],
+           "tree_accept_length": {k: ratio(acc) for k, acc in tree_walked.items()}}
+    if path_ranks:
+        out["tree_paths"] = paths_to_json(rank_path_counts(answers, path_ranks))
+        out["pruned_tree_topk"] = path_ranks
+        out["pruned_tree_accept_length"] = pruned_tree_accept(answers, path_ranks, steps,
+                                                              tree_nodes)
+        out["rank_answers"] = answers  # (tree_stats.tree_walk on any shape)
+    return out
 
 
 def served_walk(correct: list[list[bool]], start: int, n_labels: int, n: int) -> tuple[int, int]:
-    """(tokens, verify steps) of greedy speculation with `n` drafts over one answer, as served.
+    """(tokens, verify steps) of greedy speculation with `n` drafts over one answer, as served
+    (tree_stats.walk). correct[k][j]: chain step k+1 at position j is right (teacher-forced,
+    `chain_correct`), i.e. the chain that starts at p = j - k drafts t_{p+k+2}; n_labels: labels
+    t_{j+2} exist for j < n_labels."""
 
-    correct[k][j]: chain step k+1 at position j is right (teacher-forced, `chain_correct`), i.e.
-    the chain that starts at p = j - k drafts t_{p+k+2}; n_labels: labels t_{j+2} exist for
-    j < n_labels. Prefill emits the first answer token, so the first chain starts at `start`
-    (the last prompt position); a step accepts the drafts up to the first wrong one, emits them
-    and the target's token, and the next chain starts one position before the last emitted
-    token. The last step emits only the tokens the answer has left (its end: EOS or
-    max_new_tokens)."""
-    p, tokens, verify = start, 0, 0
-    while p < n_labels:  # the answer still has tokens after position p + 1
+    def accepts_at(p: int) -> int:
         a = 0
         while a < n and p + a < n_labels and correct[a][p + a]:
             a += 1
-        emitted = min(a + 1, n_labels - p)
-        tokens, verify, p = tokens + emitted, verify + 1, p + emitted
-    return tokens, verify
+        return a
+
+    return walk(accepts_at, start, n_labels)
 
 
 def format_table(result: dict[str, Any], extra: dict[str, Any] | None = None) -> str:
@@ -213,6 +227,14 @@ def format_table(result: dict[str, Any], extra: dict[str, Any] | None = None) ->
             nodes = "/".join(str(sum(k ** d for d in range(1, n + 1)))
                              for n in range(1, steps + 1))
             lines.append(f"| {k} | {nodes} | " + " | ".join(f"{a:.2f}" for a in acc) + " |")
+    pruned = result.get("pruned_tree_accept_length") or {}
+    if pruned:
+        k = result["pruned_tree_topk"]
+        lines += [f"pruned draft trees (ranks < {k}, depth <= {len(result['rows'])}; the M rank "
+                  "paths most often right, cross-fitted over two halves), accept length as "
+                  "served:", "| nodes M | " + " | ".join(str(m) for m in pruned) + " |",
+                  "|---|" + "---|" * len(pruned),
+                  "| accept length | " + " | ".join(f"{a:.2f}" for a in pruned.values()) + " |"]
     for key, value in (extra or {}).items():
         lines.append(f"{key}: {value}")
     return "\n".join(lines)

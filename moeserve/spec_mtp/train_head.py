@@ -218,6 +218,18 @@ def save_head(head: TrainHead, target: nn.Module, out: str, meta: dict[str, Any]
         json.dump(head_config(target, meta), f, indent=2)
 
 
+def write_tree_paths(out: str, paths: list[list], topk: int) -> None:
+    """Record the eval's rank path counts in DIR/config.json (`tree_paths`, `tree_paths_topk`):
+    serving picks a pruned draft tree's nodes from them (spec.num_draft_tokens)."""
+    file = os.path.join(out, CONFIG_FILE)
+    with open(file) as f:
+        cfg = json.load(f)
+    cfg["tree_paths"], cfg["tree_paths_topk"] = paths, topk
+    with open(file + ".tmp", "w") as f:
+        json.dump(cfg, f, indent=2)
+    os.replace(file + ".tmp", file)
+
+
 def load_head(path: str, target: nn.Module) -> tuple[TrainHead, dict[str, Any]]:
     """A TrainHead with DIR's weights (float32) and DIR's config.json, checked against target."""
     from safetensors.torch import load_file

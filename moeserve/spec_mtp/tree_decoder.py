@@ -1,9 +1,10 @@
-"""TreeSpecDecoder: the round of SpecDecoder with a full k-ary draft tree (spec.topk = k > 1).
+"""TreeSpecDecoder: the round of SpecDecoder with a draft tree (spec.topk = k > 1; tree.py).
 
 The same three forwards as the chain, with the tree's nodes in place of the chain's positions:
   1. the draft expands the tree level by level: the draft extend left each request's top k after
-     its last token (level 1); step d runs the draft on the k^d nodes of level d, each with its
-     parent's draft hidden state, and takes the top k of each as level d + 1 (N - 1 passes);
+     its last token (level 1); pass d runs the draft on the nodes of level d that have children,
+     each with its parent's draft hidden state, and a child of rank r is the r-th of its parent's
+     top k (N - 1 passes);
   2. the target verifies [x_L and every node] in one decode-shaped pass, node i at position
      L + depth(i) attending over the prefix, then its own ancestors (tree attention);
   3. the draft extend runs over the same nodes with the target's hidden states and writes the
@@ -36,19 +37,35 @@ if TYPE_CHECKING:
 
 
 class TreeSpecDecoder(SpecDecoder):
-    def __init__(self, runner: ModelRunner, worker, num_steps: int, topk: int):
-        super().__init__(runner, worker, num_steps)
-        self.shape = TreeShape(topk, num_steps)
-        self.m = self.shape.nodes
+    def __init__(self, runner: ModelRunner, worker, shape: TreeShape):
+        super().__init__(runner, worker, shape.depth)
+        self.shape, self.m = shape, shape.nodes
         table, dev = runner.memory.req_to_token, runner.device
-        self.next_draft = torch.zeros(table.size, topk, dtype=torch.int64, device=dev)
+        self.next_draft = torch.zeros(table.size, shape.topk, dtype=torch.int64, device=dev)
         self.scratch_base, self.scratch_rows = table.size, table.scratch
-        self.depths = self.shape.depths()  # [M + 1], host
+        self.depths = shape.depths()  # [M + 1], host
         self.depth_dev = torch.tensor(self.depths, device=dev)
-        anc = self.shape.ancestors()[1:]  # [M, N]: each node's ancestors by depth
+        anc = shape.ancestors()[1:]  # [M, N]: each node's ancestors by depth
         node, col = (anc >= 0).nonzero(as_tuple=True)  # the (node, depth) pairs that exist
         self.anc_node, self.anc_col = node.to(dev), col.to(dev)
-        self.anc_of = anc[node, col].to(dev)  # heap index of that ancestor
+        self.anc_of = anc[node, col].to(dev)  # index of that ancestor
+        self.levels = self._draft_plan(dev)
+
+    def _draft_plan(self, dev: torch.device) -> list[tuple[torch.Tensor, ...]]:
+        """Per draft pass d = 1 .. N-1: (the depth-d nodes that have children, each one's parent
+        among the previous pass's nodes (the root for d = 1), the depth-(d+1) nodes, each one's
+        parent among this pass's nodes, its rank). Level 1 comes from the draft extend; a node
+        without children is not run."""
+        shape, plan, prev = self.shape, [], [0]
+        for d in range(1, self.n):
+            run = [i for i in shape.level(d) if shape.children(i)]
+            src = [prev.index(shape.parent[i]) for i in run]
+            kids = [c for i in run for c in shape.children(i)]
+            kid_src = [run.index(shape.parent[c]) for c in kids]
+            plan.append(tuple(torch.tensor(x, dtype=torch.int64, device=dev)
+                              for x in (run, src, kids, kid_src, [shape.rank[c] for c in kids])))
+            prev = run
+        return plan
 
     def _first_drafts(self, logits: torch.Tensor) -> torch.Tensor:
         return self.draft.topk_tokens(logits, self.shape.topk)
@@ -87,28 +104,27 @@ class TreeSpecDecoder(SpecDecoder):
 
     # ---- the round ------------------------------------------------------------------------------
     def _draft_chain(self, fi: ForwardInput, geo) -> torch.Tensor:
-        """→ node tokens [B, M+1] in heap order (the root's entry is filled by the verify)."""
+        """→ node tokens [B, M+1] (the root's entry is filled by the verify)."""
         rows, starts, _, slots, scratch = geo
         b, k = len(fi.rows), self.shape.topk
         tokens = torch.zeros((b, self.m + 1), dtype=torch.int64, device=rows.device)
         first = self.shape.level(1)
-        tokens[:, first.start: first.stop] = self.next_draft[rows]
+        ranks = [self.shape.rank[i] for i in first]
+        tokens[:, first.start: first.stop] = self.next_draft[rows][:, ranks]
         self._fill_rows(geo, target=False)
-        hidden = self.hidden[rows].repeat_interleave(k, 0)
-        for d in range(1, self.n):
-            lv = self.shape.level(d)
-            count = len(lv)
+        hidden = self.hidden[rows][:, None]  # [B, 1, H]: the root's draft state
+        for d, (run, src, kids, kid_src, kid_rank) in enumerate(self.levels, start=1):
+            count = len(run)
             pos = (starts + (d - 1)).repeat_interleave(count)
             fb = self.runner.make_batch(
-                ForwardMode.DECODE, tokens[:, lv.start: lv.stop].reshape(-1), pos,
-                slots[:, lv.start: lv.stop].reshape(-1),
-                scratch[:, lv.start - 1: lv.stop - 1].reshape(-1),
-                [p + d - 1 for p in fi.prefix_lens for _ in lv], [1] * (b * count),
+                ForwardMode.DECODE, tokens[:, run].reshape(-1), pos, slots[:, run].reshape(-1),
+                scratch[:, run - 1].reshape(-1),
+                [p + d - 1 for p in fi.prefix_lens for _ in range(count)], [1] * (b * count),
                 global_mode=ForwardMode.DECODE, seq_lens_dev=pos + 1)
-            logits, out = self._draft_step(fb, hidden)
-            nxt = self.shape.level(d + 1)
-            tokens[:, nxt.start: nxt.stop] = self.draft.topk_tokens(logits, k).view(b, -1)
-            hidden = out.repeat_interleave(k, 0)
+            logits, out = self._draft_step(fb, hidden[:, src].reshape(b * count, -1))
+            top = self.draft.topk_tokens(logits, k).view(b, count, k)
+            tokens[:, kids] = top[:, kid_src, kid_rank]
+            hidden = out.view(b, count, -1)
         return tokens
 
     def _verify(self, fi: ForwardInput, geo, tokens: torch.Tensor):

@@ -36,8 +36,7 @@ def _walk(shape: TreeShape, tokens: list[int], target: list[int]) -> list[int]:
     """Brute force: from the root, into the child holding the target's token, while one does."""
     node, path = 0, []
     for _ in range(shape.depth):
-        kids = [c for c in range(shape.topk * node + 1, shape.topk * node + shape.topk + 1)
-                if tokens[c] == target[node]]
+        kids = [c for c in shape.children(node) if tokens[c] == target[node]]
         if not kids:
             break
         node = kids[0]
@@ -45,16 +44,20 @@ def _walk(shape: TreeShape, tokens: list[int], target: list[int]) -> list[int]:
     return path
 
 
-@pytest.mark.parametrize("k,n", [(2, 3), (3, 2), (4, 1)])
-def test_greedy_tree_accept_equals_brute_force(k, n):
-    shape, rng = TreeShape(k, n), random.Random(k * 10 + n)
+PRUNED = [(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 0, 1), (1, 0, 0)]
+
+
+@pytest.mark.parametrize("shape", [TreeShape(2, 3), TreeShape(3, 2), TreeShape(4, 1),
+                                   TreeShape(3, 3, PRUNED)], ids=["k2n3", "k3n2", "k4n1", "pruned"])
+def test_greedy_tree_accept_equals_brute_force(shape):
+    rng = random.Random(shape.nodes)
     b, w = 64, shape.nodes + 1
     tokens = [[rng.randrange(5) for _ in range(w)] for _ in range(b)]
     for row in tokens:  # siblings are distinct, as the draft's top k are
         for parent in range(w):
-            kids = range(k * parent + 1, min(k * parent + k + 1, w))
+            kids = shape.children(parent)
             for j, c in enumerate(kids):
-                row[c] = (row[k * parent + 1] + j) % 7 if j else row[c] % 7
+                row[c] = (row[kids[0]] + j) % 7 if j else row[c] % 7
     target = [[rng.randrange(7) for _ in range(w)] for _ in range(b)]
     path, accepted = greedy_tree_accept(shape, torch.tensor(tokens), torch.tensor(target))
     lengths = set()
@@ -63,6 +66,29 @@ def test_greedy_tree_accept_equals_brute_force(k, n):
         lengths.add(len(want))
         assert int(accepted[i]) == len(want) and path[i, : len(want)].tolist() == want
     assert len(lengths) > 1
+
+
+def test_pruned_tree_shape():
+    """Breadth-first numbering of any rank-path set; `best` takes the most counted paths (ties
+    and unmeasured paths by the positional prior), always a tree; bad path sets are refused."""
+    shape = TreeShape(3, 3, PRUNED)
+    assert shape.nodes == 9 and shape.depth == 3 and list(shape.level(2)) == [4, 5, 6]
+    assert shape.children(0) == [1, 2, 3] and shape.children(1) == [4, 5]
+    assert shape.children(4) == [7, 8] and shape.children(6) == [9] and shape.children(3) == []
+    assert shape.ancestors()[8].tolist() == [1, 4, 8]
+    counts = {(0,): 100, (1,): 40, (0, 0): 50, (0, 0, 0): 30, (2,): 20, (0, 1): 20}
+    best = TreeShape.best(3, 3, 5, counts)
+    # (2,) and (0, 1) tie at 20: the prior prefers (0, 1) (0.6 * 0.12 > 0.05)
+    assert best.paths == [(0,), (1,), (0, 0), (0, 1), (0, 0, 0)]
+    assert TreeShape.best(3, 3, 6, counts).paths == [(0,), (1,), (2,), (0, 0), (0, 1), (0, 0, 0)]
+    prior = TreeShape.best(2, 3, 3)  # no counts: the chain first (0.6, 0.36, 0.216 > 0.12)
+    assert prior.paths == [(0,), (0, 0), (0, 0, 0)]
+    for shape in (best, prior, TreeShape.best(4, 3, 20)):
+        assert all(p[:-1] in shape.paths or len(p) == 1 for p in shape.paths)
+    with pytest.raises(ValueError, match="parent"):
+        TreeShape(2, 3, [(0,), (1, 1)])
+    with pytest.raises(ValueError, match="rank"):
+        TreeShape(2, 3, [(0,), (2,)])
 
 
 def test_tree_rejection_rule_draws_the_target_distribution():
@@ -96,6 +122,12 @@ def test_tree_config_errors_name_the_key():
         compose(["spec=nextn", "spec.topk=2", "parallel.tp_size=2", "parallel.dp_size=2"])
     cfg = compose(["spec=nextn", "spec.topk=2", "spec.num_steps=3"])
     assert cfg.spec.draft_nodes == 14 and cfg.spec.verify_width == 15
+    cfg = compose(["spec=nextn", "spec.topk=4", "spec.num_steps=4", "spec.num_draft_tokens=9"])
+    assert cfg.spec.draft_nodes == 8 and cfg.spec.verify_width == 9  # pruned: fits
+    with pytest.raises(ConfigError, match=r"spec\.num_draft_tokens.*topk > 1"):
+        compose(["spec=nextn", "spec.num_draft_tokens=4"])
+    with pytest.raises(ConfigError, match=r"spec\.num_draft_tokens.*\[3, 7\]"):
+        compose(["spec=nextn", "spec.topk=2", "spec.num_steps=2", "spec.num_draft_tokens=8"])
 
 
 @pytest.fixture(scope="module")
@@ -116,7 +148,8 @@ def dsv3(tiny_model):
     ["spec.topk=2", "spec.num_steps=3", "scheduler.overlap=false"],
     ["spec.topk=3", "spec.num_steps=2", "scheduler.overlap=true",
      "scheduler.chunked_prefill_size=8"],
-], ids=["k2-n3-normal", "k3-n2-overlap-chunked"])
+    ["spec.topk=3", "spec.num_steps=3", "spec.num_draft_tokens=7", "scheduler.overlap=true"],
+], ids=["k2-n3-normal", "k3-n2-overlap-chunked", "pruned-k3-n3-m6-overlap"])
 def test_mtp_layer_tree_equals_plain(dsv3, overrides):
     path, prompts, params, _, plain = dsv3
     with Engine(path, FP32_CPU + TREE + overrides) as eng:
@@ -145,12 +178,15 @@ def test_nextn_head_tree_equals_plain(tiny_model):
         assert eng.scheduler.is_memory_clean()
 
 
-@pytest.mark.parametrize("k,n,corrupt", [(2, 3, 0.0), (2, 3, 0.3), (3, 2, 0.5), (2, 2, 1.0)])
-def test_oracle_tree_blocks_equal_plain(dsv3, k, n, corrupt):
+@pytest.mark.parametrize("k,n,corrupt,width", [(2, 3, 0.0, 0), (2, 3, 0.3, 0), (3, 2, 0.5, 0),
+                                                (2, 2, 1.0, 0), (3, 3, 0.0, 8), (3, 3, 0.3, 6)])
+def test_oracle_tree_blocks_equal_plain(dsv3, k, n, corrupt, width):
     """Accepted paths through any child give the plain tokens and logprobs; the KV pool returns
-    to its size (the rejected nodes' slots are freed, the path's kept)."""
+    to its size (the rejected nodes' slots are freed, the path's kept). width > 0: a pruned
+    tree of width - 1 nodes (some with fewer children than others, leaves above depth n)."""
     path, prompts, params, reference, plain = dsv3
-    overrides = FP32_CPU + TREE + [f"spec.topk={k}", f"spec.num_steps={n}"]
+    overrides = FP32_CPU + TREE + [f"spec.topk={k}", f"spec.num_steps={n}",
+                                   f"spec.num_draft_tokens={width}"]
     with Engine(path, overrides) as eng:
         install_oracle_tree(eng, reference, corrupt, seed=3)
         outs = eng.generate(input_ids=prompts, sampling_params=params, return_logprob=True)
@@ -161,8 +197,10 @@ def test_oracle_tree_blocks_equal_plain(dsv3, k, n, corrupt):
         lengths = [o["meta"]["spec_accept_length"] for o in outs
                    if o["meta"].get("spec_verify_steps", 0) >= 2]
         mean = sum(lengths) / len(lengths)
-        if corrupt == 0.0:
+        if corrupt == 0.0 and not width:
             assert mean > n  # nearly every path is accepted to the bottom
+        elif corrupt == 0.0:  # the reference sits at a random child: pruned ones miss it
+            assert 1.5 < mean < n + 1
         elif corrupt == 1.0:
             assert mean == 1.0
         else:

@@ -396,3 +396,44 @@ def test_evaluated_accept_length_equals_served(tiny, tiny_model, tmp_path):
     assert result["verify_steps"][2] == verify
     assert result["accept_length"][2] == pytest.approx(tokens / verify)
     assert result["accept_length_per_start"][2] != pytest.approx(tokens / verify)  # 1.70, 1.69
+
+
+def test_pruned_tree_eval_equals_served(tiny, tiny_model, tmp_path):
+    """A pruned draft tree served from a head's recorded rank paths: the Engine builds the M
+    most counted paths, and its tokens per verify step equal the eval's walk of that tree over
+    the same answers (tree_stats.tree_walk); the tree accepts no less than the chain."""
+    from parity import FP32_CPU
+
+    from moeserve import Engine
+    from moeserve.spec_mtp.train_head import write_tree_paths
+    from moeserve.spec_mtp.tree import TreeShape
+    from moeserve.spec_mtp.tree_stats import paths_from_json, tree_walk
+
+    target, _, records = tiny
+    torch.manual_seed(0)
+    trainer = train_mod.Trainer(TrainHead(target), target, records, _cfg(total_steps=12), "")
+    for _ in range(12):
+        trainer.train_step()
+    save_head(trainer.head, target, str(tmp_path), {"trained_steps": 12})
+    head, _ = load_head(str(tmp_path), target)
+    result = evaluate(head, target, records, steps=3, tree_nodes=(5,), path_ranks=3)
+    write_tree_paths(str(tmp_path), result["tree_paths"], 3)
+    shape = TreeShape.best(3, 3, 5, paths_from_json(result["tree_paths"]))
+    walked = [tree_walk(a, shape) for a in result["rank_answers"]]
+    want = sum(t for t, _ in walked) / sum(v for _, v in walked)
+    spec = ["spec.algorithm=nextn", "spec.num_steps=3", "spec.max_batch_size=0", "spec.topk=3",
+            "spec.num_draft_tokens=6", f"spec.draft_path={tmp_path}"]
+    tokens = verify = 0
+    with Engine(tiny_model("llama"), FP32_CPU + spec) as eng:
+        assert eng.scheduler.worker.spec.shape.paths == shape.paths
+        for r in records:
+            prompt, answer = r["tokens"].tolist(), r["tokens"][r["prompt_len"]:].tolist()
+            (out,) = eng.generate(input_ids=[prompt[: r["prompt_len"]]],
+                                  sampling_params={"temperature": 0, "max_new_tokens": 12})
+            assert out["output_ids"] == answer
+            tokens += len(answer) - 1  # the first came from prefill
+            verify += out["meta"]["spec_verify_steps"]
+        assert eng.scheduler.is_memory_clean()
+    assert sum(v for _, v in walked) == verify and tokens / verify == pytest.approx(want)
+    assert any(max(p) > 0 for p in shape.paths)  # not the chain
+    assert want >= result["accept_length"][2]  # (the tree is chosen on these answers)
