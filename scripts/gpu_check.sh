@@ -127,12 +127,14 @@ if [[ $what == spec ]]; then
     --out /tmp/dsv3_l5 >/dev/null  # 3 dense + 2 MoE layers, + the MTP layer (MoE)
   python3 -m moeserve.tools.make_random --shape llama3_8b --config-only --out /tmp/llama8b >/dev/null
   # SPEC_MODELS picks rows: dsv3 (its MTP layer), llama (random NextN head), llama_tree (a
-  # draft tree, topk 2, depth 3: 14 nodes a request)
-  for m in ${SPEC_MODELS:-dsv3 llama llama_tree}; do
+  # draft tree, topk 2, depth 3: 14 nodes a request), llama_pruned (topk 4 pruned to 6 nodes)
+  for m in ${SPEC_MODELS:-dsv3 llama llama_tree llama_pruned}; do
     case $m in
       dsv3) set -- /tmp/dsv3_l5 model.quantization=none ;;
       llama) set -- /tmp/llama8b spec.draft_path=dummy ;;
       llama_tree) set -- /tmp/llama8b spec.draft_path=dummy spec.topk=2 spec.max_batch_size=0 ;;
+      llama_pruned) set -- /tmp/llama8b spec.draft_path=dummy spec.topk=4 spec.num_draft_tokens=7 \
+        spec.max_batch_size=0 ;;
     esac
     model=$1; shift
     timeout 280 python3 -m moeserve.bench.spec_step --model $model --batch 1 16 64 --num-steps 3 \

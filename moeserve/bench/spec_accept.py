@@ -66,17 +66,21 @@ def _load() -> str:
     return "load %.2f %.2f %.2f" % os.getloadavg()
 
 
-Config = tuple[int, int]  # (num_steps, topk); (0, 1): speculation off
+Config = tuple[int, int, int]  # (num_steps, topk, num_draft_tokens); (0, 1, 0): speculation off
+OFF = (0, 1, 0)
 
 
 def _label(cfg: Config) -> str:
-    n, k = cfg
-    return "off" if n == 0 else f"N={n}" if k == 1 else f"N={n} tree k={k}"
+    n, k, w = cfg
+    if n == 0:
+        return "off"
+    return f"N={n}" if k == 1 else f"N={n} tree k={k}" + (f" M={w - 1}" if w else "")
 
 
 def _run(args, cfg: Config, base: list[str], prompts: list[str]) -> dict:
-    n, k = cfg
+    n, k, w = cfg
     spec = [] if n == 0 else ["spec.algorithm=nextn", f"spec.num_steps={n}", f"spec.topk={k}",
+                              f"spec.num_draft_tokens={w}",
                               f"spec.draft_path={quote_override(args.draft_path)}"]
     with Engine(args.model, base + spec) as eng:
         chats = _chat(eng, prompts)
@@ -100,8 +104,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--model", default=None, help="default: the embedded SmolLM2")
     p.add_argument("--draft-path", required=True)
     p.add_argument("--steps", type=int, nargs="*", default=[1, 2, 3, 4])
-    p.add_argument("--trees", nargs="*", default=[], metavar="KxN",
-                   help="draft-tree rows: topk K, depth N (e.g. 2x3)")
+    p.add_argument("--trees", nargs="*", default=[], metavar="KxN[xW]",
+                   help="draft-tree rows: topk K, depth N, optionally pruned to W verified "
+                   "tokens (spec.num_draft_tokens; e.g. 2x3, 4x3x7)")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--prompts", type=int, default=8)
     p.add_argument("--concurrency", type=int, nargs="+", default=[16],
@@ -114,15 +119,17 @@ def main(argv: list[str] | None = None) -> None:
         torch.set_num_threads(args.threads)
     base = list(args.override)
     prompts = heldout_prompts(args.prompts)
-    configs = [(0, 1)] + [(n, 1) for n in args.steps]
-    configs += [(int(t.split("x")[1]), int(t.split("x")[0])) for t in args.trees]
+    configs = [OFF] + [(n, 1, 0) for n in args.steps]
+    for t in args.trees:
+        k, n, *w = (int(x) for x in t.split("x"))
+        configs.append((n, k, w[0] if w else 0))
     runs: dict[Config, list[dict]] = {c: [] for c in configs}
     print(f"{_load()}; torch threads {torch.get_num_threads()}", flush=True)
     for rep in range(args.repeat):
         for c in configs:
             r = _run(args, c, base, prompts)
             runs[c].append(r)
-            same = r["outs"] == runs[(0, 1)][0]["outs"]
+            same = r["outs"] == runs[OFF][0]["outs"]
             acc = r["accepted"] / r["verify"] if r["verify"] else None
             print(f"[{rep + 1}/{args.repeat}] {_label(c)}: batch-1 "
                   f"{r['b1']:.1f} tok/s, accept length {acc if acc is None else round(acc, 2)}, "
@@ -139,7 +146,7 @@ def _table(args, configs: list[Config], runs: dict[Config, list[dict]], n_prompt
     med = {n: (statistics.median(r["b1"] for r in runs[n]),
                [statistics.median(r["served"][i] for r in runs[n])
                 for i in range(len(args.concurrency))]) for n in configs}
-    off_b1, off_served = med[(0, 1)]
+    off_b1, off_served = med[OFF]
     print(f"\n{n_prompts} held-out chat prompts, {args.max_new_tokens} new tokens, greedy; "
           f"served: max(2 C, {n_prompts}) requests at C in flight; "
           f"medians of {args.repeat} cycle(s); {_load()}")
@@ -149,7 +156,7 @@ def _table(args, configs: list[Config], runs: dict[Config, list[dict]], n_prompt
     print("|---|---|---|---|---|" + "---|---|" * len(args.concurrency) + "---|")
     for n in configs:
         r0, (b1, served) = runs[n][0], med[n]
-        same = all(r["outs"] == runs[(0, 1)][0]["outs"] for r in runs[n])
+        same = all(r["outs"] == runs[OFF][0]["outs"] for r in runs[n])
         acc = f"{r0['accepted'] / r0['verify']:.2f}" if r0["verify"] else "-"
         share = (f"{100 * (r0['accepted'] - r0['verify']) / r0['drafts']:.0f}%"
                  if r0["drafts"] else "-")

@@ -245,16 +245,16 @@ static void softmax_row(float *x, int64_t n) {
  * vectorise. */
 static inline __attribute__((always_inline)) void attend_request(
     float *acc, float *scores, const float *qf, const void *k_buf, const void *v_buf,
-    const int64_t *slots, int64_t len, int64_t heads, int64_t kv_heads, int64_t d, int64_t dv,
-    float scaling, int dt) {
-    int64_t group = heads / kv_heads, s0 = 0;
+    const int64_t *slots, int64_t len, int64_t heads, int64_t kv_heads, int64_t kv_head0,
+    int64_t group, int64_t d, int64_t dv, float scaling, int dt) {
+    int64_t s0 = 0;
     if (d % 8 == 0) /* eight positions at a time (a short tail repeats the last row, unstored) */
         for (; s0 < len; s0 += 8) {
             for (int64_t h = 0; h < heads; h++) {
                 const void *rows[8];
                 for (int j = 0; j < 8; j++) {
                     int64_t s = s0 + j < len ? s0 + j : len - 1;
-                    rows[j] = at(k_buf, (slots[s] * kv_heads + h / group) * d, dt);
+                    rows[j] = at(k_buf, (slots[s] * kv_heads + kv_head0 + h / group) * d, dt);
                 }
                 v8f dots = dot8(rows, qf + h * d, d, dt) * scaling;
                 if (s0 + 8 <= len)
@@ -267,7 +267,7 @@ static inline __attribute__((always_inline)) void attend_request(
         const void *kr = at(k_buf, slots[s] * kv_heads * d, dt);
         for (int64_t h = 0; h < heads; h++) {
             const float *qh = qf + h * d;
-            int64_t off = (h / group) * d;
+            int64_t off = (kv_head0 + h / group) * d;
             float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
             for (int64_t i = 0; i < d; i++) dot += qh[i] * elem_at(kr, off + i, dt);
@@ -279,7 +279,7 @@ static inline __attribute__((always_inline)) void attend_request(
         for (int64_t h = 0; h < heads; h++) {
             v8f a[16] = {{0}};
             const float *ph = scores + h * len;
-            int64_t off = (h / group) * dv;
+            int64_t off = (kv_head0 + h / group) * dv;
             for (int64_t s = 0; s < len; s++) {
                 const void *vr = at(v_buf, slots[s] * kv_heads * dv + off, dt);
                 v8f p = {ph[s], ph[s], ph[s], ph[s], ph[s], ph[s], ph[s], ph[s]};
@@ -294,7 +294,7 @@ static inline __attribute__((always_inline)) void attend_request(
         const void *vr = at(v_buf, slots[s] * kv_heads * dv, dt);
         for (int64_t h = 0; h < heads; h++) {
             float p = scores[h * len + s], *ah = acc + h * dv;
-            int64_t off = (h / group) * dv;
+            int64_t off = (kv_head0 + h / group) * dv;
             for (int64_t i = 0; i < dv; i++) ah[i] += p * elem_at(vr, off + i, dt);
         }
     }
@@ -308,13 +308,14 @@ static inline __attribute__((always_inline)) void attend_request(
  * positions [0, seq_lens[b]) whose slots are table[rows[b] * table_stride + position]; query head
  * h (of q: token rows q_stride elements apart, heads contiguous) uses KV head h / (heads /
  * kv_heads). Scores, softmax and the weighted sum in float32; out is contiguous [batch, heads, dv].
+ * Requests and heads are shared out over `threads` OpenMP threads (one without OpenMP).
  */
 void ms_decode_attention(void *out, const void *q, int64_t q_stride, const void *k_new,
                          int64_t k_stride, const void *v_new, int64_t v_stride, const int64_t *loc,
                          void *k_buf, void *v_buf, const int64_t *table, int64_t table_stride,
                          const int64_t *rows, const int64_t *seq_lens, int64_t batch,
                          int64_t heads, int64_t kv_heads, int64_t d, int64_t dv, float scaling,
-                         int dt) {
+                         int64_t threads, int dt) {
     int64_t es = esize(dt), max_len = 0;
     for (int64_t b = 0; b < batch; b++) {
         memcpy((char *)k_buf + loc[b] * kv_heads * d * es, at(k_new, b * k_stride, dt),
@@ -323,26 +324,38 @@ void ms_decode_attention(void *out, const void *q, int64_t q_stride, const void 
                (size_t)(kv_heads * dv * es));
         if (seq_lens[b] > max_len) max_len = seq_lens[b];
     }
-    float *scores = malloc((size_t)(heads * (max_len + d + dv)) * sizeof(float));
-    float *qf = scores + heads * max_len, *acc = qf + heads * d;
-    for (int64_t b = 0; b < batch; b++) {
-        const int64_t *slots = table + rows[b] * table_stride;
-        int64_t len = seq_lens[b];
-        load_row(qf, at(q, b * q_stride, dt), heads * d, dt);
-#define ATTEND(D, DT) attend_request(acc, scores, qf, k_buf, v_buf, slots, len, heads, kv_heads, \
-                                     D, D, scaling, DT)
-        if (d == dv && d == 32 && dt) ATTEND(32, 1);
-        else if (d == dv && d == 64 && dt) ATTEND(64, 1);
-        else if (d == dv && d == 128 && dt) ATTEND(128, 1);
-        else if (d == dv && d == 32 && !dt) ATTEND(32, 0);
-        else if (d == dv && d == 64 && !dt) ATTEND(64, 0);
-        else if (d == dv && d == 128 && !dt) ATTEND(128, 0);
-        else attend_request(acc, scores, qf, k_buf, v_buf, slots, len, heads, kv_heads, d, dv,
-                            scaling, dt);
+    /* Work items: one request's query heads [h0, h0 + span): a KV head's whole group when
+     * there are enough of those to share out, else single heads (a batch-1 decode step of a
+     * 3-KV-head model still splits over every thread). */
+    int64_t group = heads / kv_heads;
+    int64_t span = batch * kv_heads >= 4 * threads ? group : 1;
+    int64_t per_req = heads / span, items = batch * per_req;
+    (void)threads;
+#pragma omp parallel num_threads(threads) if (threads > 1 && items > 1)
+    {
+        float *scores = malloc((size_t)(span * (max_len + d + dv)) * sizeof(float));
+        float *qf = scores + span * max_len, *acc = qf + span * d;
+#pragma omp for schedule(dynamic)
+        for (int64_t it = 0; it < items; it++) {
+            int64_t b = it / per_req, h0 = (it % per_req) * span, kv0 = h0 / group;
+            const int64_t *slots = table + rows[b] * table_stride;
+            int64_t len = seq_lens[b], grp = span == 1 ? 1 : group;
+            load_row(qf, at(q, b * q_stride + h0 * d, dt), span * d, dt);
+#define ATTEND(D, DT) attend_request(acc, scores, qf, k_buf, v_buf, slots, len, span, kv_heads, \
+                                     kv0, grp, D, D, scaling, DT)
+            if (d == dv && d == 32 && dt) ATTEND(32, 1);
+            else if (d == dv && d == 64 && dt) ATTEND(64, 1);
+            else if (d == dv && d == 128 && dt) ATTEND(128, 1);
+            else if (d == dv && d == 32 && !dt) ATTEND(32, 0);
+            else if (d == dv && d == 64 && !dt) ATTEND(64, 0);
+            else if (d == dv && d == 128 && !dt) ATTEND(128, 0);
+            else attend_request(acc, scores, qf, k_buf, v_buf, slots, len, span, kv_heads, kv0,
+                                grp, d, dv, scaling, dt);
 #undef ATTEND
-        store_row((char *)at(out, b * heads * dv, dt), acc, heads * dv, dt);
+            store_row((char *)at(out, (b * heads + h0) * dv, dt), acc, span * dv, dt);
+        }
+        free(scores);
     }
-    free(scores);
 }
 
 /* y[r] = rows[r] · x for r < n_rows (rows: n_rows x n in dt, row-major; x: n floats). */

@@ -57,7 +57,7 @@ _SIGNATURES = {
     "ms_rms_norm": [_P, _P, _P, _I, _P, _P, _I, _I, _F, ctypes.c_int],
     "ms_qk_norm_rope": [_P, _I, _I, _I, _I, _I, _I, _P, _P, _I, _P, _P, _F, ctypes.c_int],
     "ms_decode_attention": [_P, _P, _I, _P, _I, _P, _I, _P, _P, _P, _P, _I, _P, _P, _I, _I, _I,
-                            _I, _I, _F, ctypes.c_int],
+                            _I, _I, _F, _I, ctypes.c_int],
     "ms_topk_softmax": [_P, _P, _P, _I, _I, _I, ctypes.c_int, ctypes.c_int],
     "ms_moe_experts": [_P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, ctypes.c_int],
     "ms_has_bf16_dot": [],
@@ -127,7 +127,7 @@ class CpuKernels:
                          scaling: float) -> torch.Tensor:
         """Stores k/v [B, Hkv, D|Dv] at slots `loc` of k_buf/v_buf [slots, Hkv, D|Dv], then
         attends q [B, H, D] over each request's positions [0, seq_lens[b]) (slots from row
-        rows[b] of `table`) → [B, H, Dv]."""
+        rows[b] of `table`) → [B, H, Dv], split over torch's intra-op thread count."""
         b, h, d = q.shape
         hkv, dv = v.shape[1], v.shape[2]
         for x in (q, k, v):
@@ -142,7 +142,7 @@ class CpuKernels:
             out.data_ptr(), q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(),
             v.stride(0), loc.data_ptr(), k_buf.data_ptr(), v_buf.data_ptr(), table.data_ptr(),
             table.stride(0), rows.data_ptr(), seq_lens.data_ptr(), b, h, hkv, d, dv, scaling,
-            _DT[q.dtype])
+            torch.get_num_threads(), _DT[q.dtype])
         return out
 
     def topk_softmax(self, logits: torch.Tensor, k: int, renormalize: bool):

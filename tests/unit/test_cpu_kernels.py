@@ -152,14 +152,16 @@ def test_position_beyond_rope_table_raises(kernels):
 
 @pytest.mark.parametrize("dtype", [F32, BF16])
 @pytest.mark.parametrize("h,hkv,d", [(4, 2, 32), (9, 3, 64), (6, 6, 12)])
-def test_decode_attention_matches_float64(kernels, dtype, h, hkv, d):
+@pytest.mark.parametrize("lens", [[1, 7, 8, 9, 23, 70], [70]], ids=["batch6", "batch1"])
+def test_decode_attention_matches_float64(kernels, dtype, h, hkv, d, lens):
     """Lengths below, at and past multiples of 8 (the kernel's block), GQA groups of 1-3, a head
-    size that is not a multiple of 8 (the scalar path); slots scattered through the pool."""
+    size that is not a multiple of 8 (the scalar path); slots scattered through the pool. One
+    thread and two give the same bits (work is shared out by request and KV group, or by single
+    heads when those are few, as at batch 1)."""
     g = _gen(3)
-    lens = [1, 7, 8, 9, 23, 70]
     b, slots = len(lens), 512
     table = torch.zeros(8, 128, dtype=torch.int64)
-    rows = torch.tensor([5, 0, 7, 2, 3, 6])
+    rows = torch.tensor([5, 0, 7, 2, 3, 6][:b])
     perm = torch.randperm(slots - 1, generator=g) + 1
     used = 0
     for r, n in zip(rows.tolist(), lens):
@@ -173,7 +175,16 @@ def test_decode_attention_matches_float64(kernels, dtype, h, hkv, d):
     v = qkv[:, (h + hkv) * d :].view(b, hkv, d)
     seq_lens = torch.tensor(lens)
     loc = table[rows, seq_lens - 1]  # the new token's slot: the last position
-    out = kernels.decode_attention(q, k, v, loc, k_buf, v_buf, table, rows, seq_lens, d**-0.5)
+    outs, old = [], torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            outs.append(kernels.decode_attention(q, k, v, loc, k_buf, v_buf, table, rows,
+                                                 seq_lens, d**-0.5))
+    finally:
+        torch.set_num_threads(old)
+    out = outs[0]
+    assert torch.equal(outs[1], out)
     assert torch.equal(k_buf[loc], k) and torch.equal(v_buf[loc], v)
     for i, (r, n) in enumerate(zip(rows.tolist(), lens)):
         idx = table[r, :n]
