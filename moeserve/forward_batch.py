@@ -43,6 +43,10 @@ class ForwardBatch:
     tbo: bool = False  # run as two overlapped micro-batches (every rank agreed in the DP sync)
     # one half of a two-batch-overlap step (tbo/split.py): backends keep no cross-step state for it
     micro_batch: bool = False
+    # [B] int64 on the host, or None: how many leading positions each row shares with the first
+    # row of its run (0 starts one). A speculative verify's rows of one request share the prefix;
+    # the CPU decode kernel then reads it once per run (GPU backends ignore it).
+    shared_prefix: torch.Tensor | None = None
 
     @property
     def batch_size(self) -> int:

@@ -39,4 +39,5 @@ class CpuAttentionBackend(TorchAttentionBackend):
         return self.kernels.decode_attention(
             q.to(pool.dtype), k.to(pool.dtype), v.to(pool.dtype), fb.out_cache_loc,
             pool.key_buffer(spec.layer_id), pool.value_buffer(spec.layer_id),
-            fb.req_to_token_pool.req_to_token, fb.req_pool_indices, fb.seq_lens, spec.scaling)
+            fb.req_to_token_pool.req_to_token, fb.req_pool_indices, fb.seq_lens, spec.scaling,
+            fb.shared_prefix)

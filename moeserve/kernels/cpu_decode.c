@@ -300,6 +300,125 @@ static inline __attribute__((always_inline)) void attend_request(
     }
 }
 
+#define SHARE_BLOCK 64 /* positions of V widened at a time (64 x 128 floats: 32 KiB) */
+
+/* Query head h of `g` rows that share their first `p` positions (the slots of row 0, `slots[0]`):
+ * the rows of one request in a speculative verify pass. The shared positions' K and V rows are
+ * widened to float32 once (into `kv`, [SHARE_BLOCK, max(d, dv)]) and serve every row's query;
+ * each row's own positions [p8, len) are read as in attend_request (p8: p rounded down to the
+ * 8-position block). Every score and every partial sum is computed by the same operations in
+ * the same order as attend_request, so the output equals its bit for bit. qf [g, d] (float32),
+ * acc [g, dv], scores [g, ld]. Needs d and dv multiples of 8, dv <= 128. */
+static inline __attribute__((always_inline)) void attend_shared(
+    float *acc, float *scores, int64_t ld, const float *qf, float *kv, const void *k_buf,
+    const void *v_buf, const int64_t *const *slots, const int64_t *lens, int64_t g, int64_t p,
+    int64_t kv_heads, int64_t kvh, int64_t d, int64_t dv, float scaling, int dt) {
+    int64_t p8 = p / 8 * 8;
+    for (int64_t s0 = 0; s0 < p8; s0 += 8) {
+        const void *rows[8];
+        for (int j = 0; j < 8; j++) {
+            load_row(kv + j * d, at(k_buf, (slots[0][s0 + j] * kv_heads + kvh) * d, dt), d, dt);
+            rows[j] = kv + j * d;
+        }
+        for (int64_t r = 0; r < g; r++) {
+            v8f dots = dot8(rows, qf + r * d, d, 0) * scaling;
+            memcpy(scores + r * ld + s0, &dots, 32);
+        }
+    }
+    for (int64_t r = 0; r < g; r++) {
+        int64_t len = lens[r];
+        for (int64_t s0 = p8; s0 < len; s0 += 8) {
+            const void *rows[8];
+            for (int j = 0; j < 8; j++) {
+                int64_t s = s0 + j < len ? s0 + j : len - 1;
+                rows[j] = at(k_buf, (slots[r][s] * kv_heads + kvh) * d, dt);
+            }
+            v8f dots = dot8(rows, qf + r * d, d, dt) * scaling;
+            for (int64_t j = 0; j < 8 && s0 + j < len; j++) scores[r * ld + s0 + j] = dots[j];
+        }
+        softmax_row(scores + r * ld, len);
+    }
+    memset(acc, 0, (size_t)(g * dv) * sizeof(float));
+    for (int64_t s0 = 0; s0 < p; s0 += SHARE_BLOCK) {
+        int64_t n = p - s0 < SHARE_BLOCK ? p - s0 : SHARE_BLOCK;
+        for (int64_t s = 0; s < n; s++)
+            load_row(kv + s * dv, at(v_buf, (slots[0][s0 + s] * kv_heads + kvh) * dv, dt), dv, dt);
+        for (int64_t r = 0; r < g; r++) {
+            v8f a[16];
+            memcpy(a, acc + r * dv, (size_t)dv * sizeof(float));
+            const float *ph = scores + r * ld + s0;
+            for (int64_t s = 0; s < n; s++) {
+                v8f pv = {ph[s], ph[s], ph[s], ph[s], ph[s], ph[s], ph[s], ph[s]};
+                for (int64_t c = 0; c < dv / 8; c++) a[c] += pv * load8(kv + s * dv + 8 * c, 0);
+            }
+            memcpy(acc + r * dv, a, (size_t)dv * sizeof(float));
+        }
+    }
+    for (int64_t r = 0; r < g; r++) {
+        v8f a[16];
+        memcpy(a, acc + r * dv, (size_t)dv * sizeof(float));
+        for (int64_t s = p; s < lens[r]; s++) {
+            float ps = scores[r * ld + s];
+            v8f pv = {ps, ps, ps, ps, ps, ps, ps, ps};
+            const void *vr = at(v_buf, (slots[r][s] * kv_heads + kvh) * dv, dt);
+            for (int64_t c = 0; c < dv / 8; c++) a[c] += pv * load8(at(vr, 8 * c, dt), dt);
+        }
+        memcpy(acc + r * dv, a, (size_t)dv * sizeof(float));
+    }
+}
+
+/* The batch in runs of rows sharing a prefix (share[b] > 0: row b's first share[b] positions
+ * are the slots of its run's first row), work items (run, query head) over the threads. */
+static void attend_runs(void *out, const void *q, int64_t q_stride, const void *k_buf,
+                        const void *v_buf, const int64_t *table, int64_t table_stride,
+                        const int64_t *rows, const int64_t *seq_lens, const int64_t *share,
+                        int64_t batch, int64_t heads, int64_t kv_heads, int64_t d, int64_t dv,
+                        float scaling, int64_t threads, int dt) {
+    int64_t *first = malloc((size_t)(batch + 1) * sizeof(int64_t)), runs = 0, widest = 1;
+    int64_t max_len = 1;
+    for (int64_t b = 0; b < batch; b++) {
+        if (b == 0 || share[b] <= 0) first[runs++] = b;
+        if (seq_lens[b] > max_len) max_len = seq_lens[b];
+    }
+    first[runs] = batch;
+    for (int64_t r = 0; r < runs; r++)
+        if (first[r + 1] - first[r] > widest) widest = first[r + 1] - first[r];
+    int64_t group = heads / kv_heads, items = runs * heads, wide = d > dv ? d : dv;
+    (void)threads;
+#pragma omp parallel num_threads(threads) if (threads > 1 && items > 1)
+    {
+        size_t floats = (size_t)(widest * (max_len + d + dv) + SHARE_BLOCK * wide);
+        float *scores = malloc(floats * sizeof(float));
+        float *qf = scores + widest * max_len, *acc = qf + widest * d, *kv = acc + widest * dv;
+        const int64_t **slots = malloc((size_t)widest * sizeof(int64_t *));
+#pragma omp for schedule(dynamic)
+        for (int64_t it = 0; it < items; it++) {
+            int64_t r = it / heads, h = it % heads, b0 = first[r], g = first[r + 1] - b0;
+            int64_t p = seq_lens[b0];
+            for (int64_t i = 0; i < g; i++) {
+                slots[i] = table + rows[b0 + i] * table_stride;
+                if (i && share[b0 + i] < p) p = share[b0 + i];
+                if (seq_lens[b0 + i] < p) p = seq_lens[b0 + i];
+                load_row(qf + i * d, at(q, (b0 + i) * q_stride + h * d, dt), d, dt);
+            }
+#define SHARED(D, DT) attend_shared(acc, scores, max_len, qf, kv, k_buf, v_buf, slots, \
+                                    seq_lens + b0, g, p, kv_heads, h / group, D, D, scaling, DT)
+            if (d == dv && d == 64 && dt) SHARED(64, 1);
+            else if (d == dv && d == 128 && dt) SHARED(128, 1);
+            else if (d == dv && d == 64 && !dt) SHARED(64, 0);
+            else if (d == dv && d == 128 && !dt) SHARED(128, 0);
+            else attend_shared(acc, scores, max_len, qf, kv, k_buf, v_buf, slots, seq_lens + b0,
+                               g, p, kv_heads, h / group, d, dv, scaling, dt);
+#undef SHARED
+            for (int64_t i = 0; i < g; i++)
+                store_row((char *)at(out, ((b0 + i) * heads + h) * dv, dt), acc + i * dv, dv, dt);
+        }
+        free(slots);
+        free(scores);
+    }
+    free(first);
+}
+
 /* Decode attention over the token-slot KV pool, one query token per request.
  *
  * First stores each token's new K and V rows (k_new/v_new: token rows k_stride/v_stride elements
@@ -309,13 +428,16 @@ static inline __attribute__((always_inline)) void attend_request(
  * h (of q: token rows q_stride elements apart, heads contiguous) uses KV head h / (heads /
  * kv_heads). Scores, softmax and the weighted sum in float32; out is contiguous [batch, heads, dv].
  * Requests and heads are shared out over `threads` OpenMP threads (one without OpenMP).
+ * share (NULL: none): per row, how many leading positions it shares with the first row of its run
+ * (0 starts a run), e.g. a verify pass's rows of one request: those positions are read once for
+ * the run (attend_runs), with the same result.
  */
 void ms_decode_attention(void *out, const void *q, int64_t q_stride, const void *k_new,
                          int64_t k_stride, const void *v_new, int64_t v_stride, const int64_t *loc,
                          void *k_buf, void *v_buf, const int64_t *table, int64_t table_stride,
                          const int64_t *rows, const int64_t *seq_lens, int64_t batch,
                          int64_t heads, int64_t kv_heads, int64_t d, int64_t dv, float scaling,
-                         int64_t threads, int dt) {
+                         const int64_t *share, int64_t threads, int dt) {
     int64_t es = esize(dt), max_len = 0;
     for (int64_t b = 0; b < batch; b++) {
         memcpy((char *)k_buf + loc[b] * kv_heads * d * es, at(k_new, b * k_stride, dt),
@@ -323,6 +445,11 @@ void ms_decode_attention(void *out, const void *q, int64_t q_stride, const void 
         memcpy((char *)v_buf + loc[b] * kv_heads * dv * es, at(v_new, b * v_stride, dt),
                (size_t)(kv_heads * dv * es));
         if (seq_lens[b] > max_len) max_len = seq_lens[b];
+    }
+    if (share && d % 8 == 0 && dv % 8 == 0 && dv <= 128) {
+        attend_runs(out, q, q_stride, k_buf, v_buf, table, table_stride, rows, seq_lens, share,
+                    batch, heads, kv_heads, d, dv, scaling, threads, dt);
+        return;
     }
     /* Work items: one request's query heads [h0, h0 + span): a KV head's whole group when
      * there are enough of those to share out, else single heads (a batch-1 decode step of a

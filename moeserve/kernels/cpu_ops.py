@@ -57,7 +57,7 @@ _SIGNATURES = {
     "ms_rms_norm": [_P, _P, _P, _I, _P, _P, _I, _I, _F, ctypes.c_int],
     "ms_qk_norm_rope": [_P, _I, _I, _I, _I, _I, _I, _P, _P, _I, _P, _P, _F, ctypes.c_int],
     "ms_decode_attention": [_P, _P, _I, _P, _I, _P, _I, _P, _P, _P, _P, _I, _P, _P, _I, _I, _I,
-                            _I, _I, _F, _I, ctypes.c_int],
+                            _I, _I, _F, _P, _I, ctypes.c_int],
     "ms_topk_softmax": [_P, _P, _P, _I, _I, _I, ctypes.c_int, ctypes.c_int],
     "ms_moe_experts": [_P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, ctypes.c_int],
     "ms_has_bf16_dot": [],
@@ -124,10 +124,12 @@ class CpuKernels:
     def decode_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                          loc: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
                          table: torch.Tensor, rows: torch.Tensor, seq_lens: torch.Tensor,
-                         scaling: float) -> torch.Tensor:
+                         scaling: float, share: torch.Tensor | None = None) -> torch.Tensor:
         """Stores k/v [B, Hkv, D|Dv] at slots `loc` of k_buf/v_buf [slots, Hkv, D|Dv], then
         attends q [B, H, D] over each request's positions [0, seq_lens[b]) (slots from row
-        rows[b] of `table`) → [B, H, Dv], split over torch's intra-op thread count."""
+        rows[b] of `table`) → [B, H, Dv], split over torch's intra-op thread count. `share`
+        [B] int64: how many leading positions each row shares with the first row of its run (0
+        starts a run; a verify pass's rows of one request), read once per run."""
         b, h, d = q.shape
         hkv, dv = v.shape[1], v.shape[2]
         for x in (q, k, v):
@@ -135,6 +137,9 @@ class CpuKernels:
         for x in (k_buf, v_buf):
             assert x.is_contiguous() and x.dtype == q.dtype
         loc, rows, seq_lens = loc.contiguous(), rows.contiguous(), seq_lens.contiguous()
+        if share is not None:
+            share = share.contiguous()
+            assert share.dtype == torch.int64 and share.shape == (b,)
         for x in (loc, table, rows, seq_lens):
             assert x.dtype == torch.int64 and (x.stride(-1) == 1 or x.shape[-1] == 1)
         out = torch.empty((b, h, dv), dtype=q.dtype)
@@ -142,7 +147,7 @@ class CpuKernels:
             out.data_ptr(), q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(),
             v.stride(0), loc.data_ptr(), k_buf.data_ptr(), v_buf.data_ptr(), table.data_ptr(),
             table.stride(0), rows.data_ptr(), seq_lens.data_ptr(), b, h, hkv, d, dv, scaling,
-            torch.get_num_threads(), _DT[q.dtype])
+            _ptr(share), torch.get_num_threads(), _DT[q.dtype])
         return out
 
     def topk_softmax(self, logits: torch.Tensor, k: int, renormalize: bool):

@@ -120,12 +120,13 @@ class SpecDecoder:
         # B (N+1) one-token queries, query i of a request over its positions [0, L+i]: a decode
         # batch of "virtual requests" sharing the request's row (causal among the drafts), so
         # the decode kernels and CUDA graphs run it; every backend stores the batch's K/V
-        # before attending. (The prefix KV is read once per query: cheap while weights dominate.)
+        # before attending (the CPU kernel reads a request's prefix once: `_share_prefix`).
         flat = positions.reshape(-1)
         fb = runner.make_batch(ForwardMode.DECODE, table[rows[:, None], positions].view(-1), flat,
                                slots.reshape(-1), rows.repeat_interleave(w),
                                [p + i for p in fi.prefix_lens for i in range(w)], [1] * (b * w),
                                False, fi.global_mode, fi.global_num_tokens, seq_lens_dev=flat + 1)
+        self._share_prefix(fb, fi.prefix_lens, w)
         grammar = self.worker.grammar
         vmask = grammar.verify_mask(fi, drafts)  # constrained requests: masks along the drafts
         # [B (N+1), V] raw logits (for logprobs), the ones acceptance reads (masked where a
@@ -146,6 +147,14 @@ class SpecDecoder:
             self._logprobs(out, fi, logits.view(b, w, -1), spec_tokens)
         pick = torch.arange(b, device=rows.device) * w + accepted
         return out, fb, hidden, tokens.view(-1), pick
+
+    def _share_prefix(self, fb: ForwardBatch, prefix_lens: list[int], w: int) -> None:
+        """A verify batch's w rows of a request share its positions [0, L] (the prefix and x_L):
+        on CPU the decode kernel then reads them once per request, for the verify and the draft
+        extend that reuses the batch."""
+        if self.runner.device.type == "cpu":
+            fb.shared_prefix = torch.tensor([[0] + [p + 1] * (w - 1) for p in prefix_lens],
+                                            dtype=torch.int64).view(-1)
 
     def _verify_forward(self, fi: ForwardInput, fb: ForwardBatch, vmask: VerifyMask | None):
         """The verify pass → (logits [T, V] or None, the same with `vmask` applied (in place

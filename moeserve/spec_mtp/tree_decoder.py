@@ -138,6 +138,7 @@ class TreeSpecDecoder(SpecDecoder):
                                torch.cat([rows[:, None], scratch], 1).view(-1),
                                [p + d for p in fi.prefix_lens for d in self.depths], [1] * (b * w),
                                False, fi.global_mode, fi.global_num_tokens, seq_lens_dev=flat + 1)
+        self._share_prefix(fb, fi.prefix_lens, w)
         logits, scored, hidden, target_ids = self._verify_forward(fi, fb, None)
         target_ids = target_ids.view(b, w)
         path, accepted = greedy_tree_accept(self.shape, tokens, target_ids)

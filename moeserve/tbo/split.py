@@ -93,4 +93,5 @@ def _part(fb: ForwardBatch, t0: int, t1: int, r0: int, r1: int, prefix: list[int
         out_cache_loc=fb.out_cache_loc[t0:t1], req_pool_indices=fb.req_pool_indices[r0:r1],
         seq_lens=seq, seq_lens_cpu=seq_cpu, extend_prefix_lens_cpu=list(prefix),
         extend_seq_lens_cpu=list(ext), return_all_logits=False,
-        global_num_tokens=global_num_tokens, attn_metadata=None, tbo=False, micro_batch=True)
+        global_num_tokens=global_num_tokens, attn_metadata=None, tbo=False, micro_batch=True,
+        shared_prefix=None)

@@ -197,6 +197,54 @@ def test_decode_attention_matches_float64(kernels, dtype, h, hkv, d, lens):
 
 
 @pytest.mark.parametrize("dtype", [F32, BF16])
+@pytest.mark.parametrize("h,hkv,d", [(9, 3, 64), (4, 2, 32), (8, 2, 128), (6, 6, 12)])
+def test_decode_attention_shared_runs_equal_rows_alone(kernels, dtype, h, hkv, d):
+    """A verify pass's layout: runs of rows of one request, either the request's own row at
+    lengths L+1..L+W (a chain) or copies of its prefix with different tails (tree nodes' scratch
+    rows); with `share` the run's common prefix is read once, and the output is bit for bit the
+    row-by-row one (1 and 2 threads), K/V of the batch stored first; d = 12 takes the row path."""
+    g = _gen(4)
+    slots = 1024
+    table = torch.zeros(16, 160, dtype=torch.int64)
+    perm = torch.randperm(slots - 1, generator=g) + 1
+    rows, lens, share, used, scratch = [], [], [], 0, 8
+    for req, (prefix, width, tree) in enumerate([(70, 4, False), (5, 3, True), (17, 1, False),
+                                                 (64, 6, True), (9, 2, False)]):
+        table[req, :prefix + 1] = perm[used: used + prefix + 1]
+        used += prefix + 1
+        for j in range(width):
+            row = req
+            if tree and j:  # a scratch row: the prefix and x_L, then its own tail of j slots
+                row, scratch = scratch, scratch + 1
+                table[row, :prefix + 1] = table[req, :prefix + 1]
+            if j and (tree or j == width - 1):  # a chain's row gets its drafts' slots once
+                n = j if tree else width - 1
+                table[row, prefix + 1: prefix + 1 + n] = perm[used: used + n]
+                used += n
+            rows.append(row)
+            lens.append(prefix + 1 + j)
+            share.append(prefix + 1 if j else 0)
+    b = len(rows)
+    rows, seq_lens, share = torch.tensor(rows), torch.tensor(lens), torch.tensor(share)
+    loc = table[rows, seq_lens - 1]
+    assert len(set(loc.tolist())) == b and int(loc.min()) > 0  # each new token its own slot
+    k_buf = torch.randn(slots, hkv, d, generator=g).to(dtype)
+    v_buf = torch.randn(slots, hkv, d, generator=g).to(dtype)
+    q = torch.randn(b, h, d, generator=g).to(dtype)
+    k = torch.randn(b, hkv, d, generator=g).to(dtype)
+    v = torch.randn(b, hkv, d, generator=g).to(dtype)
+    outs, old = [], torch.get_num_threads()
+    try:
+        for threads, sh in ((1, None), (1, share), (2, share)):
+            torch.set_num_threads(threads)
+            outs.append(kernels.decode_attention(q, k, v, loc, k_buf.clone(), v_buf.clone(),
+                                                 table, rows, seq_lens, d**-0.5, share=sh))
+    finally:
+        torch.set_num_threads(old)
+    assert torch.equal(outs[1], outs[0]) and torch.equal(outs[2], outs[0])
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16])
 @pytest.mark.parametrize("renormalize", [True, False])
 def test_topk_softmax_matches_torch(kernels, dtype, renormalize):
     logits = torch.randn(13, 24, generator=_gen(4)).to(dtype)
