@@ -365,27 +365,26 @@ def test_served_walk_counts_tokens_per_verify_step():
     assert served_walk([step1], 7, 7, 1) == (0, 0)
 
 
-def test_evaluated_accept_length_equals_served(tiny, tiny_model, tmp_path):
-    """The table's accept length is what the bench measures: a head trained a little, served at
-    batch 1 in float32 (its drafts equal the trainer's), gives the evaluation's tokens per verify
-    step exactly; the mean over every chain start (which the table once reported as the accept
-    length: 1.94 against 1.73 served at N=3 on SmolLM2) does not."""
-    from parity import FP32_CPU
-
-    from moeserve import Engine
-
+def _head_trained_briefly(tiny, out) -> tuple:
+    """(target, records, head): 12 training steps on the tiny Llama, saved to `out` and loaded."""
     target, _, records = tiny
     torch.manual_seed(0)
     trainer = train_mod.Trainer(TrainHead(target), target, records, _cfg(total_steps=12), "")
     for _ in range(12):
         trainer.train_step()
-    save_head(trainer.head, target, str(tmp_path), {"trained_steps": 12})
-    head, _ = load_head(str(tmp_path), target)
-    result = evaluate(head, target, records, steps=3)
-    spec = ["spec.algorithm=nextn", "spec.num_steps=3", "spec.max_batch_size=0",
-            f"spec.draft_path={tmp_path}"]
+    save_head(trainer.head, target, str(out), {"trained_steps": 12})
+    return target, records, load_head(str(out), target)[0]
+
+
+def _served_walk(model: str, spec: list[str], records) -> tuple[int, int, object]:
+    """Each record's prompt served at batch 1 (float32, greedy): asserts the record's answer and
+    returns (answer tokens after the first, verify steps, the decoder)."""
+    from parity import FP32_CPU
+
+    from moeserve import Engine
+
     tokens = verify = 0
-    with Engine(tiny_model("llama"), FP32_CPU + spec) as eng:
+    with Engine(model, FP32_CPU + spec) as eng:
         for r in records:
             prompt, answer = r["tokens"].tolist(), r["tokens"][r["prompt_len"]:].tolist()
             (out,) = eng.generate(input_ids=[prompt[: r["prompt_len"]]],
@@ -393,6 +392,20 @@ def test_evaluated_accept_length_equals_served(tiny, tiny_model, tmp_path):
             assert out["output_ids"] == answer
             tokens += len(answer) - 1  # the first came from prefill
             verify += out["meta"]["spec_verify_steps"]
+        assert eng.scheduler.is_memory_clean()
+        return tokens, verify, eng.scheduler.worker.spec
+
+
+def test_evaluated_accept_length_equals_served(tiny, tiny_model, tmp_path):
+    """The table's accept length is what the bench measures: a head trained a little, served at
+    batch 1 in float32 (its drafts equal the trainer's), gives the evaluation's tokens per verify
+    step exactly; the mean over every chain start (which the table once reported as the accept
+    length: 1.94 against 1.73 served at N=3 on SmolLM2) does not."""
+    target, records, head = _head_trained_briefly(tiny, tmp_path)
+    result = evaluate(head, target, records, steps=3)
+    spec = ["spec.algorithm=nextn", "spec.num_steps=3", "spec.max_batch_size=0",
+            f"spec.draft_path={tmp_path}"]
+    tokens, verify, _ = _served_walk(tiny_model("llama"), spec, records)
     assert result["verify_steps"][2] == verify
     assert result["accept_length"][2] == pytest.approx(tokens / verify)
     assert result["accept_length_per_start"][2] != pytest.approx(tokens / verify)  # 1.70, 1.69
@@ -402,20 +415,11 @@ def test_pruned_tree_eval_equals_served(tiny, tiny_model, tmp_path):
     """A pruned draft tree served from a head's recorded rank paths: the Engine builds the M
     most counted paths, and its tokens per verify step equal the eval's walk of that tree over
     the same answers (tree_stats.tree_walk); the tree accepts no less than the chain."""
-    from parity import FP32_CPU
-
-    from moeserve import Engine
     from moeserve.spec_mtp.train_head import write_tree_paths
     from moeserve.spec_mtp.tree import TreeShape
     from moeserve.spec_mtp.tree_stats import paths_from_json, tree_walk
 
-    target, _, records = tiny
-    torch.manual_seed(0)
-    trainer = train_mod.Trainer(TrainHead(target), target, records, _cfg(total_steps=12), "")
-    for _ in range(12):
-        trainer.train_step()
-    save_head(trainer.head, target, str(tmp_path), {"trained_steps": 12})
-    head, _ = load_head(str(tmp_path), target)
+    target, records, head = _head_trained_briefly(tiny, tmp_path)
     result = evaluate(head, target, records, steps=3, tree_nodes=(5,), path_ranks=3)
     write_tree_paths(str(tmp_path), result["tree_paths"], 3)
     shape = TreeShape.best(3, 3, 5, paths_from_json(result["tree_paths"]))
@@ -423,17 +427,8 @@ def test_pruned_tree_eval_equals_served(tiny, tiny_model, tmp_path):
     want = sum(t for t, _ in walked) / sum(v for _, v in walked)
     spec = ["spec.algorithm=nextn", "spec.num_steps=3", "spec.max_batch_size=0", "spec.topk=3",
             "spec.num_draft_tokens=6", f"spec.draft_path={tmp_path}"]
-    tokens = verify = 0
-    with Engine(tiny_model("llama"), FP32_CPU + spec) as eng:
-        assert eng.scheduler.worker.spec.shape.paths == shape.paths
-        for r in records:
-            prompt, answer = r["tokens"].tolist(), r["tokens"][r["prompt_len"]:].tolist()
-            (out,) = eng.generate(input_ids=[prompt[: r["prompt_len"]]],
-                                  sampling_params={"temperature": 0, "max_new_tokens": 12})
-            assert out["output_ids"] == answer
-            tokens += len(answer) - 1  # the first came from prefill
-            verify += out["meta"]["spec_verify_steps"]
-        assert eng.scheduler.is_memory_clean()
+    tokens, verify, decoder = _served_walk(tiny_model("llama"), spec, records)
+    assert decoder.shape.paths == shape.paths
     assert sum(v for _, v in walked) == verify and tokens / verify == pytest.approx(want)
     assert any(max(p) > 0 for p in shape.paths)  # not the chain
     assert want >= result["accept_length"][2]  # (the tree is chosen on these answers)
