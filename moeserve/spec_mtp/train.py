@@ -14,7 +14,8 @@ state and later steps on the head's own previous output, as serving runs it, wit
 over a draft vocabulary: the --draft-vocab most frequent tokens of the training answers
 (draft_vocab.py). DIR/checkpoint.pt (head, optimizer, step, data cursor) is written every
 --save-every steps and on Ctrl-C; the head is written as DIR/model.safetensors + DIR/config.json
-for `spec.draft_path=DIR`.
+for `spec.draft_path=DIR`, and the held-out eval's rank path counts go into config.json
+(`tree_paths`: the nodes of pruned draft trees, spec.num_draft_tokens; tree_stats.py).
 
 Choices measured on SmolLM2-135M (held-out step-1 agreement or accept length at N=3 as the table
 estimates it; 2-core CPU shared with others, so times are A/B pairs under the same load):

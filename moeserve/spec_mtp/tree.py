@@ -15,14 +15,15 @@ node its children are one-hot drafts tried in turn; child c is accepted with pro
 under the residual r (the target's processed distribution with the children tried so far zeroed
 and the rest renormalised). If none is, the emitted token is drawn from r. Each emitted token is
 then distributed as p itself: P(c_1) = p(c_1), P(c_2) = (1 - p(c_1)) p(c_2) / (1 - p(c_1)), and so
-on, and the final draw covers the rest. When every depth accepts, a bonus token is drawn from the
-last node's p.
+on, and the final draw covers the rest. When a leaf is accepted, a bonus token is drawn from its
+p.
 """
 
 from __future__ import annotations
 
 import torch
 
+from moeserve.config_schema import SpecConfig
 from moeserve.core import SamplingParams
 from moeserve.runtime.sampler import target_probs
 
@@ -166,7 +167,7 @@ def tree_rejection_accept(shape: TreeShape, logits: torch.Tensor, node_tokens: l
     return tokens, path
 
 
-def tree_shape(spec, tree_paths: dict[tuple[int, ...], float] | None) -> TreeShape:
+def tree_shape(spec: SpecConfig, tree_paths: dict[tuple[int, ...], float] | None) -> TreeShape:
     """The shape `spec` (SpecConfig with topk > 1) asks for: the full tree, or pruned to
     spec.draft_nodes nodes by the draft's rank path counts (`Draft.tree_paths`)."""
     if not spec.num_draft_tokens:
