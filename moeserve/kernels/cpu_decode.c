@@ -238,6 +238,35 @@ static void softmax_row(float *x, int64_t n) {
     for (i = 0; i < n; i++) x[i] *= inv;
 }
 
+/* dst[s0 .. s0 + 8) (as far as len) := scaling * qh · K rows of positions s0.. (slots[s], KV head
+ * kvh); past len the last row repeats and is not stored. */
+static inline __attribute__((always_inline)) void score8(
+    float *dst, const float *qh, const void *k_buf, const int64_t *slots, int64_t s0, int64_t len,
+    int64_t kv_heads, int64_t kvh, int64_t d, float scaling, int dt) {
+    const void *rows[8];
+    for (int j = 0; j < 8; j++) {
+        int64_t s = s0 + j < len ? s0 + j : len - 1;
+        rows[j] = at(k_buf, (slots[s] * kv_heads + kvh) * d, dt);
+    }
+    v8f dots = dot8(rows, qh, d, dt) * scaling;
+    if (s0 + 8 <= len)
+        memcpy(dst + s0, &dots, 32);
+    else
+        for (int64_t j = 0; j < len - s0; j++) dst[s0 + j] = dots[j];
+}
+
+/* a[0 .. dv/8) += p[s] * V row of position s (slots[s], KV head kvh), s = from .. to - 1, in
+ * order (dv a multiple of 8, at most 128). */
+static inline __attribute__((always_inline)) void add_v_rows(
+    v8f *a, const float *p, const void *v_buf, const int64_t *slots, int64_t from, int64_t to,
+    int64_t kv_heads, int64_t kvh, int64_t dv, int dt) {
+    for (int64_t s = from; s < to; s++) {
+        const void *vr = at(v_buf, (slots[s] * kv_heads + kvh) * dv, dt);
+        v8f pv = {p[s], p[s], p[s], p[s], p[s], p[s], p[s], p[s]};
+        for (int64_t c = 0; c < dv / 8; c++) a[c] += pv * load8(at(vr, 8 * c, dt), dt);
+    }
+}
+
 /* One request: its query heads qf [heads, d] (float32) attend over `len` positions (slots[s]);
  * acc [heads, dv] receives the normalised weighted sum of V; scores: [heads, len] scratch. Query
  * head h reads KV head h / group; a group's heads re-read its K/V rows, from L1. Always inlined
@@ -248,21 +277,11 @@ static inline __attribute__((always_inline)) void attend_request(
     const int64_t *slots, int64_t len, int64_t heads, int64_t kv_heads, int64_t kv_head0,
     int64_t group, int64_t d, int64_t dv, float scaling, int dt) {
     int64_t s0 = 0;
-    if (d % 8 == 0) /* eight positions at a time (a short tail repeats the last row, unstored) */
-        for (; s0 < len; s0 += 8) {
-            for (int64_t h = 0; h < heads; h++) {
-                const void *rows[8];
-                for (int j = 0; j < 8; j++) {
-                    int64_t s = s0 + j < len ? s0 + j : len - 1;
-                    rows[j] = at(k_buf, (slots[s] * kv_heads + kv_head0 + h / group) * d, dt);
-                }
-                v8f dots = dot8(rows, qf + h * d, d, dt) * scaling;
-                if (s0 + 8 <= len)
-                    memcpy(scores + h * len + s0, &dots, 32);
-                else
-                    for (int64_t j = 0; j < len - s0; j++) scores[h * len + s0 + j] = dots[j];
-            }
-        }
+    if (d % 8 == 0) /* eight positions at a time */
+        for (; s0 < len; s0 += 8)
+            for (int64_t h = 0; h < heads; h++)
+                score8(scores + h * len, qf + h * d, k_buf, slots, s0, len, kv_heads,
+                       kv_head0 + h / group, d, scaling, dt);
     for (int64_t s = s0; s < len; s++) {
         const void *kr = at(k_buf, slots[s] * kv_heads * d, dt);
         for (int64_t h = 0; h < heads; h++) {
@@ -278,13 +297,8 @@ static inline __attribute__((always_inline)) void attend_request(
     if (dv % 8 == 0 && dv <= 128) { /* each head's sum kept in registers, V rows from L1 */
         for (int64_t h = 0; h < heads; h++) {
             v8f a[16] = {{0}};
-            const float *ph = scores + h * len;
-            int64_t off = (kv_head0 + h / group) * dv;
-            for (int64_t s = 0; s < len; s++) {
-                const void *vr = at(v_buf, slots[s] * kv_heads * dv + off, dt);
-                v8f p = {ph[s], ph[s], ph[s], ph[s], ph[s], ph[s], ph[s], ph[s]};
-                for (int64_t c = 0; c < dv / 8; c++) a[c] += p * load8(at(vr, 8 * c, dt), dt);
-            }
+            add_v_rows(a, scores + h * len, v_buf, slots, 0, len, kv_heads, kv_head0 + h / group,
+                       dv, dt);
             memcpy(acc + h * dv, a, (size_t)dv * sizeof(float));
         }
         return;
@@ -326,17 +340,10 @@ static inline __attribute__((always_inline)) void attend_shared(
         }
     }
     for (int64_t r = 0; r < g; r++) {
-        int64_t len = lens[r];
-        for (int64_t s0 = p8; s0 < len; s0 += 8) {
-            const void *rows[8];
-            for (int j = 0; j < 8; j++) {
-                int64_t s = s0 + j < len ? s0 + j : len - 1;
-                rows[j] = at(k_buf, (slots[r][s] * kv_heads + kvh) * d, dt);
-            }
-            v8f dots = dot8(rows, qf + r * d, d, dt) * scaling;
-            for (int64_t j = 0; j < 8 && s0 + j < len; j++) scores[r * ld + s0 + j] = dots[j];
-        }
-        softmax_row(scores + r * ld, len);
+        for (int64_t s0 = p8; s0 < lens[r]; s0 += 8)
+            score8(scores + r * ld, qf + r * d, k_buf, slots[r], s0, lens[r], kv_heads, kvh, d,
+                   scaling, dt);
+        softmax_row(scores + r * ld, lens[r]);
     }
     memset(acc, 0, (size_t)(g * dv) * sizeof(float));
     for (int64_t s0 = 0; s0 < p; s0 += SHARE_BLOCK) {
@@ -357,12 +364,7 @@ static inline __attribute__((always_inline)) void attend_shared(
     for (int64_t r = 0; r < g; r++) {
         v8f a[16];
         memcpy(a, acc + r * dv, (size_t)dv * sizeof(float));
-        for (int64_t s = p; s < lens[r]; s++) {
-            float ps = scores[r * ld + s];
-            v8f pv = {ps, ps, ps, ps, ps, ps, ps, ps};
-            const void *vr = at(v_buf, (slots[r][s] * kv_heads + kvh) * dv, dt);
-            for (int64_t c = 0; c < dv / 8; c++) a[c] += pv * load8(at(vr, 8 * c, dt), dt);
-        }
+        add_v_rows(a, scores + r * ld, v_buf, slots[r], p, lens[r], kv_heads, kvh, dv, dt);
         memcpy(acc + r * dv, a, (size_t)dv * sizeof(float));
     }
 }

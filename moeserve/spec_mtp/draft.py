@@ -28,7 +28,7 @@ class Draft:
         self.vocab: torch.Tensor | None = getattr(module, "vocab", None)  # [D] token ids
         self.lm_head: nn.Module | None = getattr(module, "lm_head", None)  # rows of `vocab`
         # a trained head's rank path counts (config.json `tree_paths`): pruned trees' nodes
-        self.tree_paths: dict[tuple[int, ...], float] | None = None
+        self.tree_paths: dict[tuple[int, ...], float] | None = getattr(module, "tree_paths", None)
 
     def forward(self, fb: ForwardBatch, input_ids: torch.Tensor,
                 hidden: torch.Tensor) -> torch.Tensor:
@@ -67,8 +67,7 @@ def build_draft(cfg: MoeserveConfig, model: nn.Module, hf_config: Any) -> Draft 
                               "checkpoint: train a head with `python -m moeserve.spec_mtp.train` "
                               "and pass spec.draft_path=DIR")
         return Draft(model.mtp, model, 0, "mtp")
-    from moeserve.spec_mtp.head import check_head_config, load_head, random_head
-    from moeserve.spec_mtp.tree_stats import paths_from_json
+    from moeserve.spec_mtp.head import load_head, random_head
 
     layer_id = hf_config.num_hidden_layers
     rows = model.lm_head.weight  # a draft vocabulary gathers these
@@ -77,8 +76,4 @@ def build_draft(cfg: MoeserveConfig, model: nn.Module, hf_config: Any) -> Draft 
     head = (random_head(hf_config, layer_id, cfg.seed) if spec.draft_path == "dummy"
             else load_head(spec.draft_path, hf_config, layer_id, rows))
     model.add_module("nextn_head", head)
-    draft = Draft(head, model, 1, "head")
-    if spec.draft_path != "dummy":
-        draft.tree_paths = paths_from_json(check_head_config(spec.draft_path, hf_config)
-                                           .get("tree_paths"))
-    return draft
+    return Draft(head, model, 1, "head")

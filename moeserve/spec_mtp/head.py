@@ -28,6 +28,7 @@ from moeserve.layers.linear import Linear
 from moeserve.layers.norm import RMSNorm
 from moeserve.models.llama import MLP, Attention, CausalLM, DecoderLayer
 from moeserve.models.loader import WeightLoadError, load_weights
+from moeserve.spec_mtp.tree_stats import paths_from_json
 
 HEAD_FILE, CONFIG_FILE = "model.safetensors", "config.json"
 VOCAB_TENSOR = "draft_vocab"
@@ -58,6 +59,8 @@ class NextNHead(nn.Module):
         self.layer = DecoderLayer(cfg, attn, MLP(h, cfg.intermediate_size))
         self.vocab: torch.Tensor | None = None  # draft index → token id [D]; None: every token
         self.lm_head: Linear | None = None  # the target's LM head rows of `vocab`
+        # config.json's rank path counts (tree_stats.py): the nodes of pruned draft trees
+        self.tree_paths: dict[tuple[int, ...], float] | None = None
 
     def use_vocab(self, vocab: torch.Tensor, target_lm_head: torch.Tensor) -> None:
         """Score only `vocab` (sorted ids [D]): copy those rows of the target's LM head [V, H]."""
@@ -107,6 +110,7 @@ def load_head(path: str, cfg: Any, layer_id: int,
     head = NextNHead(cfg, layer_id)
     dtype = torch.get_default_dtype()
     tensors = load_file(file)
+    head.tree_paths = paths_from_json(head_cfg.get("tree_paths"))
     vocab = tensors.pop(VOCAB_TENSOR, None)
     load_weights(head, ((name, t.to(dtype)) for name, t in tensors.items()))
     if vocab is not None:

@@ -144,10 +144,10 @@ def evaluate(head, target, records: list[dict[str, Any]], steps: int = 3,
     walked = [[0, 0] for _ in range(steps)]  # per N: tokens, verify steps
     tree_walked = {k: [[0, 0] for _ in range(steps)] for k in tree_topk}
     answers: list[Answer] = []  # label ranks per answer, for rank paths
+    want_ranks = bool(tree_topk) or path_ranks > 0
     for i in range(0, len(records), batch_size):
         batch = collate(records[i: i + batch_size], embed)
         correct = chain_correct(head, lm_head, batch, steps)
-        want_ranks = bool(tree_topk) or path_ranks > 0
         ranks = label_ranks(head, lm_head, batch, steps) if want_ranks else None
         for b in range(batch.labels.shape[0]):
             n_labels = int((batch.labels[b] >= 0).sum())

@@ -47,6 +47,7 @@ class TreeShape:
             paths = paths[1:]
         paths = sorted({tuple(p) for p in paths}, key=lambda p: (len(p), p))
         index = {(): 0, **{p: i + 1 for i, p in enumerate(paths)}}
+        self.index = index  # path → node
         for p in paths:
             if p[:-1] not in index or not 0 <= p[-1] < topk or len(p) > depth:
                 raise ValueError(f"tree path {p}: its parent is missing, or a rank >= {topk}, "

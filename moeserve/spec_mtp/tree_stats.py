@@ -67,12 +67,11 @@ def walk(accepts_at: Callable[[int], int], start: int, n_labels: int) -> tuple[i
 def tree_walk(answer: Answer, shape: TreeShape) -> tuple[int, int]:
     """`walk` with a tree: a round at p accepts the longest prefix of p's rank path that is a
     node of `shape`."""
-    nodes = set(shape.paths)
 
     def accepts_at(p: int) -> int:
         path = answer.path(p, shape.topk)
         d = 0
-        while d < len(path) and path[: d + 1] in nodes:
+        while d < len(path) and path[: d + 1] in shape.index:
             d += 1
         return d
 

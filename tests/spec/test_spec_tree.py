@@ -85,6 +85,21 @@ def test_pruned_tree_shape():
     assert prior.paths == [(0,), (0, 0), (0, 0, 0)]
     for shape in (best, prior, TreeShape.best(4, 3, 20)):
         assert all(p[:-1] in shape.paths or len(p) == 1 for p in shape.paths)
+    # the most counted M nodes are the best M-node tree: brute force over every 5-node tree of
+    # ranks < 2, depth <= 3, with counts made as the eval makes them (every prefix of a path)
+    import itertools
+    from collections import Counter
+
+    rng, counted = random.Random(1), Counter()
+    for _ in range(300):
+        path = tuple(0 if rng.random() < 0.6 else 1 for _ in range(rng.randrange(4)))
+        for d in range(1, len(path) + 1):
+            counted[path[:d]] += 1
+    candidates = TreeShape(2, 3).paths
+    trees = [set(c) for c in itertools.combinations(candidates, 5)
+             if all(len(p) == 1 or p[:-1] in c for p in c)]
+    best_total = max(sum(counted[p] for p in t) for t in trees)
+    assert sum(counted[p] for p in TreeShape.best(2, 3, 5, counted).paths) == best_total
     with pytest.raises(ValueError, match="parent"):
         TreeShape(2, 3, [(0,), (1, 1)])
     with pytest.raises(ValueError, match="rank"):
