@@ -346,6 +346,27 @@ def test_bf16_weight_linear_matches_float64(kernels, dtype, m, n, k, threads):
         assert_bf16_same_rounding(out, ref.to(BF16))
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_bf16_weight_linear_row_does_not_depend_on_its_batch(kernels, threads):
+    """Tiles of 1-6 tokens span 6-1 output blocks (and threads split the blocks): a token's output
+    must be the same bits whatever rows are batched with it, as a speculative verify's rows are
+    compared with plain decode steps of one row. n = 37 blocks: every tile width meets a tail."""
+    g = _gen(11)
+    n, k = 37 * 16 - 5, 96
+    w = (torch.randn(n, k, generator=g) * 0.2).to(BF16)
+    packed = kernels.pack_linear(w)
+    x = torch.randn(13, k, generator=g).to(BF16)
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        alone = torch.cat([kernels.linear(x[i : i + 1], packed, n) for i in range(13)])
+        for m in range(1, 14):
+            assert torch.equal(kernels.linear(x[:m], packed, n), alone[:m]), m
+    finally:
+        torch.set_num_threads(old)
+    assert_bf16_same_rounding(alone, (x.double() @ w.double().T).to(BF16))
+
+
 def test_bf16_weight_linear_matches_torch_bf16_linear(kernels):
     """What a bf16 model's Linear computed before (F.linear in bf16): the same values up to the
     sum order (one bf16 step at most, for a few)."""
