@@ -151,22 +151,15 @@ int64_t ms_linear_w16(void *out, const void *x, const uint16_t *w_packed, const 
                 float acc[MAX_ACC][BLOCK_N];
                 int g = b_end - b < gmax ? (int)(b_end - b) : gmax;
                 const uint16_t *wb = w_packed + b * k * BLOCK_N;
-                switch (mt * 8 + g) { /* constant tile shapes: the accumulators stay in registers */
-                case 1 * 8 + 1: tile(acc, xs, k, wb, k, 1, 1); break;
-                case 1 * 8 + 2: tile(acc, xs, k, wb, k, 1, 2); break;
-                case 1 * 8 + 3: tile(acc, xs, k, wb, k, 1, 3); break;
-                case 1 * 8 + 4: tile(acc, xs, k, wb, k, 1, 4); break;
-                case 1 * 8 + 5: tile(acc, xs, k, wb, k, 1, 5); break;
-                case 1 * 8 + 6: tile(acc, xs, k, wb, k, 1, 6); break;
-                case 2 * 8 + 1: tile(acc, xs, k, wb, k, 2, 1); break;
-                case 2 * 8 + 2: tile(acc, xs, k, wb, k, 2, 2); break;
-                case 2 * 8 + 3: tile(acc, xs, k, wb, k, 2, 3); break;
-                case 3 * 8 + 1: tile(acc, xs, k, wb, k, 3, 1); break;
-                case 3 * 8 + 2: tile(acc, xs, k, wb, k, 3, 2); break;
-                case 4 * 8 + 1: tile(acc, xs, k, wb, k, 4, 1); break;
-                case 5 * 8 + 1: tile(acc, xs, k, wb, k, 5, 1); break;
+                /* constant tile shapes: the accumulators stay in registers */
+#define TILE_CASE(tm, tg) case tm * 8 + tg: tile(acc, xs, k, wb, k, tm, tg); break;
+                switch (mt * 8 + g) {
+                    TILE_CASE(1, 1) TILE_CASE(1, 2) TILE_CASE(1, 3) TILE_CASE(1, 4) TILE_CASE(1, 5)
+                    TILE_CASE(1, 6) TILE_CASE(2, 1) TILE_CASE(2, 2) TILE_CASE(2, 3) TILE_CASE(3, 1)
+                    TILE_CASE(3, 2) TILE_CASE(4, 1) TILE_CASE(5, 1)
                 default: tile(acc, xs, k, wb, k, 6, 1); break;
                 }
+#undef TILE_CASE
                 for (int gi = 0; gi < g; gi++) {
                     int64_t n0 = (b + gi) * BLOCK_N, cols = n - n0 < BLOCK_N ? n - n0 : BLOCK_N;
                     store_rows((char *)out + m0 * n * (dt ? 2 : 4), n, mt, n0, cols,
