@@ -30,8 +30,8 @@
 #define BLOCK_N 16
 #define MAX_ACC 6 /* token x block pairs of a tile: 12 float vectors */
 /* blocks per tile by its token count: about 12 accumulators each (measured on a 2-core AVX2 EPYC,
- * SmolLM2's 30 layers of linears from DRAM, against one block per tile: 1 token 10.2 -> 8.6 ms,
- * 2 tokens 10.3 -> 9.0, 3 tokens 10.8 -> 9.8, 4 and 6 unchanged within noise) */
+ * SmolLM2's 30 layers of linears from DRAM, against one block per tile: 1 token 10.2 -> 8.3 ms,
+ * 2 tokens 10.3 -> 9.1, 3 tokens 10.8 -> 9.8, 4 and 6 unchanged within noise) */
 static const int GROUPS[TILE_M + 1] = {0, 6, 3, 2, 1, 1, 1};
 
 #include "cpu_bf16.h"
