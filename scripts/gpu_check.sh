@@ -17,7 +17,8 @@
 #   (FP8_SWEEP=1 adds a launch-config sweep); knobs in the mode's comment.
 #   spec: MTP speculation's round (draft chain + verify + draft extend) against one plain decode
 #   step (eager and CUDA graph) at batch 1/16/64: DeepSeek-V3 shape cut to 3 dense + 2 MoE layers
-#   with its MTP layer, and Llama-3-8B with a random NextN head (SPEC_ACCEPT: accept lengths).
+#   with its MTP layer, Qwen3-30B-A3B and Llama-3-8B with random NextN heads (SPEC_MODELS picks
+#   rows, SPEC_ACCEPT: accept lengths).
 #   extend: MIXED/prefill step times, extend CUDA graphs vs eager, on the full Qwen3-30B-A3B shape
 #   (EXTEND_ARGS add bench.extend_step arguments).
 #   grammar: output tok/s with and without a json_schema on the same prompts, one server, 64
@@ -128,12 +129,19 @@ if [[ $what == spec ]]; then
   python3 -m moeserve.tools.make_random --shape deepseek_v3 --layers 5 --config-only \
     --out /tmp/dsv3_l5 >/dev/null  # 3 dense + 2 MoE layers, + the MTP layer (MoE)
   python3 -m moeserve.tools.make_random --shape llama3_8b --config-only --out /tmp/llama8b >/dev/null
-  # SPEC_MODELS picks rows: dsv3 (its MTP layer), llama (random NextN head), llama_tree (a
-  # draft tree, topk 2, depth 3: 14 nodes a request), llama_pruned (topk 4 pruned to 6 nodes)
-  for m in ${SPEC_MODELS:-dsv3 llama llama_tree llama_pruned}; do
+  python3 -m moeserve.tools.make_random --shape qwen3_30b_a3b --config-only \
+    --out /tmp/qwen3_30b_a3b >/dev/null
+  # SPEC_MODELS picks rows: dsv3 (its MTP layer), qwen3 (Qwen3-30B-A3B, all 48 layers, random
+  # NextN head), llama (random NextN head; heads score the trainer's default 4096-token draft
+  # vocabulary, llama_full every token), llama_tree (a draft tree, topk 2, depth 3: 14 nodes a
+  # request), llama_pruned (topk 4 pruned to 6 nodes)
+  for m in ${SPEC_MODELS:-dsv3 qwen3 llama llama_tree llama_pruned}; do
+    cache=80000
     case $m in
       dsv3) set -- /tmp/dsv3_l5 model.quantization=none ;;
+      qwen3) set -- /tmp/qwen3_30b_a3b spec.draft_path=dummy; cache=40000 ;;
       llama) set -- /tmp/llama8b spec.draft_path=dummy ;;
+      llama_full) set -- /tmp/llama8b spec.draft_path=dummy:0 ;;
       llama_tree) set -- /tmp/llama8b spec.draft_path=dummy spec.topk=2 spec.max_batch_size=0 ;;
       llama_pruned) set -- /tmp/llama8b spec.draft_path=dummy spec.topk=4 spec.num_draft_tokens=7 \
         spec.max_batch_size=0 ;;
@@ -141,7 +149,7 @@ if [[ $what == spec ]]; then
     model=$1; shift
     timeout 280 python3 -m moeserve.bench.spec_step --model $model --batch 1 16 64 --num-steps 3 \
       --accept ${SPEC_ACCEPT:-2.0 2.5} --override model.load_format=dummy --override device=cuda \
-      $(printf -- "--override %s " "$@") --override cache.max_total_tokens=80000 2>&1 \
+      $(printf -- "--override %s " "$@") --override cache.max_total_tokens=$cache 2>&1 \
       | grep -v -E "Warning|warn|capturing" | tee -a "$OUT/spec_step.log" | tail -8
   done
 fi

@@ -67,13 +67,14 @@ def build_draft(cfg: MoeserveConfig, model: nn.Module, hf_config: Any) -> Draft 
                               "checkpoint: train a head with `python -m moeserve.spec_mtp.train` "
                               "and pass spec.draft_path=DIR")
         return Draft(model.mtp, model, 0, "mtp")
-    from moeserve.spec_mtp.head import load_head, random_head
+    from moeserve.spec_mtp.head import dummy_vocab_size, load_head, random_head
 
     layer_id = hf_config.num_hidden_layers
     rows = model.lm_head.weight  # a draft vocabulary gathers these
     if isinstance(model.lm_head, Fp8Linear):  # model.fp8_lm_head: the rows as they act
         rows = model.lm_head.dequantized().to(model.model.embed_tokens.weight.dtype)
-    head = (random_head(hf_config, layer_id, cfg.seed) if spec.draft_path == "dummy"
-            else load_head(spec.draft_path, hf_config, layer_id, rows))
+    dummy = dummy_vocab_size(spec.draft_path)
+    head = (load_head(spec.draft_path, hf_config, layer_id, rows) if dummy is None
+            else random_head(hf_config, layer_id, cfg.seed, dummy, rows))
     model.add_module("nextn_head", head)
     return Draft(head, model, 1, "head")

@@ -21,6 +21,7 @@ from typing import Any, Iterable
 import torch
 
 LADDER = (1024, 2048, 4096, 8192, 16384, 32768)  # sizes whose coverage the trainer reports
+DEFAULT_SIZE = 4096  # the trainer's --draft-vocab (and a `dummy` head's): measured in train.py
 
 
 def answer_tokens(records: Iterable[dict[str, Any]]) -> torch.Tensor:

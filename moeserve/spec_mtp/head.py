@@ -23,11 +23,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from moeserve.config import ConfigError
 from moeserve.forward_batch import ForwardBatch
 from moeserve.layers.linear import Linear
 from moeserve.layers.norm import RMSNorm
 from moeserve.models.llama import MLP, Attention, CausalLM, DecoderLayer
 from moeserve.models.loader import WeightLoadError, load_weights
+from moeserve.spec_mtp.draft_vocab import DEFAULT_SIZE
 from moeserve.spec_mtp.tree_stats import paths_from_json
 
 HEAD_FILE, CONFIG_FILE = "model.safetensors", "config.json"
@@ -35,8 +37,11 @@ VOCAB_TENSOR = "draft_vocab"
 _SHAPE_KEYS = ("hidden_size", "vocab_size", "num_attention_heads", "num_key_value_heads",
                "intermediate_size")
 # target architectures whose decoder block the head reuses: (qkv bias, per-head q/k norm)
+# (a MoE target's head is a dense block of the config's intermediate_size, as EAGLE heads for
+# Qwen3-MoE are: a MoE layer would make every draft pass read its routed experts' bytes)
 _FAMILIES = {"LlamaForCausalLM": (False, False), "MistralForCausalLM": (False, False),
-             "Qwen2ForCausalLM": (True, False), "Qwen3ForCausalLM": (False, True)}
+             "Qwen2ForCausalLM": (True, False), "Qwen3ForCausalLM": (False, True),
+             "Qwen3MoeForCausalLM": (False, True)}
 
 
 class NextNHead(nn.Module):
@@ -132,8 +137,26 @@ def _check_vocab(path: str, vocab: torch.Tensor, head_cfg: dict, vocab_size: int
                               f"distinct token ids below {vocab_size}")
 
 
-def random_head(cfg: Any, layer_id: int, seed: int) -> NextNHead:
-    """Random weights (model.load_format=dummy benchmarks): norms at 1, N(0, 0.02) elsewhere."""
+def dummy_vocab_size(draft_path: str) -> int | None:
+    """The draft vocabulary of `spec.draft_path=dummy[:D]` (None: not a dummy head; 0: every
+    token). Plain `dummy` has the trainer's default D, so benchmarks time what a trained head
+    costs; `dummy:0` scores the whole vocabulary."""
+    name, _, size = draft_path.partition(":")
+    if name != "dummy":
+        return None
+    if not size:
+        return DEFAULT_SIZE
+    if not size.isdigit():
+        raise ConfigError("spec.draft_path", f"{draft_path!r}: dummy:D takes a draft vocabulary "
+                                             "size D >= 0")
+    return int(size)
+
+
+def random_head(cfg: Any, layer_id: int, seed: int, vocab_size: int = 0,
+                target_lm_head: torch.Tensor | None = None) -> NextNHead:
+    """Random weights (model.load_format=dummy benchmarks): norms at 1, N(0, 0.02) elsewhere;
+    with 0 < vocab_size < the target's, a draft vocabulary of the lowest `vocab_size` ids (rows
+    of `target_lm_head`)."""
     head = NextNHead(cfg, layer_id)
     gen = torch.Generator(device=head.eh_proj.weight.device).manual_seed(seed + 1)
     for name, p in head.named_parameters():
@@ -141,4 +164,6 @@ def random_head(cfg: Any, layer_id: int, seed: int) -> NextNHead:
             p.data.fill_(1.0)
         else:
             p.data.normal_(0.0, 0.02, generator=gen)
+    if target_lm_head is not None and 0 < vocab_size < cfg.vocab_size:
+        head.use_vocab(torch.arange(vocab_size), target_lm_head)
     return head

@@ -60,14 +60,14 @@ import torch
 import torch.nn.functional as F
 
 from moeserve.spec_mtp import train_data as data
-from moeserve.spec_mtp.draft_vocab import coverage_table, pick_vocab
+from moeserve.spec_mtp.draft_vocab import DEFAULT_SIZE, coverage_table, pick_vocab
 from moeserve.spec_mtp.prompts import heldout_prompts, read_prompts, train_prompts
 from moeserve.spec_mtp.train_eval import evaluate, format_table
 from moeserve.spec_mtp.train_head import (TrainHead, fit_eh_proj, load_head, save_head,
                                           write_tree_paths)
 from moeserve.spec_mtp.train_loop import CHECKPOINT, Trainer, lr_at, step_loss  # noqa: F401
 
-DRAFT_VOCAB = 4096  # default --draft-vocab
+DRAFT_VOCAB = DEFAULT_SIZE  # default --draft-vocab
 DATA_SHARE = 0.5  # of --budget-minutes: no new training shard is started after it
 # What defines a run: a resumed run takes these from its checkpoint, not from the command line.
 RUN_KEYS = ("lr", "batch_size", "seed", "chain_steps", "detach", "feature_weight",

@@ -17,12 +17,26 @@ from moeserve.core import ForwardMode
 from moeserve.models.loader import WeightLoadError
 
 
+def _dense_layer(cfg, layer_idx: int):
+    """transformers' decoder layer the head has: the target's own, or for a Qwen3-MoE target a
+    dense Qwen3 layer of its intermediate_size."""
+    import transformers
+
+    if cfg.model_type == "qwen3_moe":
+        dense = transformers.Qwen3Config(**{k: v for k, v in cfg.to_dict().items()
+                                            if k not in ("model_type", "architectures")})
+        dense._attn_implementation = cfg._attn_implementation  # sdpa: causal without a mask
+        return transformers.models.qwen3.modeling_qwen3.Qwen3DecoderLayer(dense, layer_idx)
+    cls = type(transformers.AutoModelForCausalLM.from_config(cfg).model.layers[-1])
+    return cls(cfg, layer_idx=layer_idx)
+
+
 def write_head(path: str, model_dir: str, seed: int = 0) -> str:
     """A head file in the trainer's format with random weights (transformers' names)."""
     ref = hf_model(model_dir)
     cfg = ref.config
     gen = torch.Generator().manual_seed(seed)
-    layer = type(ref.model.layers[-1])(cfg, layer_idx=cfg.num_hidden_layers - 1)
+    layer = _dense_layer(cfg, cfg.num_hidden_layers - 1)
     tensors = {f"layer.{k}": torch.randn(v.shape, generator=gen) * 0.1 + (k.endswith(
         "norm.weight") * 1.0) for k, v in layer.state_dict().items()}
     h = cfg.hidden_size
@@ -57,7 +71,7 @@ def _reference(model_dir: str, head_dir: str, ids: list[int]) -> torch.Tensor:
     eps = cfg.rms_norm_eps
     x = torch.cat([_rms(emb, w["enorm.weight"], eps), _rms(hidden, w["hnorm.weight"], eps)], -1)
     x = (x @ w["eh_proj.weight"].T)[None]
-    layer = type(ref.model.layers[-1])(cfg, layer_idx=0).float().eval()
+    layer = _dense_layer(cfg, 0).float().eval()
     layer.load_state_dict({k[len("layer."):]: v for k, v in w.items() if k.startswith("layer.")})
     positions = torch.arange(len(ids) - 1)[None]
     rope = ref.model.rotary_emb(x, positions)
@@ -66,7 +80,7 @@ def _reference(model_dir: str, head_dir: str, ids: list[int]) -> torch.Tensor:
     return ref.lm_head(_rms(x[0], w["norm.weight"], eps))
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen3_moe"])
 def test_head_matches_transformers_layer(tiny_model, tmp_path, arch):
     model_dir = tiny_model(arch)
     head_dir = write_head(str(tmp_path / "head"), model_dir)
@@ -97,9 +111,9 @@ def test_head_for_another_model_is_refused(tiny_model, tmp_path):
         make_runner(tiny_model("llama"), ["spec.algorithm=nextn", f"spec.draft_path={head_dir}"])
 
 
-@pytest.mark.parametrize("overlap", [False, True])
-def test_serving_with_head_equals_plain(tiny_model, tmp_path, overlap):
-    model_dir = tiny_model("llama")
+@pytest.mark.parametrize("arch,overlap", [("llama", False), ("llama", True), ("qwen3_moe", True)])
+def test_serving_with_head_equals_plain(tiny_model, tmp_path, arch, overlap):
+    model_dir = tiny_model(arch)
     head_dir = write_head(str(tmp_path / "head"), model_dir)
     prompts = prompts_of_lengths([5, 17, 9, 30], 1000, seed=1)
     params = [{"temperature": 0, "ignore_eos": True, "max_new_tokens": n} for n in (12, 3, 20, 7)]
@@ -112,3 +126,26 @@ def test_serving_with_head_equals_plain(tiny_model, tmp_path, overlap):
         outs = eng.generate(input_ids=prompts, sampling_params=params)
         assert [o["output_ids"] for o in outs] == want
         assert eng.scheduler.is_memory_clean()
+
+
+def test_dummy_head_draft_vocabulary(tiny_model):
+    """`dummy:D` scores D tokens (plain `dummy` the trainer's default D), stays lossless, and a
+    malformed size is a config error naming the key."""
+    from moeserve.config import ConfigError
+
+    model_dir = tiny_model("llama")
+    runner = make_runner(model_dir, ["spec.algorithm=nextn", "spec.draft_path=dummy:64"])
+    assert runner.draft.lm_head.weight.shape[0] == 64 and runner.draft.vocab.tolist() == list(
+        range(64))
+    full = make_runner(model_dir, ["spec.algorithm=nextn", "spec.draft_path=dummy:0"])
+    assert full.draft.vocab is None
+    with pytest.raises(ConfigError, match="spec.draft_path"):
+        make_runner(model_dir, ["spec.algorithm=nextn", "spec.draft_path=dummy:x"])
+    prompts = prompts_of_lengths([5, 17], 1000, seed=2)
+    params = [{"temperature": 0, "ignore_eos": True, "max_new_tokens": n} for n in (9, 14)]
+    with Engine(model_dir, FP32_CPU) as eng:
+        want = [o["output_ids"] for o in eng.generate(input_ids=prompts, sampling_params=params)]
+    with Engine(model_dir, FP32_CPU + ["spec.algorithm=nextn", "spec.max_batch_size=0",
+                                       "spec.draft_path=dummy:64"]) as eng:
+        outs = eng.generate(input_ids=prompts, sampling_params=params)
+        assert [o["output_ids"] for o in outs] == want
