@@ -109,8 +109,9 @@ def main(argv: list[str] | None = None) -> None:
                    "tokens (spec.num_draft_tokens; e.g. 2x3, 4x3x7)")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--prompts", type=int, default=8)
-    p.add_argument("--concurrency", type=int, nargs="+", default=[16],
-                   help="requests in flight of the served runs (one column each)")
+    p.add_argument("--concurrency", type=int, nargs="*", default=[16],
+                   help="requests in flight of the served runs (one column each; none: only "
+                   "the batch-1 column)")
     p.add_argument("--repeat", type=int, default=1, help="cycles over the rows (medians)")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--override", action="append", default=[])

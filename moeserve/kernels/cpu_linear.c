@@ -142,28 +142,37 @@ int64_t ms_linear_w16(void *out, const void *x, const uint16_t *w_packed, const 
         t = omp_get_thread_num();
         nt = omp_get_num_threads();
 #endif
-        int64_t b_end = blocks * (t + 1) / nt;
-        for (int64_t m0 = 0; m0 < m; m0 += TILE_M) {
-            int mt = m - m0 < TILE_M ? (int)(m - m0) : TILE_M;
-            int gmax = GROUPS[mt];
-            const float *xs = xf + m0 * k;
-            for (int64_t b = blocks * t / nt; b < b_end; b += gmax) {
-                float acc[MAX_ACC][BLOCK_N];
-                int g = b_end - b < gmax ? (int)(b_end - b) : gmax;
-                const uint16_t *wb = w_packed + b * k * BLOCK_N;
-                /* constant tile shapes: the accumulators stay in registers */
-#define TILE_CASE(tm, tg) case tm * 8 + tg: tile(acc, xs, k, wb, k, tm, tg); break;
-                switch (mt * 8 + g) {
-                    TILE_CASE(1, 1) TILE_CASE(1, 2) TILE_CASE(1, 3) TILE_CASE(1, 4) TILE_CASE(1, 5)
-                    TILE_CASE(1, 6) TILE_CASE(2, 1) TILE_CASE(2, 2) TILE_CASE(2, 3) TILE_CASE(3, 1)
-                    TILE_CASE(3, 2) TILE_CASE(4, 1) TILE_CASE(5, 1)
-                default: tile(acc, xs, k, wb, k, 6, 1); break;
-                }
+        int64_t b_start = blocks * t / nt, b_end = blocks * (t + 1) / nt;
+        /* a group of blocks at a time, every token tile over it: past TILE_M rows (a draft
+         * tree's verify) the weights are read from DRAM once, the later tiles find the group in
+         * L1/L2 */
+        int gmax = GROUPS[m < TILE_M ? m : TILE_M];
+        for (int64_t b = b_start; b < b_end; b += gmax) {
+            int gb = b_end - b < gmax ? (int)(b_end - b) : gmax;
+            const uint16_t *wb = w_packed + b * k * BLOCK_N;
+            for (int64_t m0 = 0; m0 < m; m0 += TILE_M) {
+                int mt = m - m0 < TILE_M ? (int)(m - m0) : TILE_M;
+                const float *xs = xf + m0 * k;
+                for (int g0 = 0; g0 < gb; g0 += GROUPS[mt]) { /* a short last tile: fewer rows */
+                    float acc[MAX_ACC][BLOCK_N];
+                    int g = gb - g0 < GROUPS[mt] ? gb - g0 : GROUPS[mt];
+                    const uint16_t *wg = wb + (int64_t)g0 * k * BLOCK_N;
+                    /* constant tile shapes: the accumulators stay in registers */
+#define TILE_CASE(tm, tg) case tm * 8 + tg: tile(acc, xs, k, wg, k, tm, tg); break;
+                    switch (mt * 8 + g) {
+                        TILE_CASE(1, 1) TILE_CASE(1, 2) TILE_CASE(1, 3) TILE_CASE(1, 4)
+                        TILE_CASE(1, 5) TILE_CASE(1, 6) TILE_CASE(2, 1) TILE_CASE(2, 2)
+                        TILE_CASE(2, 3) TILE_CASE(3, 1) TILE_CASE(3, 2) TILE_CASE(4, 1)
+                        TILE_CASE(5, 1)
+                    default: tile(acc, xs, k, wg, k, 6, 1); break;
+                    }
 #undef TILE_CASE
-                for (int gi = 0; gi < g; gi++) {
-                    int64_t n0 = (b + gi) * BLOCK_N, cols = n - n0 < BLOCK_N ? n - n0 : BLOCK_N;
-                    store_rows((char *)out + m0 * n * (dt ? 2 : 4), n, mt, n0, cols,
-                               (const float (*)[BLOCK_N])acc + gi * mt, bias, dt);
+                    for (int gi = 0; gi < g; gi++) {
+                        int64_t n0 = (b + g0 + gi) * BLOCK_N;
+                        int64_t cols = n - n0 < BLOCK_N ? n - n0 : BLOCK_N;
+                        store_rows((char *)out + m0 * n * (dt ? 2 : 4), n, mt, n0, cols,
+                                   (const float (*)[BLOCK_N])acc + gi * mt, bias, dt);
+                    }
                 }
             }
         }
