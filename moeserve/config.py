@@ -143,6 +143,8 @@ def _validate_spec(cfg: MoeserveConfig) -> None:
     if s.max_batch_size is not None and s.max_batch_size < 0:
         raise ConfigError("spec.max_batch_size",
                           "must be >= 0 (0: always speculate) or null (the device's default)")
+    if s.min_batch_size < 0:
+        raise ConfigError("spec.min_batch_size", f"must be >= 0, got {s.min_batch_size}")
     if not 1 <= s.topk <= MAX_TREE_TOPK:
         raise ConfigError("spec.topk", f"must be in [1, {MAX_TREE_TOPK}], got {s.topk}")
     if s.num_draft_tokens:

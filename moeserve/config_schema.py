@@ -234,6 +234,10 @@ class SpecConfig:
     # decode batches larger than this run plain decode steps (the draft keeps up with one token);
     # 0: always speculate; None: the size measured for the device (SPEC_STEP_ASIDE)
     max_batch_size: int | None = None
+    # decode batches smaller than this run plain steps too: a MoE target's verify reads the
+    # experts of every drafted token, several times a small plain step's expert bytes (one H100,
+    # Qwen3-30B-A3B: 0.77x at batch 1, 1.61x at 64; docs/spec_mtp.md); 0: from batch 1
+    min_batch_size: int = 0
 
     @property
     def draft_nodes(self) -> int:
@@ -246,6 +250,11 @@ class SpecConfig:
     def verify_width(self) -> int:
         """New positions per request in a verify step: the last token and the drafts."""
         return self.draft_nodes + 1
+
+    def speculates(self, batch: int, device: str) -> bool:
+        """Whether a decode batch of `batch` requests verifies drafts (else: plain steps)."""
+        top = self.step_aside_above(device)
+        return batch >= self.min_batch_size and not (top and batch > top)
 
     def step_aside_above(self, device: str) -> int:
         """max_batch_size resolved for a "cpu" or "cuda" rank (0: never step aside)."""

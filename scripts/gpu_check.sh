@@ -18,7 +18,7 @@
 #   spec: MTP speculation's round (draft chain + verify + draft extend) against one plain decode
 #   step (eager and CUDA graph) at batch 1/16/64: DeepSeek-V3 shape cut to 3 dense + 2 MoE layers
 #   with its MTP layer, Qwen3-30B-A3B and Llama-3-8B with random NextN heads (SPEC_MODELS picks
-#   rows, SPEC_ACCEPT: accept lengths).
+#   rows, SPEC_ACCEPT: accept lengths, SPEC_TESTS=0 skips the GPU spec tests).
 #   extend: MIXED/prefill step times, extend CUDA graphs vs eager, on the full Qwen3-30B-A3B shape
 #   (EXTEND_ARGS add bench.extend_step arguments).
 #   grammar: output tok/s with and without a json_schema on the same prompts, one server, 64
@@ -124,7 +124,7 @@ if [[ $what == fp8 ]]; then
 fi
 
 if [[ $what == spec ]]; then
-  python3 -m pytest tests/gpu/test_spec_gpu.py -q -p no:cacheprovider 2>&1 | grep -v -E "Warning|warn" \
+  [ "${SPEC_TESTS:-1}" != 0 ] && python3 -m pytest tests/gpu/test_spec_gpu.py -q -p no:cacheprovider 2>&1 | grep -v -E "Warning|warn" \
     | tee "$OUT/spec_tests.log" | grep -E "passed|failed|Error|error|^FAILED|^E " | tail -20
   python3 -m moeserve.tools.make_random --shape deepseek_v3 --layers 5 --config-only \
     --out /tmp/dsv3_l5 >/dev/null  # 3 dense + 2 MoE layers, + the MTP layer (MoE)

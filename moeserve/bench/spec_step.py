@@ -65,9 +65,13 @@ class Setup:
         self.rows_dev = torch.tensor(self.rows, dtype=torch.int64, device=dev)
 
     def decode_batch(self):
+        """Each request's own (random) token at position `context`, the one a verify starts
+        from: with one token for all, a MoE model's plain step would route every request to
+        the same experts and read a fraction of the expert bytes that real traffic reads."""
         c, b = self.context, self.batch
-        return self.runner.make_batch(ForwardMode.DECODE, torch.zeros(b, dtype=torch.int64),
-                                      [c] * b, self.per_req[:, c], self.rows_dev, [c] * b, [1] * b)
+        ids = self.runner.memory.req_to_token.token_ids[self.rows_dev, c]
+        return self.runner.make_batch(ForwardMode.DECODE, ids, [c] * b, self.per_req[:, c],
+                                      self.rows_dev, [c] * b, [1] * b)
 
     def verify_input(self, w: int) -> ForwardInput:
         c, b = self.context, self.batch

@@ -19,19 +19,18 @@ import torch
 class SpecPolicy:
     def __init__(self, cfg: SpecConfig, device: str):
         """`device`: the rank's device type, which picks spec.max_batch_size's default."""
-        self.cfg = cfg
-        self.max_batch = cfg.step_aside_above(device)
+        self.cfg, self.device = cfg, device
         self.verify_steps = 0  # rank totals for the server's interval log and /metrics
         self.accepted_tokens = 0
         self.draft_tokens = 0
 
     def width(self, reqs: list[Req]) -> int:
         """New positions per request this decode step: num_steps + 1 to verify, or 1 (a plain
-        step) for batches above spec.max_batch_size (its device default when null) and for
-        requests whose logits are edited (penalties, logit_bias: their verification is not
+        step) for batches above spec.max_batch_size (its device default when null) or below
+        spec.min_batch_size, and for requests whose logits are edited (penalties, logit_bias: their verification is not
         built). Grammars verify: each draft position is masked as plain decoding would mask it
         (runtime/grammar_steps.verify_mask)."""
-        if self.max_batch and len(reqs) > self.max_batch:
+        if not self.cfg.speculates(len(reqs), self.device):
             return 1
         if any(r.sampling.edits_logits for r in reqs):
             return 1

@@ -149,6 +149,29 @@ def test_plain_steps_above_max_batch_size_and_for_edited_logits(dsv3):
         assert all("spec_verify_steps" not in o["meta"] for o in outs)
 
 
+def test_small_batches_step_aside_below_min_batch_size(dsv3):
+    """spec.min_batch_size: a decode batch below it runs plain steps (a MoE target's choice), one
+    at or above it verifies; outputs are plain decoding's either way, and a negative size is a
+    config error naming the key."""
+    from moeserve.config import ConfigError, compose
+
+    path, prompts, params, expected = dsv3
+    with Engine(path, FP32_CPU + SPEC + [f"spec.min_batch_size={len(prompts) + 1}"]) as eng:
+        outs = eng.generate(input_ids=prompts, sampling_params=params)
+        assert [o["output_ids"] for o in outs] == expected
+        assert all(o["meta"].get("spec_verify_steps", 0) == 0 for o in outs)
+    with Engine(path, FP32_CPU + SPEC + ["spec.min_batch_size=2"]) as eng:
+        outs = eng.generate(input_ids=prompts, sampling_params=params)
+        assert [o["output_ids"] for o in outs] == expected
+        assert sum(o["meta"].get("spec_verify_steps", 0) for o in outs) > 0
+        one = eng.generate(input_ids=prompts[:1], sampling_params=params[:1])  # batch 1: plain
+        assert one[0]["output_ids"] == expected[0]
+        assert one[0]["meta"].get("spec_verify_steps", 0) == 0
+        assert eng.scheduler.is_memory_clean()
+    with pytest.raises(ConfigError, match="spec.min_batch_size"):
+        compose(["spec.algorithm=nextn", "spec.min_batch_size=-1"])
+
+
 def test_cpu_default_steps_aside_above_the_measured_batch_size(dsv3):
     """spec.max_batch_size left null takes the device's measured size (SPEC_STEP_ASIDE): on a
     CPU a decode batch within it verifies drafts, a larger one runs plain steps; both give the
