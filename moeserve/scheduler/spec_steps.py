@@ -27,8 +27,8 @@ class SpecPolicy:
     def width(self, reqs: list[Req]) -> int:
         """New positions per request this decode step: num_steps + 1 to verify, or 1 (a plain
         step) for batches above spec.max_batch_size (its device default when null) or below
-        spec.min_batch_size, and for requests whose logits are edited (penalties, logit_bias: their verification is not
-        built). Grammars verify: each draft position is masked as plain decoding would mask it
+        spec.min_batch_size, and for requests whose logits are edited (penalties, logit_bias:
+        their verification is not built). Grammars verify: each draft position is masked as plain decoding would mask it
         (runtime/grammar_steps.verify_mask)."""
         if not self.cfg.speculates(len(reqs), self.device):
             return 1

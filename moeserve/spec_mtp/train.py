@@ -67,7 +67,6 @@ from moeserve.spec_mtp.train_head import (TrainHead, fit_eh_proj, load_head, sav
                                           write_tree_paths)
 from moeserve.spec_mtp.train_loop import CHECKPOINT, Trainer, lr_at, step_loss  # noqa: F401
 
-DRAFT_VOCAB = DEFAULT_SIZE  # default --draft-vocab
 DATA_SHARE = 0.5  # of --budget-minutes: no new training shard is started after it
 # What defines a run: a resumed run takes these from its checkpoint, not from the command line.
 RUN_KEYS = ("lr", "batch_size", "seed", "chain_steps", "detach", "feature_weight",
@@ -106,7 +105,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--negatives", type=int, default=1024,
                    help="random extra tokens scored besides labels and the target's top-16 "
                    "(-1: score the full vocabulary)")
-    p.add_argument("--draft-vocab", type=int, default=DRAFT_VOCAB,
+    p.add_argument("--draft-vocab", type=int, default=DEFAULT_SIZE,
                    help="the head scores only the D most frequent tokens of the training answers "
                    "(draft_vocab.py; the trainer prints their coverage per D); 0: every token")
     p.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=None,

@@ -17,18 +17,18 @@ from moeserve.core import ForwardMode
 from moeserve.models.loader import WeightLoadError
 
 
-def _dense_layer(cfg, layer_idx: int):
-    """transformers' decoder layer the head has: the target's own, or for a Qwen3-MoE target a
-    dense Qwen3 layer of its intermediate_size."""
+def _dense_layer(ref, layer_idx: int):
+    """transformers' decoder layer the head of `ref`'s model has: its own layer class, or for a
+    Qwen3-MoE target a dense Qwen3 layer of its intermediate_size."""
+    cfg = ref.config
+    if cfg.model_type != "qwen3_moe":
+        return type(ref.model.layers[-1])(cfg, layer_idx=layer_idx)
     import transformers
 
-    if cfg.model_type == "qwen3_moe":
-        dense = transformers.Qwen3Config(**{k: v for k, v in cfg.to_dict().items()
-                                            if k not in ("model_type", "architectures")})
-        dense._attn_implementation = cfg._attn_implementation  # sdpa: causal without a mask
-        return transformers.models.qwen3.modeling_qwen3.Qwen3DecoderLayer(dense, layer_idx)
-    cls = type(transformers.AutoModelForCausalLM.from_config(cfg).model.layers[-1])
-    return cls(cfg, layer_idx=layer_idx)
+    dense = transformers.Qwen3Config(**{k: v for k, v in cfg.to_dict().items()
+                                        if k not in ("model_type", "architectures")})
+    dense._attn_implementation = cfg._attn_implementation  # sdpa: causal without a mask
+    return transformers.models.qwen3.modeling_qwen3.Qwen3DecoderLayer(dense, layer_idx)
 
 
 def write_head(path: str, model_dir: str, seed: int = 0) -> str:
@@ -36,7 +36,7 @@ def write_head(path: str, model_dir: str, seed: int = 0) -> str:
     ref = hf_model(model_dir)
     cfg = ref.config
     gen = torch.Generator().manual_seed(seed)
-    layer = _dense_layer(cfg, cfg.num_hidden_layers - 1)
+    layer = _dense_layer(ref, cfg.num_hidden_layers - 1)
     tensors = {f"layer.{k}": torch.randn(v.shape, generator=gen) * 0.1 + (k.endswith(
         "norm.weight") * 1.0) for k, v in layer.state_dict().items()}
     h = cfg.hidden_size
@@ -71,7 +71,7 @@ def _reference(model_dir: str, head_dir: str, ids: list[int]) -> torch.Tensor:
     eps = cfg.rms_norm_eps
     x = torch.cat([_rms(emb, w["enorm.weight"], eps), _rms(hidden, w["hnorm.weight"], eps)], -1)
     x = (x @ w["eh_proj.weight"].T)[None]
-    layer = _dense_layer(cfg, 0).float().eval()
+    layer = _dense_layer(ref, 0).float().eval()
     layer.load_state_dict({k[len("layer."):]: v for k, v in w.items() if k.startswith("layer.")})
     positions = torch.arange(len(ids) - 1)[None]
     rope = ref.model.rotary_emb(x, positions)
