@@ -42,18 +42,22 @@ class CacheManager:
         """Cached prefix length without locking (for longest-prefix-first ordering)."""
         return int(self.tree.match_prefix(self._key(req)).indices.numel())
 
-    def admit(self, req: Req, row: int) -> None:
+    def admit(self, req: Req, row: int) -> int:
         """Give `req` a table row and lock its longest cached prefix (at least one token is left
-        to compute so the next token's logits exist)."""
+        to compute so the next token's logits exist). → tokens the lock took out of the evictable
+        pool: `available()` shrinks by that much, and an admission budget must be charged it."""
         match = self.tree.match_prefix(self._key(req))
         n = int(match.indices.numel())
         req.req_pool_idx, req.prefix_len, req.kv_len = row, n, n
         req.kv_slots = match.indices.tolist()
         req.last_node = match.last_node
+        evictable = self.tree.evictable_size()
         self.tree.inc_lock_ref(match.last_node)
+        locked = evictable - self.tree.evictable_size()
         if n:
             self.memory.req_to_token.req_to_token[row, :n] = match.indices.to(
                 self.memory.req_to_token.req_to_token.device)
+        return locked
 
     def release(self, req: Req, keep_row: bool = False) -> None:
         """The request is done (finished, aborted or retracted): hand its computed KV to the prefix

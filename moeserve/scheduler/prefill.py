@@ -58,10 +58,19 @@ class PrefillAdder:
         """The request chunked in an earlier step always goes first."""
         return self._add(req, len(req.fill_ids) - req.kv_len, reserve=0)
 
-    def add(self, req: Req, prefix_len: int) -> AddResult:
+    def add(self, req: Req, prefix_len: int, locked: int = 0) -> AddResult:
+        """`locked`: cached tokens that admitting `req` locked (CacheManager.admit), which left
+        the evictable pool the budget counted. NOTE: they are charged here. Uncharged, a batch of
+        requests sharing cached prefixes passed the budget, `alloc_slots` then found too little to
+        evict, and the scheduler undid the batch and rebuilt the same one every step: a rank with
+        waiting requests and an empty pool ran nothing, for ever (a DP deadlock's cause)."""
         extend = len(req.fill_ids) - prefix_len
         reserve = reserved_decode_tokens(req, self.new_token_ratio)
-        return self._add(req, extend, reserve)
+        self.rem_total -= locked
+        result = self._add(req, extend, reserve)
+        if result == AddResult.NO_ROOM:
+            self.rem_total += locked  # the caller releases req, which unlocks its prefix
+        return result
 
     def _add(self, req: Req, extend: int, reserve: int) -> AddResult:
         if self.rem_chunk <= 0 or extend + min(reserve, 1) > self.rem_total:

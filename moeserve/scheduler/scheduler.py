@@ -162,8 +162,8 @@ class Scheduler:
             if adder.chunked is not None or min(free_rows, max_running) <= 0:
                 break
             (row,) = self.runner.memory.req_to_token.alloc(1)
-            self.cache.admit(req, row)
-            result = adder.add(req, req.kv_len)
+            locked = self.cache.admit(req, row)
+            result = adder.add(req, req.kv_len, locked)
             if result == AddResult.NO_ROOM:
                 self.cache.release(req)
                 break
@@ -202,6 +202,12 @@ class Scheduler:
     def _build_extend(self, adder: PrefillAdder, riders: list[Req]) -> ScheduledBatch | None:
         slots = self.cache.alloc_slots(sum(adder.extend_lens) + len(riders))
         if slots is None:  # the budget said yes but eviction fell short: undo and wait
+            # NOTE: unreachable while PrefillAdder charges every lock it takes (prefill.py); if it
+            # happens, the same batch is rebuilt each step and nothing runs, so say so loudly
+            logger.error("admission budget exceeded what eviction could free: %d new tokens, "
+                         "%d free, %d evictable; undoing the batch", sum(adder.extend_lens),
+                         self.runner.memory.allocator.available_size(),
+                         self.cache.tree.evictable_size())
             for req in adder.added:
                 self.cache.release(req)
                 req.device_len = len(req.fill_ids)

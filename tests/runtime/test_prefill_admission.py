@@ -77,3 +77,44 @@ def test_full_chunk_does_not_wait(expected):
                                   "scheduler.chunked_prefill_size=8"]) as eng:
         outs, _ = drive(eng, prompts, lengths)
         assert outs == want
+
+
+def test_admission_charges_the_cached_prefixes_it_locks(expected):
+    """Requests that share a cached prefix lock it when admitted, so it can no longer be evicted
+    for their new tokens. A budget that still counted it let a batch in that `alloc_slots` could
+    not serve; the batch was undone and rebuilt the same every step, and the rank ran nothing
+    with an empty pool (the DP soak's deadlock). Every step must now run a batch, and the outputs
+    equal one request at a time."""
+    path, prompts, lengths, want = expected
+    rng = random.Random(7)
+    shared = [rng.randrange(100, 5000) for _ in range(40)]
+    tails = [[rng.randrange(100, 5000) for _ in range(12)] for _ in range(4)]
+    fresh = [rng.randrange(100, 5000) for _ in range(30)]
+    greedy = {"temperature": 0, "ignore_eos": True, "max_new_tokens": 2}
+    batch_prompts = [shared + t for t in tails] + [fresh]
+    with Engine(path, FP32_CPU + ["scheduler.disable_radix_cache=true"]) as eng:
+        alone = [eng.generate(input_ids=[p], sampling_params=greedy)[0]["output_ids"]
+                 for p in batch_prompts]
+    # 100 slots: `shared` (40) stays cached, 60 are free; the batch needs 4 x 12 + 30 = 78 new
+    with Engine(path, FP32_CPU + ["scheduler.overlap=false", "cache.max_total_tokens=100"]) as eng:
+        eng.generate(input_ids=[shared + [7]], sampling_params={**greedy, "max_new_tokens": 1})
+        sched = eng.scheduler
+        assert sched.cache.tree.evictable_size() >= 40 and sched.cache.available() == 100
+        for i, p in enumerate(batch_prompts):
+            sched.add_request(GenerateReq(rid=f"b{i}", input_ids=p,
+                                          sampling=SamplingParams.from_dict(greedy)))
+        steps = 0
+        while sched.has_work():
+            batch, _ = sched.next_synced_batch(False)
+            assert batch is not None, (
+                f"step {steps}: {len(sched.waiting)} waiting, {len(sched.running)} running and "
+                f"no batch (free {sched.runner.memory.allocator.available_size()}, evictable "
+                f"{sched.cache.tree.evictable_size()})")
+            sched.process_result(batch, sched.worker.submit(batch.forward_input).result())
+            steps += 1
+            assert steps < 50
+        outs = [[t for o in sched.io.outputs[f"b{i}"] for t in o.new_ids]
+                for i in range(len(batch_prompts))]
+        assert outs == alone
+        sched.cache.free_deferred_rows()
+        assert sched.is_memory_clean()
