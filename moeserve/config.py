@@ -198,6 +198,9 @@ def _validate_parallel(p: ParallelConfig) -> None:
     _check_choice("parallel.a2a_backend", p.a2a_backend, A2A_BACKENDS)
     _check_choice("parallel.deepep_mode", p.deepep_mode, DEEPEP_MODES)
     _check_choice("parallel.dp_policy", p.dp_policy, DP_POLICIES)
+    if p.lockstep_timeout_s < 0:
+        raise ConfigError("parallel.lockstep_timeout_s", f"must be >= 0 (0: off), got "
+                          f"{p.lockstep_timeout_s}")
     for key in ("tp_size", "dp_size", "nnodes"):
         _check_positive(f"parallel.{key}", getattr(p, key), False)
     if p.tp_size % p.dp_size:

@@ -143,6 +143,9 @@ class ParallelConfig:
     nnodes: int = 1
     node_rank: int = 0
     dist_init_addr: str | None = None  # host:port of the torch.distributed rendezvous
+    # a rank waiting this long in the per-step DP sync, or holding work yet scheduling nothing
+    # this long, logs every rank's last known state in one line (dp_attention/watchdog.py); 0: off
+    lockstep_timeout_s: float = 60.0
 
     @property
     def world_size(self) -> int:

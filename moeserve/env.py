@@ -35,6 +35,10 @@ class Env:
     # adds a fixed per-expert logit bias ln p, p a Zipf(S) popularity over a layer-seeded
     # permutation of the experts (layers/router_skew.py), to measure EPLB under a known skew
     test_zipf_router: float
+    # MOESERVE_TEST_SYNC_JITTER=MS[:SEED] (tests only, default off): before each DP sync every
+    # rank sleeps a random 0..MS ms (seeded by SEED and the rank), so a stress test explores
+    # other interleavings of ranks, aborts and retractions than this machine's timing gives
+    test_sync_jitter: tuple[float, int] | None
 
     @classmethod
     def read(cls) -> Env:
@@ -50,7 +54,15 @@ class Env:
                    disable_cpu_linear=_flag("MOESERVE_DISABLE_CPU_LINEAR"),
                    test_rebalance_pause_s=float(
                        os.environ.get("MOESERVE_TEST_REBALANCE_PAUSE_S") or 0),
-                   test_zipf_router=float(os.environ.get("MOESERVE_TEST_ZIPF_ROUTER") or 0))
+                   test_zipf_router=float(os.environ.get("MOESERVE_TEST_ZIPF_ROUTER") or 0),
+                   test_sync_jitter=_jitter(os.environ.get("MOESERVE_TEST_SYNC_JITTER")))
+
+
+def _jitter(value: str | None) -> tuple[float, int] | None:
+    if not value:
+        return None
+    ms, _, seed = value.partition(":")
+    return float(ms), int(seed or 0)
 
 
 def _flag(name: str) -> bool:

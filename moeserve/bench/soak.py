@@ -6,7 +6,9 @@ hang up at a random point, half before the first token (during prefill) and half
 Checks: every request completes or is an injected disconnect (failed = any HTTP error, a stream
 without its end, or a completed text that differs from the unloaded run of the same prompt, done
 first, one at a time); afterwards no request is left in the server and every rank's memory is
-clean. Prints the RSS and open-fd series of the server's process tree (every `--sample-s`),
+clean. `--mix` sends a share of the prompts as structured (`regex`) or `n`=2 requests (each
+choice's text must equal the unloaded run's). Prints the RSS and open-fd series of the server's
+process tree (every `--sample-s`),
 p50/p99 TTFT and ITL, counts and the ranks' KV retractions. With `--launch` it starts its own
 server (the overrides that follow, e.g. a small `cache.max_total_tokens` to force retraction):
 
@@ -54,11 +56,20 @@ class SoakReport:
                 "leftover": self.leftover}
 
 
+KINDS = ("plain", "regex", "n2")  # --mix: a structured request, or two choices in one request
+REGEX = "[a-z]{2,6}( [a-z]{2,6})*"
+
+
 def make_prompts(n: int, vocab: int, seed: int, lens: tuple[int, int],
-                 outs: tuple[int, int]) -> list[tuple[list[int], int]]:
+                 outs: tuple[int, int], mix: float = 0.0) -> list[tuple[list[int], int, str]]:
+    """(prompt ids, max_tokens, kind) for each pool entry; a `mix` share is regex or n2."""
     rng = random.Random(seed)
-    return [([rng.randrange(3, vocab) for _ in range(rng.randint(*lens))], rng.randint(*outs))
-            for _ in range(n)]
+    pool = []
+    for _ in range(n):
+        ids = [rng.randrange(3, vocab) for _ in range(rng.randint(*lens))]
+        kind = rng.choice(KINDS[1:]) if rng.random() < mix else "plain"
+        pool.append((ids, rng.randint(*outs), kind))
+    return pool
 
 
 async def stream_completion(client: httpx.AsyncClient, body: dict, hang_up: str | None,
@@ -66,7 +77,9 @@ async def stream_completion(client: httpx.AsyncClient, body: dict, hang_up: str 
     """One streamed completion → its text (None when it hung up on purpose); raises on errors.
     `hang_up`: None, "prefill" (leave before the first token) or "stream" (after a few)."""
     start = last = time.perf_counter()
-    text, chunks, done, finished = [], 0, False, False
+    texts: dict[int, list[str]] = {}  # by choice index
+    ends: set[int] = set()
+    chunks, done = 0, False
     stop_after = rng.randint(1, max(1, body["max_tokens"] - 1))
     async with client.stream("POST", "/v1/completions", json=body) as resp:
         if resp.status_code != 200:
@@ -90,36 +103,44 @@ async def stream_completion(client: httpx.AsyncClient, body: dict, hang_up: str 
                         (report.itl if chunks else report.ttft).append(now - (last if chunks
                                                                                else start))
                     chunks, last = chunks + 1, now
-                    text.append(choice["text"])
-                finished = finished or choice.get("finish_reason") is not None
+                    texts.setdefault(choice.get("index", 0), []).append(choice["text"])
+                if choice.get("finish_reason") is not None:
+                    ends.add(choice.get("index", 0))
             if hang_up == "stream" and chunks >= stop_after:
                 return None
-    if not (done and finished):
-        raise RuntimeError(f"stream ended early (done {done}, finish_reason {finished})")
-    return "".join(text)
+    n = body.get("n", 1)
+    if not (done and len(ends) == n):
+        raise RuntimeError(f"stream ended early (done {done}, {len(ends)}/{n} choices finished)")
+    return "\x00".join("".join(texts.get(i, [])) for i in range(n))
 
 
-def _body(model: str, prompt: list[int], max_tokens: int) -> dict:
-    return {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+def _body(model: str, prompt: list[int], max_tokens: int, kind: str = "plain") -> dict:
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
             "stream": True, "ignore_eos": True}
+    if kind == "regex":
+        body["regex"] = REGEX
+    elif kind == "n2":
+        body["n"] = 2
+    return body
 
 
 async def unloaded(client: httpx.AsyncClient, model: str, prompts: list) -> list[str]:
     """The reference: each prompt alone, one at a time."""
     rng = random.Random(0)
-    return [await stream_completion(client, _body(model, p, n), None, rng, None)
-            for p, n in prompts]
+    return [await stream_completion(client, _body(model, *entry), None, rng, None)
+            for entry in prompts]
 
 
 async def soak(url: str, minutes: float, concurrency: int, disconnect: float, pid: int | None,
                prompts: int = 64, seed: int = 0, sample_s: float = 5.0,
-               lens: tuple[int, int] = (8, 96), outs: tuple[int, int] = (8, 64)) -> SoakReport:
+               lens: tuple[int, int] = (8, 96), outs: tuple[int, int] = (8, 64),
+               mix: float = 0.0, request_timeout_s: float = 300.0) -> SoakReport:
     limits = httpx.Limits(max_connections=concurrency + 8, max_keepalive_connections=concurrency)
-    async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(300.0),
+    async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(request_timeout_s),
                                  limits=limits) as client:
         info = (await client.get("/get_model_info")).json()
         model = info["served_model_name"]
-        pool = make_prompts(prompts, min(info["vocab_size"], 30000), seed, lens, outs)
+        pool = make_prompts(prompts, min(info["vocab_size"], 30000), seed, lens, outs, mix)
         expected = await unloaded(client, model, pool)
         report, deadline = SoakReport(), time.monotonic() + minutes * 60
         sampler = asyncio.create_task(_sample(pid, sample_s, report))
@@ -232,6 +253,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--disconnect", type=float, default=0.2)
     ap.add_argument("--prompts", type=int, default=64)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--mix", type=float, default=0.0,
+                    help="share of prompts sent as regex-constrained or n=2 requests")
     ap.add_argument("--launch", nargs=argparse.REMAINDER, default=None,
                     help="start a server with these Hydra overrides (must come last)")
     args = ap.parse_args(argv)
@@ -241,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
         pid = proc.pid
     try:
         report = asyncio.run(soak(url, args.minutes, args.concurrency, args.disconnect, pid,
-                                  args.prompts, args.seed))
+                                  args.prompts, args.seed, mix=args.mix))
     finally:
         if proc is not None:
             proc.terminate()

@@ -16,6 +16,7 @@ from moeserve.config import MoeserveConfig
 from moeserve.core import FinishReason, ForwardMode, Req
 from moeserve.distributed import ParallelMesh, single_rank_mesh
 from moeserve.dp_attention.sync import GlobalBatchInfo, dp_sync
+from moeserve.dp_attention.watchdog import LockstepWatchdog, RankState, SyncJitter
 from moeserve.ipc.messages import AbortReq, ControlReq, GenerateReq, TokenOutput, Wake
 from moeserve.runtime.grammar import GrammarCompiler
 from moeserve.runtime.model_runner import ModelRunner
@@ -51,6 +52,9 @@ class Scheduler:
         self.cfg, self.runner, self.io = cfg, runner, io
         self.mesh = mesh or single_rank_mesh(runner.device)
         self._global_idle = True  # from the last DP sync: no rank had work
+        self.syncs = 0  # DP syncs entered (the same count on every rank)
+        self.watchdog = LockstepWatchdog(self.mesh.rank, cfg.parallel.lockstep_timeout_s)
+        self.jitter = SyncJitter.from_env(self.mesh.rank)  # tests: other rank interleavings
         self.ops = SchedulerOps(self)  # control requests and lockstep (EPLB) operations
         sc = cfg.scheduler
         self.cache = CacheManager(runner.memory, cfg.cache.page_size, sc.disable_radix_cache)
@@ -121,6 +125,9 @@ class Scheduler:
         req = self.reqs.get(rid)
         if req is None or req.finished:
             return
+        state = ("retracted" if req in self.waiting and req.retractions else "waiting"
+                 if req in self.waiting else "running" if req in self.running else "other")
+        self.stats[f"aborted_{state}"] = self.stats.get(f"aborted_{state}", 0) + 1
         self._finish(req, FinishReason("abort"))
         self.io.send_outputs([self._output(req)], self._take_stop_strings([req]))
 
@@ -348,11 +355,20 @@ class Scheduler:
 
     def next_synced_batch(self, stop: bool) -> tuple[ScheduledBatch | None, GlobalBatchInfo]:
         """This rank's next batch after the DP sync: IDLE when only other ranks have work, None
-        when no rank has (then no rank runs a forward)."""
+        when no rank has (then no rank runs a forward). Called exactly once per loop iteration on
+        every rank (the lockstep invariant: dp_attention/sync.py)."""
         batch = self.get_next_batch()
         n, mode = (batch.num_tokens, batch.mode) if batch else (0, None)
-        info = dp_sync(self.mesh, n, mode, stop, self.ops.pending(),
-                       tbo_vote(self.cfg.tbo, self.runner.tbo_active, mode, n))
+        ops, load = self.ops.pending(), (self.syncs, len(self.waiting), len(self.running))
+        self.syncs += 1
+        if self.jitter is not None:
+            self.jitter.sleep()
+        self.watchdog.entering_sync(RankState(self.mesh.rank, load[0], mode.name if mode else
+                                              "none", n, load[1], load[2], ops))
+        info = dp_sync(self.mesh, n, mode, stop, ops,
+                       tbo_vote(self.cfg.tbo, self.runner.tbo_active, mode, n), load)
+        self.watchdog.left_sync(info.rank_states(), self.has_work(),
+                                batch is not None)
         self._global_idle = not info.any_work
         self.ops.synced_steps += info.any_work
         if batch is None and info.any_work:

@@ -92,6 +92,7 @@ def release_rank(scheduler: Any) -> None:
     """Steps 1-4 of the module docstring, after the rank's loop returned (collective when the
     rank has peers: every rank calls it at the same point)."""
     runner = scheduler.runner
+    scheduler.watchdog.close()
     scheduler.worker.shutdown()
     scheduler.worker.spec = None  # holds the draft's graphs and buffers
     _synchronize(runner.device)
