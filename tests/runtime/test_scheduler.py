@@ -62,10 +62,9 @@ def test_batched_equals_sequential(sequential, overrides):
         assert eng.scheduler.is_memory_clean()
 
 
-@pytest.mark.parametrize("overlap,mixed", [(False, False), (True, False), (True, True)])
-def test_retraction_under_kv_pressure(tiny_model, overlap, mixed):
-    """64 concurrent requests in a pool that holds a fraction of them: every request completes,
-    outputs equal sequential runs, and the pool returns to its baseline."""
+@pytest.fixture(scope="module")
+def pressure_workload(tiny_model):
+    """64 prompts and their outputs run one at a time (computed once for every loop variant)."""
     path = tiny_model("llama")
     rng = random.Random(1)
     prompts = [[rng.randrange(100, 5000) for _ in range(rng.randrange(4, 20))] for _ in range(64)]
@@ -73,6 +72,14 @@ def test_retraction_under_kv_pressure(tiny_model, overlap, mixed):
     with Engine(path, FP32_CPU + ["scheduler.overlap=false"]) as eng:
         expected = [eng.generate(input_ids=[p], sampling_params=params)[0]["output_ids"]
                     for p in prompts]
+    return path, prompts, params, expected
+
+
+@pytest.mark.parametrize("overlap,mixed", [(False, False), (True, False), (True, True)])
+def test_retraction_under_kv_pressure(pressure_workload, overlap, mixed):
+    """64 concurrent requests in a pool that holds a fraction of them: every request completes,
+    outputs equal sequential runs, and the pool returns to its baseline."""
+    path, prompts, params, expected = pressure_workload
     small = FP32_CPU + [f"scheduler.overlap={str(overlap).lower()}", "cache.max_total_tokens=400",
                         f"scheduler.mixed_chunk={str(mixed).lower()}",
                         "scheduler.init_new_token_ratio=0.05", "scheduler.min_new_token_ratio=0.01"]
