@@ -10,11 +10,12 @@ Rank processes run with OMP_NUM_THREADS=1 (the CPU has 2 cores). MoE models use 
 from __future__ import annotations
 
 import os
-import random
 import re
 import time
 
 import pytest
+from dp_workloads import (DP2, DP4, GREEDY, ONE, constrained, ep_overrides, ids_of,  # noqa: F401
+                          skew_long_short, staggered, workload)
 from live_server import assert_concurrent_chats_match_engine
 from parity import FP32_CPU
 
@@ -26,8 +27,6 @@ from moeserve.ipc.messages import LoadReport
 
 
 
-DP2 = ["parallel.tp_size=2", "parallel.dp_size=2"]
-GREEDY = {"temperature": 0, "ignore_eos": True}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -165,81 +164,6 @@ def test_controller_wake_abort_control_and_bad_pin():
 
 
 # ---- multi-rank Engine vs single-process Engine -------------------------------------------------
-def workload(seed: int = 0) -> tuple[list[list[int]], list[dict]]:
-    """8 prompts: shared prefixes (one long, one short), lengths 3..70, max_new_tokens 1..20."""
-    rng = random.Random(seed)
-    system = [rng.randrange(100, 3000) for _ in range(40)]
-    prompts = []
-    for i in range(8):
-        own = [rng.randrange(100, 3000) for _ in range(rng.randrange(3, 30))]
-        prompts.append(own if i % 4 == 3 else (system if i % 2 == 0 else system[:20]) + own)
-    lens = [1, 20, 5, 12, 3, 17, 8, 2]
-    return prompts, [{**GREEDY, "max_new_tokens": n} for n in lens]
-
-
-def skew_long_short(seed: int = 1) -> tuple[list[list[int]], list[dict], list[int]]:
-    """One long prompt on rank 0 (many prefill chunks) while three short ones decode on rank 1."""
-    rng = random.Random(seed)
-    long = [rng.randrange(100, 3000) for _ in range(150)]
-    short = [[rng.randrange(100, 3000) for _ in range(rng.randrange(2, 6))] for _ in range(3)]
-    params = [{**GREEDY, "max_new_tokens": 4}] + [{**GREEDY, "max_new_tokens": 24}] * 3
-    return [long] + short, params, [0, 1, 1, 1]
-
-
-def staggered(seed: int = 2) -> tuple[list[list[int]], list[dict]]:
-    """Requests finishing at different steps on both ranks."""
-    rng = random.Random(seed)
-    prompts = [[rng.randrange(100, 3000) for _ in range(5 + i)] for i in range(6)]
-    return prompts, [{**GREEDY, "max_new_tokens": n} for n in (1, 9, 2, 30, 4, 16)]
-
-
-ONE = ([[11, 12, 13, 14, 15]], [{**GREEDY, "max_new_tokens": 12}])
-
-
-def constrained(seed: int = 3) -> tuple[list[list[int]], list[dict]]:
-    """Structured outputs beside plain requests: a regex that completes, the same regex with a
-    stop string inside its reply, a JSON schema and an EBNF grammar (pinned to both ranks by the
-    policy's spread over 6 requests)."""
-    rng = random.Random(seed)
-    prompts = [[rng.randrange(100, 3000) for _ in range(4 + i)] for i in range(6)]
-    regex = ("regex", "(yes|no), [a-z]{2,8}")
-    schema = ("json_schema", '{"type": "object", "properties": {"n": {"type": "integer", '
-                             '"minimum": 0, "maximum": 999}}, "required": ["n"]}')
-    ebnf = ("ebnf", 'root ::= ("cat" | "dog") " " [0-9]+ "."')
-    params = [{"temperature": 0, "max_new_tokens": 20, "grammar": regex},
-              {"temperature": 0, "max_new_tokens": 20, "grammar": regex, "stop": [", "]},
-              {"temperature": 0, "max_new_tokens": 20, "grammar": schema},
-              {"temperature": 0, "max_new_tokens": 20, "grammar": ebnf},
-              {**GREEDY, "max_new_tokens": 9}, {**GREEDY, "max_new_tokens": 14}]
-    return [prompts[0], prompts[0]] + prompts[2:], params
-
-
-def ids_of(outs: list[dict]) -> list[list[int]]:
-    return [o["output_ids"] for o in outs]
-
-
-@pytest.fixture(scope="module")
-def reference(tiny_model):
-    """Single-process outputs for every workload, per model (built once)."""
-    cache: dict[str, dict] = {}
-
-    def get(arch: str) -> dict:
-        if arch not in cache:
-            path = tiny_model(arch)
-            long_short = skew_long_short()
-            with Engine(path, FP32_CPU) as eng:
-                cache[arch] = {"path": path, **{
-                    name: ids_of(eng.generate(input_ids=w[0], sampling_params=w[1]))
-                    for name, w in (("workload", workload()), ("one", ONE),
-                                    ("long_short", long_short), ("staggered", staggered()),
-                                    ("constrained", constrained()))}}
-        return cache[arch]
-
-    return get
-
-
-def ep_overrides(backend: str) -> list[str]:
-    return [f"parallel.a2a_backend={backend}"]  # ep_size defaults to tp_size: real EP
 
 
 # (model, policy, a2a backend, loop): every policy and every CPU backend on each model
@@ -400,7 +324,6 @@ def test_http_killed_rank_brings_server_down(dp_server):
 
 
 # ---- dp4 x ep4 (4 processes) and EPLB placements across ranks -----------------------------------
-DP4 = ["parallel.tp_size=4", "parallel.dp_size=4"]
 
 
 @pytest.mark.timeout(300)

@@ -20,7 +20,8 @@ import asyncio
 
 import pytest
 from live_server import LiveServer
-from test_dp import DP2, DP4, one_thread_per_rank  # noqa: F401
+from dp_workloads import DP2, DP4
+from test_dp import one_thread_per_rank  # noqa: F401
 
 import httpx
 

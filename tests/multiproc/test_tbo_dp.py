@@ -14,8 +14,8 @@ import os
 
 import pytest
 from parity import FP32_CPU
-from test_dp import (DP2, DP4, ONE, ep_overrides, ids_of, one_thread_per_rank,  # noqa: F401
-                     reference, skew_long_short, workload)
+from dp_workloads import DP2, DP4, ONE, ep_overrides, ids_of, skew_long_short, workload
+from test_dp import one_thread_per_rank  # noqa: F401
 
 from moeserve import Engine
 
