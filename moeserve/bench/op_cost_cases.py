@@ -40,6 +40,8 @@ GEMMS = [
 # (model, experts in the table, hidden, intermediate, topk, dtypes, token counts)
 MOES = [
     ("deepseek_v3", 16, 7168, 2048, 8, ("fp8", "bf16"), [1, 4, 16, 64, 256, 1024, 4096, 16384]),
+    # all of a layer's experts on one GPU: the sorted path over many experts streams better
+    ("deepseek_v3", 256, 7168, 2048, 8, ("fp8", "bf16"), [16, 64, 256, 1024]),
     ("qwen3_30b_a3b", 128, 2048, 768, 8, ("bf16",), [1, 4, 16, 64, 256, 1024, 4096]),
 ]
 # (model, kind, heads, kv_heads, head_dim, v_head_dim, rope)
@@ -78,7 +80,7 @@ def gemm_rows(device: torch.device) -> list[dict]:
             for m in ms:
                 x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
                 if dtype == "fp8":
-                    call = lambda i, x=x, ws=ws: partial(fp8_linear, x, *ws[i], pdl=PDL[0])
+                    call = lambda i, x=x, ws=ws: partial(fp8_linear, x, *ws[i], pdl=PDL[0])  # noqa: E731
                 else:
                     lins = []
                     for w in ws:
@@ -86,7 +88,7 @@ def gemm_rows(device: torch.device) -> list[dict]:
                         lin.weight = torch.nn.Parameter(w, requires_grad=False)
                         lin.gpu_ops = ops
                         lins.append(lin)
-                    call = lambda i, x=x, lins=lins: (lambda: lins[i](x))
+                    call = lambda i, x=x, lins=lins: (lambda: lins[i](x))  # noqa: E731
                 with torch.no_grad():
                     us.append(time_graph(call, copies, device))
             rows.append(dict(impl="moeserve", model=model, dtype=dtype, k=k, n=n, m=ms, us=us))
@@ -117,31 +119,35 @@ def bmm_rows(device: torch.device) -> list[dict]:
 def moe_rows(device: torch.device) -> list[dict]:
     from moeserve.kernels.fused_moe import fused_moe
     from moeserve.kernels.fused_moe_small import SMALL_MAX_PAIRS
-    from moeserve.tools.tune_moe import random_inputs
 
     rows = []
     for model, e, h, inter, k, dtypes, tokens in MOES:
         for dtype in dtypes:
+            # weights once per shape, drawn in bf16 (no float32 copy of 256 experts)
+            w13 = torch.randn(e, 2 * inter, h, device=device, dtype=torch.bfloat16) / h**0.5
+            w2 = torch.randn(e, h, inter, device=device, dtype=torch.bfloat16) / inter**0.5
+            scales = {}
+            if dtype == "fp8":
+                w13, w2 = w13.to(torch.float8_e4m3fn), w2.to(torch.float8_e4m3fn)
+                scales = dict(w13_scale=torch.ones(e, 2 * math.ceil(inter / 128),
+                                                   math.ceil(h / 128), device=device),
+                              w2_scale=torch.ones(e, math.ceil(h / 128),
+                                                  math.ceil(inter / 128), device=device))
             us, touched = [], []
             for t in tokens:
-                x, w13, w2, ids, w = random_inputs(t, e, h, inter, k, torch.bfloat16, seed=t)
-                scales = {}
-                if dtype == "fp8":
-                    w13, w2 = w13.to(torch.float8_e4m3fn), w2.to(torch.float8_e4m3fn)
-                    scales = dict(w13_scale=torch.ones(e, 2 * math.ceil(inter / 128),
-                                                       math.ceil(h / 128), device=device),
-                                  w2_scale=torch.ones(e, math.ceil(h / 128),
-                                                      math.ceil(inter / 128), device=device))
+                x = torch.randn(t, h, device=device, dtype=torch.bfloat16)
+                logits, ids = torch.randn(t, e, device=device).topk(k, dim=1)
+                w = logits.softmax(1)
                 touched.append(int(ids.unique().numel()))
                 call = partial(lambda i, f: f, f=partial(fused_moe, x, w13, w2, ids, w,
                                                          pdl=PDL[0], **scales))
                 us.append(time_graph(call, 1, device))
-                del x, w13, w2
-                torch.cuda.empty_cache()
+            del w13, w2
+            torch.cuda.empty_cache()
             rows.append(dict(impl="moeserve", model=model, dtype=dtype, experts=e, h=h, i=inter,
                              topk=k, tokens=tokens, touched=touched, us=us,
                              small_max_pairs=SMALL_MAX_PAIRS))
-            log(f"moe {model} {dtype}: " + " ".join(f"{u:.1f}" for u in us))
+            log(f"moe {model} E={e} {dtype}: " + " ".join(f"{u:.1f}" for u in us))
     return rows
 
 

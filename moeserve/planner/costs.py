@@ -158,8 +158,11 @@ class CostModel:
         rows = self.rows("moe", dtype=dtype) or self.rows("moe")
         if not rows:
             return self._spec(nbytes, flops, dtype)
-        row = min(rows, key=lambda r: abs(math.log(r["h"] * r["i"] / (s.hidden * s.moe_inter)))
-                  + (0 if r["dtype"] == dtype else 3))
+        # the nearest expert shape, then the row whose expert count is nearest to `touched`
+        # (the sorted path streams many experts better than a few)
+        row = min(rows, key=lambda r: (
+            abs(math.log(r["h"] * r["i"] / (s.hidden * s.moe_inter)))
+            + (0 if r["dtype"] == dtype else 3), abs(math.log(r["experts"] / touched))))
         # the GEMV path (few pairs) and the sorted path price an expert differently: use the
         # points of the path this call takes
         small = pairs <= row.get("small_max_pairs", SMALL_MAX_PAIRS)

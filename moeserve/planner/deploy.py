@@ -65,6 +65,7 @@ class Deployment:
         return sum(r.nodes for r in self.roles)
 
 
+DEEPEP_MODE = {"decode": "low_latency", "prefill": "normal", "colocated": "auto"}
 MODEL_CONF = {"deepseek_v3": "deepseek_v3", "qwen3_30b_a3b": "qwen3_30b_a3b",
               "llama3_8b": "llama3_8b", "deepseek_v2_lite": "deepseek_v2_lite"}
 
@@ -87,7 +88,7 @@ def deploy_yaml(dep: Deployment, role: Role, name: str, note: str) -> str:
         f"  - override /model: {conf}",
         "  - override /scheduler: throughput",
         "  - override /server: public",
-        f"  - override /tbo: {'on' if role.tbo else 'off'}",
+        "  - override /tbo: " + ('"on"' if role.tbo else '"off"'),  # bare on/off: YAML bools
         "",
         "device: cuda",
         "model:",
