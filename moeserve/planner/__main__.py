@@ -17,10 +17,18 @@ import sys
 from moeserve.planner.deploy import Deployment, Role, write_deploy
 from moeserve.planner.predict import Prediction, RolePrediction, predict
 from moeserve.planner.step import PARTS
-from moeserve.planner.sweep import (SLO, SweepSpace, best, cost_model, node_split, plot,
-                                    sweep_decode, sweep_prefill, table)
+from moeserve.planner.sweep import (
+    SLO,
+    SweepSpace,
+    best,
+    cost_model,
+    node_split,
+    plot,
+    sweep_decode,
+    sweep_prefill,
+    table,
+)
 from moeserve.planner.workload import Workload
-
 
 GRAPHS = {"auto": None, "on": True, "off": False}
 

@@ -99,7 +99,7 @@ def deploy_yaml(dep: Deployment, role: Role, name: str, note: str) -> str:
         f"  ep_size: {role.ep_size}",
         f"  nnodes: {role.nodes}",
         f"  a2a_backend: {'deepep' if role.ep_size > 1 else 'a2a'}",
-        f"  deepep_mode: {'low_latency' if role.kind == 'decode' else 'normal' if role.kind == 'prefill' else 'auto'}",
+        f"  deepep_mode: {DEEPEP_MODE[role.kind]}",
         "eplb:",
         f"  num_redundant_experts: {role.redundant}",
         "  record_mode: stat",

@@ -19,7 +19,7 @@ import torch
 
 from moeserve.eplb import balancedness, rank_load, rebalance_experts, trivial_rank_load
 
-FIT_TOKENS = 8192  # tokens of the sample EPLB places from (per layer)
+FIT_TOKENS = 4096  # tokens of the sample EPLB places from (per layer)
 SIM_LAYERS = 8  # layers simulated (each its own popularity order)
 
 
@@ -36,16 +36,30 @@ class Workload:
         return self.input_len * (1 - self.prefix_hit)
 
 
+def zipf_draw(layers: int, experts: int, topk: int, tokens: int, s: float, seed: int
+              ) -> torch.Tensor:
+    """[L, E] pair counts of `tokens` tokens each picking `topk` distinct experts, the i-th most
+    popular with weight 1 / i^s, the order shuffled per layer: `eplb simulate`'s routing
+    (eplb.cli.zipf_load), drawn by Gumbel top-k, which samples without replacement in
+    proportion to the weights as torch.multinomial does, in one vectorised op."""
+    gen = torch.Generator().manual_seed(seed)
+    popularity = torch.arange(1, experts + 1, dtype=torch.float32) ** -s  # [E] by rank
+    load = torch.zeros(layers, experts, dtype=torch.int64)
+    for layer in range(layers):
+        logp = popularity[torch.randperm(experts, generator=gen)].log()  # [E]
+        u = torch.rand(tokens, experts, generator=gen)
+        picks = (logp - (-u.log()).log()).topk(topk, dim=-1).indices  # [T, K] distinct
+        load[layer] = torch.bincount(picks.flatten(), minlength=experts)
+    return load
+
+
 @lru_cache(maxsize=32)
 def inclusion_rates(popularity: str, layers: int, experts: int, topk: int, seed: int
                     ) -> torch.Tensor:
-    """[L, E] share of (token, expert) pairs each expert gets: from a Zipf draw (tokens pick top-k
-    distinct experts, `eplb.cli.zipf_load`) or from a recorded dump's logical loads."""
+    """[L, E] share of (token, expert) pairs each expert gets: from a Zipf draw (`zipf_draw`)
+    or from a recorded dump's logical loads."""
     if popularity.startswith("zipf:"):
-        from moeserve.eplb.cli import zipf_load
-
-        gen = torch.Generator().manual_seed(seed)
-        load, _ = zipf_load(layers, experts, topk, FIT_TOKENS, float(popularity[5:]), gen)
+        load = zipf_draw(layers, experts, topk, FIT_TOKENS, float(popularity[5:]), seed)
     else:
         from moeserve.eplb import load_dump
 
