@@ -56,7 +56,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     d.add_argument("--gpus-per-node", type=int, default=8)
     d.add_argument("--ep", type=int, default=None, help="EP size (default: every GPU of a role)")
     d.add_argument("--batch", type=int, nargs="+", default=[128], help="decode requests/GPU")
-    d.add_argument("--chunk", type=int, nargs="+", default=[8192], help="prefill tokens/GPU")
+    d.add_argument("--chunk", type=int, nargs="+", default=None,
+                   help="prefill tokens/GPU/step (default 8192; colocated 2048, as the runtime)")
     d.add_argument("--tbo", action="store_true")
     d.add_argument("--redundant", type=int, default=32)
     d.add_argument("--mtp", type=int, default=0, help="MTP draft steps")
@@ -103,16 +104,18 @@ def provenance(dep: Deployment) -> str:
 
 
 def one_plan(a: argparse.Namespace, w: Workload) -> int:
+    colocated = not (a.prefill_nodes and a.decode_nodes)
+    chunk = a.chunk[0] if a.chunk else (2048 if colocated else 8192)
     common = dict(gpus_per_node=a.gpus_per_node, ep=a.ep, tbo=a.tbo, redundant=a.redundant,
                   mtp_steps=a.mtp, accept_len=a.accept_len, graphs=GRAPHS[a.graphs])
-    if a.prefill_nodes and a.decode_nodes:
+    if not colocated:
         dep = Deployment(a.model, a.gpu, a.dtype, a.kernels,
-                         prefill=Role("prefill", a.prefill_nodes, chunk=a.chunk[0], **common),
+                         prefill=Role("prefill", a.prefill_nodes, chunk=chunk, **common),
                          decode=Role("decode", a.decode_nodes, batch=a.batch[0], **common))
     else:
         dep = Deployment(a.model, a.gpu, a.dtype, a.kernels,
                          colocated=Role("colocated", a.nodes[0], batch=a.batch[0],
-                                        chunk=a.chunk[0], **common))
+                                        chunk=chunk, **common))
     pred = predict(dep, w)
     print(provenance(dep))
     for r in pred.roles:
@@ -122,7 +125,7 @@ def one_plan(a: argparse.Namespace, w: Workload) -> int:
         from moeserve.planner.serving import ServingRun, simulate
 
         res = simulate(load_shape(a.model), cost_model(a.gpu, a.kernels), dep.colocated,
-                       a.dtype, ServingRun(2 * a.serving, a.serving, chunk=a.chunk[0]))
+                       a.dtype, ServingRun(2 * a.serving, a.serving, chunk=chunk))
         print(f"bench.serving at {a.serving} concurrent (simulated): {res.output_tok_s:,.0f} "
               f"output tok/s, median TTFT {res.ttft_ms:.0f} ms, median ITL {res.itl_ms:.1f} ms")
     _emit(a, pred)
@@ -143,7 +146,8 @@ def _emit(a: argparse.Namespace, pred: Prediction) -> None:
 def sweep(a: argparse.Namespace, w: Workload) -> int:
     slo = SLO.parse(a.slo)
     space = SweepSpace(nodes=tuple(a.nodes), gpus_per_node=a.gpus_per_node,
-                       batches=tuple(a.batch), chunks=tuple(a.chunk), redundant=a.redundant,
+                       batches=tuple(a.batch), chunks=tuple(a.chunk or (4096, 8192, 16384)),
+                       redundant=a.redundant,
                        mtp=(0, a.mtp) if a.mtp else (0,), accept_len=a.accept_len,
                        graphs=GRAPHS[a.graphs])
     c = cost_model(a.gpu, a.kernels)

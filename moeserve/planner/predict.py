@@ -77,8 +77,14 @@ def balance_of(s: ModelShape, role: Role, w: Workload, tokens_per_gpu: int) -> f
                              role.redundant, nodes, max(tokens_per_gpu, 1), role.eplb, w.seed)
 
 
+def _effective(s: ModelShape, role: Role) -> Role:
+    """Redundant slots only mean something across several EP ranks."""
+    return role.with_(redundant=0) if (role.ep_size <= 1 or not s.is_moe) else role
+
+
 def predict_prefill(s: ModelShape, c: CostModel, role: Role, w: Workload, dtype: str,
                     model: str) -> RolePrediction:
+    role = _effective(s, role)
     new = max(w.new_prefill_tokens, 1.0)
     tokens = role.chunk
     bal = balance_of(s, role, w, tokens)
@@ -94,6 +100,7 @@ def predict_prefill(s: ModelShape, c: CostModel, role: Role, w: Workload, dtype:
 
 def predict_decode(s: ModelShape, c: CostModel, role: Role, w: Workload, dtype: str,
                    model: str) -> RolePrediction:
+    role = _effective(s, role)
     tokens = role.batch * (1 + role.mtp_steps)
     bal = balance_of(s, role, w, tokens)
     context = w.input_len + w.output_len / 2

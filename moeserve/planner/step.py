@@ -132,7 +132,7 @@ def step(s: ModelShape, c: CostModel, role: Role, x: StepInput, dtype: str) -> B
     """The breakdown of one step of `role` on one GPU (µs by part)."""
     b = Breakdown()
     ep = role.ep_size if s.is_moe else 1
-    slots = s.experts + role.redundant
+    slots = s.experts + (role.redundant if ep > 1 else 0)  # replicas need several ranks
     tbo = role.tbo and ep > 1 and x.tokens >= 2
     halves = [x.tokens - x.tokens // 2, x.tokens // 2] if tbo else [x.tokens]
     spec = CommSpec(ep, role.gpus_per_node, s.hidden, max(s.topk, 1), s.groups, s.topk_groups)

@@ -53,7 +53,7 @@ class SLO:
 
 def _redundancy(experts: int, ep: int, most: int) -> int:
     """The largest redundancy <= most that divides over ep (0 for dense models)."""
-    if not experts:
+    if not experts or ep <= 1:
         return 0
     try:
         return max(feasible_redundancy(experts, most, ep))

@@ -7,9 +7,13 @@ import pytest
 import torch
 
 from moeserve.eplb import ExpertDump, balancedness, trivial_rank_load
-from moeserve.planner.workload import (expected_balancedness, feasible_redundancy,
-                                       inclusion_rates, raw_eplb_balancedness,
-                                       step_balancedness)
+from moeserve.planner.workload import (
+    expected_balancedness,
+    feasible_redundancy,
+    inclusion_rates,
+    raw_eplb_balancedness,
+    step_balancedness,
+)
 
 ZIPF = "zipf:1.0"
 
