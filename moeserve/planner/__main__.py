@@ -178,9 +178,9 @@ def sweep(a: argparse.Namespace, w: Workload) -> int:
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
     if a.check:
-        from moeserve.planner.anchors import ANCHORS, EXTRA, check, format_check
+        from moeserve.planner.anchors import ANCHORS, EXTRA, OTHER, check, format_check
 
-        print(format_check(check(ANCHORS + EXTRA)))
+        print(format_check(check(ANCHORS + EXTRA + OTHER)))
         return 0
     w = Workload(a.input_len, a.output_len, a.prefix_hit, a.popularity)
     return sweep(a, w) if a.sweep else one_plan(a, w)

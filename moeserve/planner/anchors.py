@@ -110,6 +110,24 @@ EXTRA: list[Anchor] = [
 ]
 
 
+SCALED_MLA = ("no H200 table and no 16-head MLA or V2-Lite expert shape in the H100 one: the "
+              "attention is scaled by heads from V3's 128-head kernel and the experts from "
+              "Qwen3's, and the H200 scaling credits our compute-bound MLA kernel with bandwidth")
+# Our other measured figures, outside the issue's list: printed by --check and tested, the
+# misses as strict xfails with their reasons.
+OTHER: list[Anchor] = [
+    *[Anchor(f"DeepSeek-V2-Lite decode step, H200, batch {b}", ref, "ms", 0.10,
+             f"{GPU_DECODE} (one_batch, input 512)",
+             _one_gpu_step("deepseek_v2_lite", "h200", "bf16", b, 528), SCALED_MLA)
+      for b, ref in ((1, 2.43), (64, 10.72), (256, 14.81))],
+    *[Anchor(f"Llama-3-8B decode step, H100, batch {b}", ref, "ms", 0.10, SPEC,
+             _one_gpu_step("llama3_8b", "h100", "bf16", b, 512),
+             "the step at 16 rows is 0.8-1.1 ms longer than its priced GEMMs, attention and LM "
+             "head (7.15-7.48 ms in three calls); not found yet" if b == 16 else None)
+      for b, ref in ((1, 6.08), (16, 7.15), (64, 8.40))],
+]
+
+
 def check(anchors: list[Anchor]) -> list[tuple[Anchor, float, float]]:
     """(anchor, predicted, relative error) for each."""
     out = []

@@ -216,9 +216,19 @@ class CostModel:
         us, src = interp([float(b) for b in by_b], [p[0] for p in pts], batch)
         src = worst(src, max((p[1] for p in pts), key=RANK.index))
         if (ref["heads"], ref["kv_heads"]) != key:
-            rkv = 2 * ref["kv_heads"] * ref["head_dim"] if kind == "gqa" else kv_tok
-            rb, rf = 2.0 * batch * context * rkv, 2.0 * batch * context * ref["heads"] * (dk + dv)
-            us *= self.roof(nbytes, flops, "bf16", self.ref) / self.roof(rb, rf, "bf16", self.ref)
+            if kind == "mla":
+                # our MLA kernel runs a program per 16 heads per KV split: its time goes with the
+                # heads (V2-Lite's 16 heads: 71 us at 256 x 512 on the H200, gpu_decode.md;
+                # V3's 128 here: 8x) down to the KV read at 80% of the sheet's bandwidth and
+                # its two launches
+                us = max(us * s.heads / ref["heads"], nbytes / (0.8 * self.ref.hbm_bytes_per_s)
+                         * 1e6, min(us, 2 * LAUNCH_FLOOR_US))  # split + reduce launches
+            else:
+                rkv = 2 * ref["kv_heads"] * ref["head_dim"]
+                rb, rf = 2.0 * batch * context * rkv, 2.0 * batch * context * ref["heads"] * (
+                    dk + dv)
+                us *= self.roof(nbytes, flops, "bf16", self.ref) / self.roof(rb, rf, "bf16",
+                                                                             self.ref)
             src = "interpolated"
         return self._finish(us, src, nbytes, flops, "bf16")
 

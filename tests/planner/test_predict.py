@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import pytest
 
-from moeserve.planner.anchors import ANCHORS, EXTRA
+from moeserve.planner.anchors import ANCHORS, EXTRA, OTHER
 
 
 def _params() -> list:
     return [pytest.param(a, id=a.name, marks=[pytest.mark.xfail(strict=True, reason=a.known_miss)]
-                         if a.known_miss else []) for a in ANCHORS + EXTRA]
+                         if a.known_miss else []) for a in ANCHORS + EXTRA + OTHER]
 
 
 @pytest.mark.parametrize("anchor", _params())
