@@ -1,0 +1,68 @@
+"""Kernel-cost tables: the committed H100 table and the CPU writer of bench.op_costs, the
+interpolation between points, and where each cost says it came from."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from moeserve.bench import op_costs
+from moeserve.planner.costs import COST_DIR, CostModel, interp, load_table
+from moeserve.planner.profiles import load_profile, profile_names
+
+
+def test_interp_marks_table_points_measured_and_others_interpolated():
+    xs, ys = [1.0, 16.0, 256.0], [10.0, 20.0, 400.0]
+    assert interp(xs, ys, 16.0) == (20.0, "measured")
+    mid, src = interp(xs, ys, 4.0)
+    assert src == "interpolated" and 10.0 < mid < 20.0
+    assert interp(xs, ys, 0.5) == (10.0, "interpolated")  # below the table: the launch floor
+    assert interp(xs, ys, 512.0)[0] == pytest.approx(800.0)  # above: linear in the size
+
+
+def test_committed_h100_table_is_versioned_and_covers_every_family():
+    table = load_table(f"{COST_DIR}/h100.json")
+    assert table["schema"] == op_costs.SCHEMA and "H100" in table["device"]
+    assert {"gemm", "bmm", "moe", "attn_decode", "attn_extend", "norm", "router"} <= set(
+        table["ops"])
+    assert table["peaks"]["bf16_tflops"] > 500  # a Hopper GPU, not a smoke table
+
+
+def test_a_measured_point_is_returned_as_measured():
+    c = CostModel(load_profile("h100"))
+    row = next(r for r in c.rows("gemm", dtype="bf16") if (r["k"], r["n"]) == (2048, 5120))
+    cost = c.gemm(row["m"][2], 2048, 5120, "bf16")
+    assert cost.source == "measured" and cost.us == row["us"][2]
+    assert c.gemm(48, 2048, 5120, "bf16").source == "interpolated"
+    assert c.gemm(64, 3000, 5000, "bf16").source == "interpolated"  # a shape not in the table
+
+
+def test_gpus_without_a_table_scale_the_h100_costs_by_their_sheets():
+    h100, h200, h20 = (CostModel(load_profile(n)) for n in ("h100", "h200", "h20"))
+    big = (1, 7168, 36864, "fp8")  # a weight stream: bandwidth-bound
+    assert h200.gemm(*big).source == "scaled"
+    assert h200.gemm(*big).us < h100.gemm(*big).us  # 4.8 against 3.35 TB/s
+    flops = (16384, 7168, 36864, "fp8")  # compute-bound: the H20 has 296 FP8 TFLOP/s
+    assert h20.gemm(*flops).us > 5 * h100.gemm(*flops).us
+    tiny = h200.norm(1, 2048)  # launch-bound: no sheet makes a launch cheaper
+    assert tiny.us >= min(h100.norm(1, 2048).us, 2.0)
+
+
+def test_every_shipped_profile_loads_with_its_sources():
+    assert {"h100", "h200", "h800", "h20", "gb200_nvl72"} <= set(profile_names())
+    for name in profile_names():
+        prof = load_profile(name)
+        assert set(prof.sources().values()) <= {"spec", "measured"}
+        assert prof.cost_table or prof.scale_costs_from
+
+
+def test_op_costs_cpu_smoke_writes_a_table_the_planner_reads(tmp_path):
+    out = tmp_path / "cpu.json"
+    op_costs.main(["--device", "cpu", "--smoke", "--out", str(out)])
+    doc = json.loads(out.read_text())
+    assert doc["schema"] == op_costs.SCHEMA and doc["device"]
+    c = CostModel(load_profile("h100"), table_path=str(out))
+    cost = c.gemm(4, 64, 128, "fp32")
+    row = next(r for r in doc["ops"]["gemm"] if (r["k"], r["n"]) == (64, 128))
+    assert cost.source == "measured" and cost.us == row["us"][1]
