@@ -197,19 +197,26 @@ def attn_decode_rows(device: torch.device) -> list[dict]:
         for b in BATCHES:
             us = []
             for ctx in CONTEXTS:
-                fb, q, k, v, spec = _batch(kind, heads, kvh, hd, vd, rope, [1] * b, ctx - 1,
-                                           device, decode=True)
-                backend = TritonAttentionBackend(pdl=PDL[0])
-                fb.attn_backend = backend
-                backend.init_forward_metadata(fb)
-                fwd = partial(backend.forward, q, k, v, spec, fb)
-                us.append(time_graph(lambda i, f=fwd: f, 1, device))
-                del fb, q, k, v
-                torch.cuda.empty_cache()
+                us.append(_time_attention(TritonAttentionBackend(pdl=PDL[0]), _batch(
+                    kind, heads, kvh, hd, vd, rope, [1] * b, ctx - 1, device, decode=True),
+                    device))
             rows.append(dict(impl="moeserve", model=model, kind=kind, heads=heads, kv_heads=kvh,
                              head_dim=hd, v_head_dim=vd, batch=b, context=CONTEXTS, us=us))
             log(f"attn decode {model} b={b}: " + " ".join(f"{u:.1f}" for u in us))
     return rows + mla_bmm_rows(device)
+
+
+def _time_attention(backend, batch: tuple, device: torch.device) -> float:
+    """µs of one attention forward over `batch` (_batch's tuple, held by no caller) in a CUDA
+    graph; its tensors are freed before the next case is built."""
+    fb, q, k, v, spec = batch
+    fb.attn_backend = backend
+    backend.init_forward_metadata(fb)
+    fwd = partial(backend.forward, q, k, v, spec, fb)
+    us = time_graph(lambda i, f=fwd: f, 1, device)
+    del fb, q, k, v, batch
+    torch.cuda.empty_cache()
+    return us
 
 
 def mla_bmm_rows(device: torch.device) -> list[dict]:
@@ -246,15 +253,8 @@ def attn_extend_rows(device: torch.device) -> list[dict]:
     for model, kind, heads, kvh, hd, vd, rope in ATTN:
         us = []
         for n in PROMPTS:
-            fb, q, k, v, spec = _batch(kind, heads, kvh, hd, vd, rope, [n], 0, device,
-                                       decode=False)
-            backend = TritonAttentionBackend()
-            fb.attn_backend = backend
-            backend.init_forward_metadata(fb)
-            fwd = partial(backend.forward, q, k, v, spec, fb)
-            us.append(time_graph(lambda i, f=fwd: f, 1, device))
-            del fb, q, k, v
-            torch.cuda.empty_cache()
+            us.append(_time_attention(TritonAttentionBackend(), _batch(
+                kind, heads, kvh, hd, vd, rope, [n], 0, device, decode=False), device))
         rows.append(dict(impl="moeserve", model=model, kind=kind, heads=heads, kv_heads=kvh,
                          head_dim=hd, v_head_dim=vd, seq=PROMPTS, us=us))
         log(f"attn extend {model}: " + " ".join(f"{u:.1f}" for u in us))

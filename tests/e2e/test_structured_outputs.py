@@ -53,8 +53,9 @@ def _create_all(client, requests: list[dict]) -> list:
 
 
 def test_json_schema_outputs_validate(client):
-    """20 schemas (the hand-written 5 and 15 generated): 20/20 valid with json_schema, fewer
-    unconstrained (the same prompts; SmolLM2 rarely manages it on its own)."""
+    """20 schemas (the hand-written 5 and 15 generated): 20/20 valid with json_schema; fewer
+    without it for the same prompts of the hand-written 5 (SmolLM2 rarely manages it on its own;
+    the contrast needs no more prompts, and unconstrained replies run to max_tokens)."""
     specs = schemas()
     kw = [dict(model=MODEL, messages=_ask(s), temperature=0, max_tokens=300) for s in specs]
     constrained = _create_all(client, [k | {"response_format": _fmt(s)}
@@ -62,11 +63,13 @@ def test_json_schema_outputs_validate(client):
     for out, schema in zip(constrained, specs):
         assert out.finish_reason == "stop", out.message.content
         jsonschema.validate(json.loads(out.message.content), schema)
-    free = _create_all(client, kw)
-    unconstrained = sum(_valid(o.message.content, s) for o, s in zip(free, specs))
+    few = hand_written()
+    free = _create_all(client, kw[: len(few)])
+    assert [json.dumps(s) for s in few] == [json.dumps(s) for s in specs[: len(few)]]
+    unconstrained = sum(_valid(o.message.content, s) for o, s in zip(free, few))
     print(f"\nvalid JSON for the schema: {len(specs)}/{len(specs)} with json_schema, "
-          f"{unconstrained}/{len(specs)} unconstrained")
-    assert unconstrained < len(specs)
+          f"{unconstrained}/{len(few)} unconstrained")
+    assert unconstrained < len(few)
 
 
 def test_json_schema_n_and_streaming(client):
