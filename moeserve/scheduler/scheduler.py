@@ -1,9 +1,7 @@
 """Scheduler: continuous batching for one rank — admit, batch, run, post-process.
 
-`event_loop_normal` runs recv → schedule → forward → process. `event_loop_overlap` launches step N,
-then processes step N-1's result while N runs (the forward runs on the worker thread); two
-consecutive prefills are not overlapped so the first one's tokens go out before the second runs.
-I/O is abstracted (`SchedulerIO`) so the offline Engine runs the same code in-process.
+The loops that drive it are in loops.py (plain, and overlap: launch step N, then process step
+N-1's result while N runs). I/O is abstracted (`SchedulerIO`) so the offline Engine runs the same code in-process.
 """
 
 from __future__ import annotations
@@ -25,6 +23,7 @@ from moeserve.scheduler.batch import ScheduledBatch
 from moeserve.scheduler.cache import CacheManager
 from moeserve.scheduler.decode import NewTokenRatio, decodable, pick_retractions
 from moeserve.scheduler.grammar_intake import PARKED, GrammarIntake
+from moeserve.scheduler.loops import event_loop_normal, event_loop_overlap
 from moeserve.scheduler.ops import SchedulerOps
 from moeserve.scheduler.prefill import AddResult, PrefillAdder, prefill_may_wait
 from moeserve.scheduler.spec_steps import SpecPolicy
@@ -34,7 +33,6 @@ from moeserve.scheduler.worker import ForwardWorker
 from moeserve.tbo.strategy import vote as tbo_vote
 
 logger = logging.getLogger(__name__)
-PREFILLS = (ForwardMode.EXTEND, ForwardMode.MIXED)  # steps whose first tokens go out at once
 
 
 class SchedulerIO(Protocol):
@@ -380,47 +378,9 @@ class Scheduler:
             batch.forward_input.tbo = info.tbo_split
         return batch, info
 
-    def event_loop_normal(self, should_stop: Callable[[], bool] = lambda: False) -> None:
-        while True:
-            self._recv(may_block=True)
-            batch, info = self.next_synced_batch(should_stop())
-            self.ops.run_lockstep(info)
-            if batch is None:
-                self.cache.free_deferred_rows()
-                if info.all_stop:
-                    return
-                continue
-            self.process_result(batch, self.worker.submit(batch.forward_input).result())
-
-    def event_loop_overlap(self, should_stop: Callable[[], bool] = lambda: False) -> None:
-        last: tuple[ScheduledBatch, object] | None = None
-        while True:
-            if last is not None and self.spec is not None:
-                # speculating: the next step's positions follow from this one's accepted lengths
-                self.process_result(last[0], last[1].result())
-                last = None
-            self._recv(may_block=last is None)
-            batch, info = self.next_synced_batch(should_stop())
-            if last is not None and self.ops.lockstep_due(info):  # nothing may be in flight
-                self.process_result(last[0], last[1].result())
-                last = None
-            self.ops.run_lockstep(info)
-            if last is not None and batch is not None and (
-                    batch.mode in PREFILLS and last[0].mode in PREFILLS):
-                self.process_result(last[0], last[1].result())  # protect time-to-first-token
-                last = None
-            future = self.worker.submit(batch.forward_input) if batch is not None else None
-            if last is not None:
-                self.process_result(last[0], last[1].result())
-            elif future is None:
-                self.cache.free_deferred_rows()  # nothing in flight
-            last = (batch, future) if batch is not None else None
-            if batch is None and info.all_stop:
-                return  # the same iteration on every rank: nothing is in flight anywhere
-
     def run_forever(self, should_stop: Callable[[], bool] = lambda: False) -> None:
-        loop = self.event_loop_overlap if self.overlap else self.event_loop_normal
-        loop(should_stop)
+        loop = event_loop_overlap if self.overlap else event_loop_normal
+        loop(self, should_stop)
         self.cache.free_deferred_rows()  # loops return with nothing in flight
 
     def is_memory_clean(self) -> bool:
