@@ -25,7 +25,7 @@ from moeserve.ipc.messages import (AbortReq, ControlReply, ControlReq, Detokeniz
                                    GenerateReq, LoadReport, ManagerInput, ReadyMsg,
                                    TextOutputBatch, TokenOutput, TokenOutputBatch)
 from moeserve.ipc.queues import Endpoints, PullQueue, PushQueue
-from moeserve.server.children import ProcessGroup
+from moeserve.procs.children import ProcessGroup
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +53,7 @@ class _Children:
     def close(self) -> None:
         if self.closed:
             return
-        from moeserve.server.launch import remove_ipc_files
+        from moeserve.procs.ipc_files import remove_ipc_files
 
         self.closed = True
         atexit.unregister(self.close)
@@ -68,7 +68,10 @@ class MultiRankCore:
     """Runs GenerateReqs on tp_size scheduler processes; `run` blocks until all finished."""
 
     def __init__(self, cfg: MoeserveConfig, model_path: str, tokenizer: Any):
-        from moeserve.server.launch import start_ranks, with_rendezvous
+        from moeserve.dp_attention.controller import run_controller_process
+        from moeserve.procs.ranks import start_ranks
+        from moeserve.procs.rendezvous import with_rendezvous
+        from moeserve.scheduler.process import run_scheduler_process
 
         self.config = cfg = with_rendezvous(cfg)
         self.tokenizer = tokenizer
@@ -90,7 +93,8 @@ class MultiRankCore:
             ReadyMsg: self._on_ready, LoadReport: lambda msg: None,
             TextOutputBatch: lambda msg: None}
         try:
-            expected = start_ranks(self._children.procs, cfg, model_path, endpoints)
+            expected = start_ranks(self._children.procs, cfg, model_path, endpoints,
+                                   run_scheduler_process, run_controller_process)
             self._wait(lambda: expected <= self.ready.keys(), cfg.server.startup_timeout_s,
                        f"ready messages from {sorted(expected)}")
         except BaseException:

@@ -1,4 +1,5 @@
-"""Child processes of the server: start (spawn), liveness checks, a watchdog, and no orphans.
+"""Child processes of a launcher (the server, or the offline Engine's ranks): start (spawn),
+liveness checks, a watchdog, and no orphans.
 
 Why each piece:
 - spawn, not fork: the main process has an asyncio loop, ZMQ contexts and maybe CUDA state that must
