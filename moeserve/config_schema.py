@@ -229,7 +229,8 @@ class SpecConfig:
     # as SGLang's speculative_num_draft_tokens): a pruned tree of the num_draft_tokens - 1 rank
     # paths the draft head's eval found most often right; 0: the full k-ary tree
     num_draft_tokens: int = 0
-    # a trained NextN head (python -m moeserve.spec_mtp.train) instead of the checkpoint's MTP layer
+    # a trained NextN head (python -m moeserve.spec_mtp.training) instead of the checkpoint's
+    # MTP layer
     draft_path: str | None = None
     # decode batches larger than this run plain decode steps (the draft keeps up with one token);
     # 0: always speculate; None: the size measured for the device (SPEC_STEP_ASIDE)

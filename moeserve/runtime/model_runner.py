@@ -104,7 +104,7 @@ class ModelRunner:
         self.recorder = (self.moe_parallel.recorder
                          if recorder is None and num_logical_experts(self.hf_config) else None)
         self.draft = None  # spec_mtp.draft.Draft with spec.algorithm=nextn
-        self.draft_graphs = None  # its decode-shaped passes' CUDA graphs (spec_mtp/draft_graphs)
+        self.draft_graphs = None  # its decode-shaped passes' CUDA graphs (Draft.capture_graphs)
         self.model = self._build_model(model_path)
         self.context_len = cfg.model.context_length or self.hf_config.max_position_embeddings
         layout = kv_layout(self.model, self.hf_config, self.draft)
@@ -229,10 +229,7 @@ class ModelRunner:
             graphs.pool = self.extend_graphs.pool
         graphs.capture()
         if self.draft is not None:
-            from moeserve.spec_mtp.draft_graphs import DraftGraphRunner
-
-            self.draft_graphs = DraftGraphRunner(self, self.draft, graphs.max_bs)
-            self.draft_graphs.capture()
+            self.draft_graphs = self.draft.capture_graphs(self, graphs.max_bs)
         return graphs
 
     def _extend_graphs(self):

@@ -18,8 +18,8 @@ import torch
 import torch.nn.functional as F
 
 from moeserve.spec_mtp.draft_vocab import to_draft_index
-from moeserve.spec_mtp.train_eval import collate
-from moeserve.spec_mtp.train_head import TrainHead
+from moeserve.spec_mtp.training.train_eval import collate
+from moeserve.spec_mtp.training.train_head import TrainHead
 
 CHECKPOINT = "checkpoint.pt"
 

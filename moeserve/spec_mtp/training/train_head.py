@@ -159,7 +159,7 @@ def fit_eh_proj(head: TrainHead, target: nn.Module, records: list[dict[str, Any]
     SmolLM2 the fit alone gave 0.34 held-out step-1 agreement, which SGD from the [0 | I] init
     took ~60 steps (~3 CPU minutes) to reach; the fit takes seconds. Returns the positions used.
     """
-    from moeserve.spec_mtp.train_eval import collate
+    from moeserve.spec_mtp.training.train_eval import collate
 
     embed = target.get_input_embeddings()
     w = head.norm.weight

@@ -1,10 +1,10 @@
-"""`python -m moeserve.spec_mtp.train`: train a NextN draft head for a model that has none.
+"""`python -m moeserve.spec_mtp.training`: train a NextN draft head for a model that has none.
 
-    python -m moeserve.spec_mtp.train --out .cache/nextn_smollm2            # embedded SmolLM2
-    python -m moeserve.spec_mtp.train --out DIR --resume                    # continue after Ctrl-C
-    python -m moeserve.spec_mtp.train --out DIR --eval-only                 # the agreement table
-    python -m moeserve.spec_mtp.train --out DIR --eval-only --tree-topk 2 4 # + draft trees' bound
-    python -m moeserve.spec_mtp.train --out DIR --eval-only --tree-nodes 4 6 8 --save-tree-paths
+    python -m moeserve.spec_mtp.training --out .cache/nextn_smollm2     # embedded SmolLM2
+    python -m moeserve.spec_mtp.training --out DIR --resume             # continue after Ctrl-C
+    python -m moeserve.spec_mtp.training --out DIR --eval-only          # the agreement table
+    python -m moeserve.spec_mtp.training --out DIR --eval-only --tree-topk 2 4  # + trees' bound
+    python -m moeserve.spec_mtp.training --out DIR --eval-only --tree-nodes 4 6 8 --save-tree-paths
 
 Self-distillation (train_data.py): the target answers chat prompts greedily (by default the
 offline Engine in serving's dtype), one pass of its runner gives the hidden states, both cached in
@@ -59,13 +59,14 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from moeserve.spec_mtp import train_data as data
 from moeserve.spec_mtp.draft_vocab import DEFAULT_SIZE, coverage_table, pick_vocab
 from moeserve.spec_mtp.prompts import heldout_prompts, read_prompts, train_prompts
-from moeserve.spec_mtp.train_eval import evaluate, format_table
-from moeserve.spec_mtp.train_head import (TrainHead, fit_eh_proj, load_head, save_head,
-                                          write_tree_paths)
-from moeserve.spec_mtp.train_loop import CHECKPOINT, Trainer, lr_at, step_loss  # noqa: F401
+from moeserve.spec_mtp.training import train_data as data
+from moeserve.spec_mtp.training.train_eval import evaluate, format_table
+from moeserve.spec_mtp.training.train_head import (TrainHead, fit_eh_proj, load_head,
+                                                   save_head, write_tree_paths)
+from moeserve.spec_mtp.training.train_loop import (  # noqa: F401
+    CHECKPOINT, Trainer, lr_at, step_loss)
 
 DATA_SHARE = 0.5  # of --budget-minutes: no new training shard is started after it
 # What defines a run: a resumed run takes these from its checkpoint, not from the command line.
@@ -75,7 +76,7 @@ RUN_KEYS = ("lr", "batch_size", "seed", "chain_steps", "detach", "feature_weight
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m moeserve.spec_mtp.train", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m moeserve.spec_mtp.training", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="HF folder or .gguf (default: embedded SmolLM2)")
     p.add_argument("--out", required=True, help="output DIR (head, checkpoint, data cache)")
