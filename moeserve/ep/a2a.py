@@ -33,7 +33,7 @@ from moeserve.ep.dispatcher import (
     DispatchHandle,
     DispatchOutput,
 )
-from moeserve.kernels.peer_copy import owner_mask
+from moeserve.kernels.triton.peer_copy import owner_mask
 
 
 @dataclass

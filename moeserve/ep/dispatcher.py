@@ -21,8 +21,8 @@ Contract (all backends):
   its combine has been waited.
 - Output formats are explicit (`DispatchOutput.format`), so the MoE layer never guesses a layout.
 
-Expert placement lives in `expert_owner` alone (kernels/peer_copy.py, beside the p2p kernels that
-mirror it) so that EPLB can swap logical ids for physical ones.
+Expert placement lives in `expert_owner` alone (kernels/triton/peer_copy.py, beside the p2p
+kernels that mirror it) so that EPLB can swap logical ids for physical ones.
 """
 
 from __future__ import annotations
@@ -36,7 +36,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from moeserve.ep.streams import CommStream
-from moeserve.kernels.peer_copy import expert_owner  # noqa: F401 (re-exported: the placement rule)
+# re-exported: the placement rule
+from moeserve.kernels.triton.peer_copy import expert_owner  # noqa: F401
 from moeserve.kernels.slot_counts import count_per_expert
 
 if TYPE_CHECKING:

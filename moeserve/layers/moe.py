@@ -13,7 +13,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from moeserve.kernels.cpu_ops import CpuKernels
+from moeserve.kernels.cpu.ops import CpuKernels
 from moeserve.kernels.slot_counts import count_per_expert
 from moeserve.layers.activation import silu_and_mul
 from moeserve.tbo.operations import YIELD, MoEStepState, Op
@@ -32,7 +32,7 @@ class MoEExperts(nn.Module):
     w13: [E_local, 2I, H] laid out as [gate | up]; w2: [E_local, H, I].
     """
 
-    cpu_kernels: CpuKernels | None = None  # set on CPU models (kernels.cpu_ops): small batches
+    cpu_kernels: CpuKernels | None = None  # set on CPU models (kernels/cpu/ops.py): small batches
     gpu_ops: Any = None  # TritonOps on CUDA models: its `pdl` flag applies to the fused MoE
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int,
@@ -118,8 +118,8 @@ class MoEExperts(nn.Module):
     def forward_triton(self, x: torch.Tensor, topk_ids: torch.Tensor,
                        topk_weights: torch.Tensor) -> torch.Tensor:
         """The fused-MoE Triton kernels (imported here: torch-only runs never import Triton)."""
-        from moeserve.kernels.fused_moe import fused_moe
-        from moeserve.kernels.moe_config import get_moe_config
+        from moeserve.kernels.triton.fused_moe import fused_moe
+        from moeserve.kernels.triton.moe_config import get_moe_config
 
         cfg = get_moe_config(self.num_local, x.shape[1], self.intermediate_size,
                              topk_ids.shape[1], x.dtype, x.shape[0], self.config_dir)

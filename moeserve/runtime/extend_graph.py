@@ -30,7 +30,7 @@ from moeserve.attention.triton_backend import ExtendMetadata, extend_block_m_of
 from moeserve.core import ForwardMode
 from moeserve.forward_batch import ForwardBatch
 from moeserve.host_copy import to_device
-from moeserve.kernels.triton_attention_extend import NO_BLOCK, PAD_BLOCK, extend_blocks
+from moeserve.kernels.triton.attention_extend import NO_BLOCK, PAD_BLOCK, extend_blocks
 from moeserve.runtime.cuda_graph import GraphHost, capture_buckets
 
 logger = logging.getLogger(__name__)

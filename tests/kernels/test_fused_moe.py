@@ -11,9 +11,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from moeserve.kernels import fused_moe as fm
-from moeserve.kernels import moe_align as ma
-from moeserve.kernels import moe_config
+from moeserve.kernels.triton import fused_moe as fm
+from moeserve.kernels.triton import moe_align as ma
+from moeserve.kernels.triton import moe_config
 from moeserve.layers.moe import MoEExperts, MoEParallel
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

@@ -1,7 +1,7 @@
 /* y = x W^T (+ bias) with W kept in bfloat16 and float32 arithmetic: the linear layers of a
  * bfloat16 model on CPUs without native bf16 (AVX2 + FMA, no AVX512-BF16 / AMX), where torch's
  * bf16 matmul runs at a third of its float32 speed and oneDNN's bf16 prepack is unavailable.
- * Built into the same library as cpu_decode.c (moeserve/kernels/cpu_ops.py).
+ * Built into the same library as decode.c (moeserve/kernels/cpu/build.py).
  *
  * Why it is fast there: weights are read once per call as bf16 (half the bytes of float32, and
  * decode steps are bound by reading them), widened to float32 by a shift, and every widened
@@ -34,7 +34,7 @@
  * 2 tokens 10.3 -> 9.1, 3 tokens 10.8 -> 9.8, 4 and 6 unchanged within noise) */
 static const int GROUPS[TILE_M + 1] = {0, 6, 3, 2, 1, 1, 1};
 
-#include "cpu_bf16.h"
+#include "bf16.h"
 #ifdef _OPENMP
 #include <omp.h>
 #endif

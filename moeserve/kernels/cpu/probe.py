@@ -1,10 +1,10 @@
-"""Run-time probe of a built `cpu_decode` library, in a child process of its own:
-`python -m moeserve.kernels.cpu_probe LIB.so` runs every kernel once on small inputs and checks it
+"""Run-time probe of a built CPU decode kernel library, in a child process of its own:
+`python -m moeserve.kernels.cpu.probe LIB.so` runs every kernel once on small inputs and checks it
 against plain torch math, printing `kernels ok`, then `bf16_head ok` (or `bf16_head absent`).
 
 Why a child process: code built with -march=native (or flags naming an ISA extension) may hold an
 instruction this CPU cannot run, and SIGILL cannot be caught in the process that runs it. The
-parent (`cpu_ops.load_cpu_kernels`) reads the lines and the exit status: no `kernels ok` → no
+parent (`build.load_cpu_kernels`) reads the lines and the exit status: no `kernels ok` → no
 kernels (torch ops); `kernels ok` without `bf16_head ok` → the kernels without the greedy head.
 """
 
@@ -111,7 +111,7 @@ def check_bf16_head(k) -> None:
 
 
 def main(path: str) -> int:
-    from moeserve.kernels.cpu_ops import CpuKernels
+    from moeserve.kernels.cpu.ops import CpuKernels
 
     torch.set_num_threads(1)
     k = CpuKernels(ctypes.CDLL(path), bf16_head=True)

@@ -3,19 +3,19 @@
 Query token j of request i sits at absolute position p = prefix_i + j and attends the request's
 positions [0, p]: the cached prefix and, causally, the new tokens. Everything is read from the
 pool through `req_to_token`, so a prefix hit needs no separate path. The key dim splits into a
-main and a rope part and MLA's value is the main part of the K tile, as in triton_attention.py.
+main and a rope part and MLA's value is the main part of the K tile, as in attention.py.
 """
 
 from __future__ import annotations
 
 import torch
 
-from moeserve.kernels.triton_attention import LOG2E, block_dim, triton
+from moeserve.kernels.triton.attention import LOG2E, block_dim, triton
 
 if triton is not None:
     import triton.language as tl
 
-    from moeserve.kernels.triton_attention import attend_kv_block, load_query
+    from moeserve.kernels.triton.attention import attend_kv_block, load_query
 
 
 PAD_BLOCK, NO_BLOCK = -1, -2  # block-table request entries: zero-fill padding rows | nothing

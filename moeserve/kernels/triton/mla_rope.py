@@ -21,10 +21,10 @@ import torch
 import triton
 import triton.language as tl
 
-from moeserve.kernels.pdl import launch_kwargs, pdl_wait
+from moeserve.kernels.triton.pdl import launch_kwargs, pdl_wait
 
 if TYPE_CHECKING:
-    from moeserve.kernels.triton_attention import KVStoreTarget
+    from moeserve.kernels.triton.attention import KVStoreTarget
 
 HEADS_PER_PROGRAM = 16  # q heads whose rope channels one program rotates
 
@@ -95,7 +95,7 @@ def _mla_rope_norm_kernel(q, q_stride_t, q_stride_h, kv, kv_stride, positions, t
         mr = cols < R
         v = tl.load(kv + t * kv_stride + cols, mask=mr, other=0.0).to(tl.float32)
         w = tl.load(weight + cols, mask=mr, other=0.0).to(tl.float32)
-        rstd = tl.rsqrt(tl.sum(v * v, axis=0) / R + eps)  # as kernels/triton_ops _rms_norm_kernel
+        rstd = tl.rsqrt(tl.sum(v * v, axis=0) / R + eps)  # as ops.py's _rms_norm_kernel
         normed = (w * (v * rstd).to(dt).to(tl.float32)).to(dt)
         k1 = tl.load(kv + t * kv_stride + R + c1, mask=mi, other=0.0).to(tl.float32)
         k2 = tl.load(kv + t * kv_stride + R + c2, mask=mi, other=0.0).to(tl.float32)

@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from moeserve.kernels.fp8_format import FP8, FP8_BLOCK, FP8_MAX, Block, as_block
-from moeserve.kernels.pdl import launch_kwargs, pdl_wait
+from moeserve.kernels.triton.pdl import launch_kwargs, pdl_wait
 
 try:  # host-side TMA descriptors (Triton >= 3.4)
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -230,7 +230,7 @@ def _launch_gemm(a: torch.Tensor, a_scale: torch.Tensor | None, w: torch.Tensor,
                  w_scale: torch.Tensor, out: torch.Tensor, block: Block, cfg: GemmConfig,
                  bias: torch.Tensor | None, pdl: bool = False) -> torch.Tensor:
     """a_scale None: `a` is float and quantized in the kernel (QUANT_A). `pdl`: a programmatic
-    dependent launch (kernels/pdl.py) that loads its first weight tile before the wait."""
+    dependent launch (pdl.py) that loads its first weight tile before the wait."""
     (t, k), n = a.shape, w.shape[0]
     if t == 0 or n == 0:
         return out

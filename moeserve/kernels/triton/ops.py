@@ -1,6 +1,6 @@
 """Triton kernels for the small per-layer ops of decode: RMSNorm (+ residual add), Qwen3's per-head
-q/k RMSNorm + neox rope, MLA's rope + latent norm (kernels/mla_rope.py) and per-head absorbed
-products (kernels/head_gemv.py), the routers, and small-M linears (kernels/gemv.py), each one
+q/k RMSNorm + neox rope, MLA's rope + latent norm (mla_rope.py) and per-head absorbed
+products (head_gemv.py), the routers, and small-M linears (gemv.py), each one
 launch.
 
 Why: at batch 1 the GPU decode step is launch-bound, and these ops were chains of tiny torch
@@ -17,29 +17,40 @@ interpreter (TRITON_INTERPRET=1 before this import; float32 only: its bf16 math 
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from moeserve.kernels.fp8_format import FP8
 
 if TYPE_CHECKING:
-    from moeserve.kernels.triton_attention import KVStoreTarget
-    from moeserve.layers.router import RouterConfig
+    from moeserve.kernels.triton.attention import KVStoreTarget
 
 try:  # optional: only the CUDA image has Triton
     import triton
     import triton.language as tl
 
-    from moeserve.kernels.gemv import GEMV_DTYPES, LINEAR_MAX_M, gemv
-    from moeserve.kernels.head_gemv import head_gemv
-    from moeserve.kernels.mla_rope import mla_rope_norm
-    from moeserve.kernels.pdl import launch_kwargs, pdl_wait
-    from moeserve.kernels.router_topk import grouped_topk, router_topk, softmax_topk_store
+    from moeserve.kernels.triton.gemv import GEMV_DTYPES, LINEAR_MAX_M, gemv
+    from moeserve.kernels.triton.head_gemv import head_gemv
+    from moeserve.kernels.triton.mla_rope import mla_rope_norm
+    from moeserve.kernels.triton.pdl import launch_kwargs, pdl_wait
+    from moeserve.kernels.triton.router_topk import grouped_topk, router_topk, softmax_topk_store
 except ImportError:  # pragma: no cover - CPU installs
     triton = None
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # read at import, as @triton.jit does
+
+
+class GroupedRouting(Protocol):
+    """The router settings `grouped_topk` reads (layers/router.py's RouterConfig has them)."""
+
+    top_k: int
+    scoring: str  # softmax | sigmoid
+    renormalize: bool
+    num_groups: int
+    topk_groups: int
+    group_score: str  # max | top2_sum
+    routed_scaling_factor: float
 
 
 def _warps(block: int, per_warp: int, most: int) -> int:
@@ -50,7 +61,7 @@ def _warps(block: int, per_warp: int, most: int) -> int:
 class TritonOps:
     """One-launch replacements of small torch op chains. Tensors are on one CUDA device (the
     current one: Triton launches there), or on the CPU under the interpreter; see `usable`.
-    `pdl`: launch them as programmatic dependent launches (kernels/pdl.py; CUDA sm90+ only)."""
+    `pdl`: launch them as programmatic dependent launches (pdl.py; CUDA sm90+ only)."""
 
     def __init__(self, pdl: bool = False):
         self.pdl = pdl
@@ -62,7 +73,7 @@ class TritonOps:
     def linear(self, x: torch.Tensor, weight: torch.Tensor,
                bias: torch.Tensor | None = None) -> torch.Tensor | None:
         """F.linear(x, weight, bias) by the small-M GEMV where x [..., K] has at most LINEAR_MAX_M
-        rows (where it beats cuBLAS, kernels/gemv.py) and the dtype of a plain 2-D float weight
+        rows (where it beats cuBLAS, gemv.py) and the dtype of a plain 2-D float weight
         (bf16/fp16/fp32, unit column stride), and no gradient is wanted (the kernel has no
         backward); None where not (the caller runs F.linear). Only static shapes decide: a
         captured graph keeps its choice."""
@@ -163,7 +174,7 @@ class TritonOps:
                       table: torch.Tensor, interleaved: bool, norm_weight: torch.Tensor,
                       eps: float, store: KVStoreTarget | None = None) -> torch.Tensor:
         """MLA's rope on q's rope channels (in place), the latent's norm + rope (and its KV
-        store) in one launch → latent [T, 1, R + r] (kernels/mla_rope.py)."""
+        store) in one launch → latent [T, 1, R + r] (mla_rope.py)."""
         return mla_rope_norm(q, kv, positions, table, interleaved, norm_weight, eps, store,
                              pdl=self.pdl)
 
@@ -171,7 +182,7 @@ class TritonOps:
                   w_scale: torch.Tensor | None = None,
                   block: tuple[int, int] | None = None) -> torch.Tensor | None:
         """One token's per-head products x [1, H, K] @ w[h] (w [H, K, N], k_major) or @ w[h]^T
-        (w [H, N, K]) in one launch (kernels/head_gemv.py): MLA's absorbed W_UK / W_UV at
+        (w [H, N, K]) in one launch (head_gemv.py): MLA's absorbed W_UK / W_UV at
         decode; with `w_scale` and `block`, w is e4m3 (FP8-resident kv_b_proj). None where it
         does not apply (more tokens, dtypes differ, unaligned FP8 heads, a gradient wanted)."""
         w_ok = (w.dtype == x.dtype if w_scale is None
@@ -184,16 +195,16 @@ class TritonOps:
         return head_gemv(x, w, k_major, pdl=self.pdl, w_scale=w_scale, block=block)
 
     def router_topk(self, x: torch.Tensor, weight: torch.Tensor, k: int, renormalize: bool):
-        """One token's router linear and softmax top-k in one launch (kernels/router_topk.py):
-        (weights, ids) as `topk_softmax(linear(x, weight))`, or None where it does not apply."""
+        """One token's router linear and softmax top-k in one launch (router_topk.py): (weights,
+        ids) as `topk_softmax(linear(x, weight))`, or None where it does not apply."""
         if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
             return None
         return router_topk(x, weight, k, renormalize, pdl=self.pdl)
 
-    def grouped_topk(self, logits: torch.Tensor, cfg: RouterConfig,
+    def grouped_topk(self, logits: torch.Tensor, cfg: GroupedRouting,
                      correction_bias: torch.Tensor | None):
-        """`select_experts` for any router config in one launch (kernels/router_topk.py), or
-        None where its shapes or dtypes do not fit (the caller runs torch ops)."""
+        """`select_experts` for any router config in one launch (router_topk.py), or None where
+        its shapes or dtypes do not fit (the caller runs torch ops)."""
         return grouped_topk(logits, cfg.top_k, cfg.scoring == "sigmoid", correction_bias,
                             cfg.num_groups, cfg.topk_groups, cfg.group_score == "top2_sum",
                             cfg.renormalize, cfg.routed_scaling_factor, pdl=self.pdl)

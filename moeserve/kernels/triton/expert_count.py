@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moeserve.kernels.pdl import launch_kwargs, pdl_wait
+from moeserve.kernels.triton.pdl import launch_kwargs, pdl_wait
 
 MAX_BLOCK = 1024  # pairs per program
 
@@ -28,7 +28,7 @@ def count_routed(ids: torch.Tensor, buf: torch.Tensor, slot: torch.Tensor, on: t
 
     ids [T, K] (or [T]) integer; buf [S, L, P + 1] int64 contiguous; slot, on [1] int64 (device
     tensors, so a captured graph follows them); rows [T] 0/1 int64 or None (every row counts).
-    `pdl`: a programmatic dependent launch (kernels/pdl.py)."""
+    `pdl`: a programmatic dependent launch (pdl.py)."""
     k = ids.shape[-1] if ids.dim() > 1 else 1
     flat = ids.reshape(-1)
     n = flat.numel()

@@ -19,8 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
-from moeserve.kernels.gemv import GEMV_DTYPES, block_k_for
-from moeserve.kernels.pdl import launch_kwargs, pdl_wait
+from moeserve.kernels.triton.gemv import GEMV_DTYPES, block_k_for
+from moeserve.kernels.triton.pdl import launch_kwargs, pdl_wait
 
 ROUTER_MAX_EXPERTS = 1024  # E the last program holds in registers
 
@@ -38,7 +38,7 @@ def router_topk(x: torch.Tensor, w: torch.Tensor, k: int, renormalize: bool,
     top-k → (weights [1, k] float32, ids [1, k] int64), as `TritonOps.topk_softmax` on the
     linear's output. None where it does not apply (more rows, another dtype, E too large): the
     caller runs the two-launch path. Graph-safe: shapes decide, no host sync. `pdl`: a
-    programmatic dependent launch (kernels/pdl.py) whose first row step of w (a parameter)
+    programmatic dependent launch (pdl.py) whose first row step of w (a parameter)
     loads before the wait."""
     if (x.dim() != 2 or x.shape[0] != 1 or x.dtype not in GEMV_DTYPES or w.dtype != x.dtype
             or w.dim() != 2 or w.shape[1] != x.shape[1] or w.shape[0] > ROUTER_MAX_EXPERTS

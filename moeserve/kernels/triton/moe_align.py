@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moeserve.kernels.pdl import launch_kwargs, pdl_wait
+from moeserve.kernels.triton.pdl import launch_kwargs, pdl_wait
 from moeserve.kernels.slot_counts import count_per_expert
 
 # Up to this many pairs one single-program kernel sorts them (one launch for decode); above it
@@ -41,7 +41,7 @@ def moe_align_block_size(topk_ids: torch.Tensor, block_m: int, first_expert: int
     One token (batch-1 decode) whose K distinct experts all fit: block k holds pair k alone, in
     pair order, with expert -1 where that expert is not local (`_align_one_token`: a parallel
     kernel; the sorting one ran ~7 µs there, ×48 layers of a batch-1 step). `pdl`: those two
-    single-launch paths as programmatic dependent launches (kernels/pdl.py)."""
+    single-launch paths as programmatic dependent launches (pdl.py)."""
     topk_ids, n = topk_ids.contiguous(), topk_ids.numel()
     p = max_padded_pairs(n, num_local, block_m)
     if topk_ids.shape[0] == 1 and p == n * block_m:

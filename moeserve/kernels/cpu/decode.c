@@ -2,7 +2,7 @@
  *
  * Why: at decode batch sizes the CPU step of a small model is bound by per-op dispatch (a tiny
  * Qwen3-MoE layer ran ~100 aten ops, ~10 us each), not by arithmetic. Called through ctypes
- * (moeserve/kernels/cpu_ops.py), single-threaded, on contiguous rows of float32 or bfloat16.
+ * (moeserve/kernels/cpu/ops.py), single-threaded, on contiguous rows of float32 or bfloat16.
  *
  * Numerics follow the torch path they replace: float32 arithmetic, rounded to the storage dtype
  * where that path rounds (RMSNorm rounds the normalised row before the weight multiply, as
@@ -24,7 +24,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "cpu_bf16.h"
+#include "bf16.h"
 
 static inline int64_t esize(int dt) { return dt ? 2 : 4; }
 

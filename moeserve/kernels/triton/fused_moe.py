@@ -19,10 +19,10 @@ import torch
 import triton
 import triton.language as tl
 
-from moeserve.kernels.fused_moe_small import SMALL_MAX_PAIRS, fused_moe_small
-from moeserve.kernels.moe_align import moe_align_block_size
-from moeserve.kernels.moe_config import down_config, get_moe_config
-from moeserve.kernels.pdl import launch_kwargs, pdl_wait
+from moeserve.kernels.triton.fused_moe_small import SMALL_MAX_PAIRS, fused_moe_small
+from moeserve.kernels.triton.moe_align import moe_align_block_size
+from moeserve.kernels.triton.moe_config import down_config, get_moe_config
+from moeserve.kernels.triton.pdl import launch_kwargs, pdl_wait
 
 
 @triton.jit(do_not_specialize=["num_pairs", "num_pid_m"])
@@ -166,7 +166,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: to
     channels, the small one does not (W8A16).
     `small_path`: the GEMV kernels of fused_moe_small (True) or the sorted grouped GEMMs
     (False); None picks GEMV for T*K <= SMALL_MAX_PAIRS pairs. `config` is the sorted path's.
-    `pdl`: programmatic dependent launches (kernels/pdl.py)."""
+    `pdl`: programmatic dependent launches (pdl.py)."""
     t, h = x.shape
     e_local, two_i, _ = w13.shape
     inter_size, k = two_i // 2, topk_ids.shape[1]
@@ -194,7 +194,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: to
         _grouped_gemm(inter, w2, y, weights, sorted_ids, expert_ids, num_post, 1, False,
                       down_config(cfg), pdl=pdl)
     else:
-        from moeserve.kernels.fp8 import quant_fp8_per_token_group
+        from moeserve.kernels.triton.fp8 import quant_fp8_per_token_group
 
         x_q, x_s = quant_fp8_per_token_group(x, block[1])
         _grouped_gemm(x_q, w13, inter, None, sorted_ids, expert_ids, num_post, k, True, cfg,

@@ -20,7 +20,7 @@ No split-K: a small N with a large K (2048->128) still gets N programs with the 
 or two tiles, so every weight byte is requested at once; splitting would add an fp32 pass.
 
 Weight-only FP8 (W8A16, `gemv_fp8`, `_gemv_fp8_kernel`): e4m3 weights with DeepSeek's block
-scales, the activations as they are (not quantized). Why: the FP8 GEMMs (kernels/fp8.py) quantize
+scales, the activations as they are (not quantized). Why: the FP8 GEMMs (fp8.py) quantize
 x and run tl.dot on 16-row tiles, far from the weight stream's bandwidth at one row, while here
 the weight bytes halve and nothing else changes. Each K step is a [BLOCK_N, G, SUB] tile, SUB =
 min(BLOCK_K, the block's bk) columns per group, so every group lies in one scale block: a step
@@ -50,7 +50,7 @@ import triton
 import triton.language as tl
 
 from moeserve.kernels.fp8_format import FP8, FP8_BLOCK, Block, as_block, scale_shape
-from moeserve.kernels.pdl import launch_kwargs, pdl_wait
+from moeserve.kernels.triton.pdl import launch_kwargs, pdl_wait
 
 GEMV_MAX_M = 8  # rows the kernel takes: each weight element costs M fp32 FMAs
 LINEAR_MAX_M = 1  # rows at which it beats cuBLAS (H200, module docstring): Linear's limit
@@ -119,7 +119,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
     out_dtype (default x.dtype), float32 accumulation; M <= GEMV_MAX_M. x and w may differ in
     dtype (both are widened to float32: a bf16 x on a float32 router weight is x.float() @ w^T).
     `config`: launch geometry (default `gemv_config`). `pdl`: a programmatic dependent launch
-    (kernels/pdl.py) whose first weight tile loads before the wait, so w must be a parameter
+    (pdl.py) whose first weight tile loads before the wait, so w must be a parameter
     nothing writes during the forward."""
     m, k = x.shape
     n = w.shape[0]

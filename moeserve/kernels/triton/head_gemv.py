@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from moeserve.kernels.fp8_format import Block
-from moeserve.kernels.pdl import launch_kwargs, pdl_wait
+from moeserve.kernels.triton.pdl import launch_kwargs, pdl_wait
 
 TILE_ELEMS = 8192  # weight elements a program holds per step (16 KB of bf16)
 FP8_TILE_ELEMS = 2 * TILE_ELEMS  # the same 16 KB in e4m3

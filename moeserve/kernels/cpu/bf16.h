@@ -1,4 +1,4 @@
-/* bfloat16 <-> float32 for the CPU kernels (cpu_decode.c, cpu_linear.c), rounding as torch does. */
+/* bfloat16 <-> float32 for the CPU kernels (decode.c, linear.c), rounding as torch does. */
 #ifndef MOESERVE_CPU_BF16_H
 #define MOESERVE_CPU_BF16_H
 #include <stdint.h>

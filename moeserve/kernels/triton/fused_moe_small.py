@@ -33,9 +33,9 @@ import triton
 import triton.language as tl
 
 from moeserve.kernels.fp8_format import FP8, Block, scale_shape
-from moeserve.kernels.gemv import (FP8_TILE_ELEMS, MIN_BLOCK_K, TILE_ELEMS, GemvConfig,
-                                   block_k_for, block_n_for, interpreter_block)
-from moeserve.kernels.pdl import launch_kwargs, pdl_wait
+from moeserve.kernels.triton.gemv import (FP8_TILE_ELEMS, MIN_BLOCK_K, TILE_ELEMS, GemvConfig,
+                                          block_k_for, block_n_for, interpreter_block)
+from moeserve.kernels.triton.pdl import launch_kwargs, pdl_wait
 
 # T*K up to this: the GEMV path (fused_moe's auto choice), decode at batch <= 4 for K = 8. H200,
 # bf16, CUDA graph, L2 flushed (bench.moe_kernels), Qwen3-30B-A3B experts, GEMV vs sorted µs:
@@ -95,7 +95,7 @@ def fused_moe_small(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_i
     """`fused_moe`'s result (same arguments) by the two GEMV kernels: out [T, H] in x.dtype,
     inter rows rounded to x.dtype as the bf16 sorted path rounds them. FP8 experts (w13_scale
     and w2_scale in fused_moe's layout): weight-only, x and inter are not quantized. `pdl`:
-    programmatic dependent launches (kernels/pdl.py; the expert ids come from the previous
+    programmatic dependent launches (pdl.py; the expert ids come from the previous
     kernel, so nothing loads before the wait)."""
     t, h = x.shape
     inter_size, k = w13.shape[1] // 2, topk_ids.shape[1]

@@ -23,7 +23,7 @@ try:  # optional: only installs with Triton have the triton attention backend
     import triton
     import triton.language as tl
 
-    from moeserve.kernels.pdl import launch_kwargs, pdl_wait
+    from moeserve.kernels.triton.pdl import launch_kwargs, pdl_wait
 except ImportError:  # pragma: no cover - CPU installs
     triton = None
 
@@ -52,7 +52,7 @@ def store_kv(k: torch.Tensor, v: torch.Tensor | None, loc: torch.Tensor, k_buf: 
     """k_buf[loc] = k and v_buf[loc] = v (cast to the pool dtype) in one launch.
 
     k: [T, Hkv, Dk], v: [T, Hkv, Dv] or None (MLA), loc: [T] slots; last dims contiguous.
-    `pdl`: a programmatic dependent launch (kernels/pdl.py).
+    `pdl`: a programmatic dependent launch (pdl.py).
     """
     t, hkv, dk = k.shape
     if t == 0:
@@ -95,7 +95,7 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor |
     fuse_reduce: the last split of each (request, head block) to finish combines the splits in
     the same launch (one launch fewer per layer: what a batch-1 step is bound by); else a second
     kernel does. Launches only from tensors and shapes (CUDA-graph safe). `pdl`: programmatic
-    dependent launches (kernels/pdl.py).
+    dependent launches (pdl.py).
     """
     b, h, dq = q.shape
     if b == 0:
