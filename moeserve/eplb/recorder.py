@@ -36,7 +36,7 @@ def fold_to_logical(counts: torch.Tensor, phy2log: torch.Tensor, num_logical: in
 
 
 class ExpertDistributionRecorder:
-    """Implements `moeserve.layers.moe.ExpertRecorder`; one per rank."""
+    """Implements `moeserve.layers.moe_parallel.ExpertRecorder`; one per rank."""
 
     def __init__(
         self,

@@ -25,7 +25,8 @@ from torch import nn
 from moeserve.forward_batch import ForwardBatch
 from moeserve.layers.attention import PagedAttention
 from moeserve.layers.linear import Linear, MergedLinear
-from moeserve.layers.moe import MoEParallel, run_routed_experts
+from moeserve.layers.moe_parallel import MoEParallel
+from moeserve.layers.moe_stages import run_routed_experts
 from moeserve.layers.norm import RMSNorm
 from moeserve.layers.rotary import get_rope, rope_parameters
 from moeserve.layers.router import RouterConfig, select_experts

@@ -15,7 +15,7 @@ from moeserve.kernels.cpu.ops import CpuKernels
 from moeserve.layers.activation import silu_and_mul
 from moeserve.layers.attention import PagedAttention
 from moeserve.layers.linear import Linear, MergedLinear
-from moeserve.layers.moe import moe_operations
+from moeserve.layers.moe_stages import moe_operations
 from moeserve.layers.norm import RMSNorm, rms_norm_heads
 from moeserve.layers.rotary import get_rope
 from moeserve.tbo.operations import ForwardState, MoEStepState, Op, Yield, run_straight

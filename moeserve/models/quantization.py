@@ -42,7 +42,8 @@ from moeserve.kernels.fp8_format import FP8_BLOCK, check_block
 from moeserve.layers.fp8_linear import Fp8Linear, Fp8MergedLinear
 from moeserve.layers.fp8_moe import Fp8MoEExperts
 from moeserve.layers.linear import Linear, MergedLinear
-from moeserve.layers.moe import DOWN, MoEParallel
+from moeserve.layers.moe import DOWN
+from moeserve.layers.moe_parallel import MoEParallel
 from moeserve.models.loader import (checkpoint_files, fp8_target, iterate_weights,
                                     load_weights)
 

@@ -10,7 +10,8 @@ from torch import nn
 from moeserve.forward_batch import ForwardBatch
 from moeserve.kernels.cpu.ops import CpuKernels
 from moeserve.layers.linear import Linear
-from moeserve.layers.moe import MoEParallel, run_routed_experts
+from moeserve.layers.moe_parallel import MoEParallel
+from moeserve.layers.moe_stages import run_routed_experts
 from moeserve.layers.router import RouterConfig, select_experts
 from moeserve.layers.router_skew import routing_skew, skewed
 from moeserve.models.llama import MLP, Attention, CausalLM, DecoderLayer, DecoderModel

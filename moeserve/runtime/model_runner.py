@@ -19,7 +19,7 @@ from moeserve.kernels.cpu.build import load_cpu_kernels
 from moeserve.kernels.cpu.ops import CpuKernels, supports
 from moeserve.env import env
 from moeserve.layers.linear import onednn_bf16_linear_works, pack_bf16_linears, pack_linears
-from moeserve.layers.moe import ExpertRecorder
+from moeserve.layers.moe_parallel import ExpertRecorder
 from moeserve.models.loader import WeightLoadError
 from moeserve.models.quantization import resolve_quant_plan
 from moeserve.models.registry import model_class

@@ -14,7 +14,8 @@ import torch.nn.functional as F
 from moeserve.kernels.triton import fused_moe as fm
 from moeserve.kernels.triton import moe_align as ma
 from moeserve.kernels.triton import moe_config
-from moeserve.layers.moe import MoEExperts, MoEParallel
+from moeserve.layers.moe import MoEExperts
+from moeserve.layers.moe_parallel import MoEParallel
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPE = torch.bfloat16 if DEVICE == "cuda" else torch.float32
