@@ -1,6 +1,6 @@
 """DeepSeek-V2 / V3: multi-head latent attention (MLA) + grouped top-k MoE with shared experts.
 
-MLA runs weight-absorbed, as MQA over one latent per token (DESIGN.md §5):
+MLA runs weight-absorbed, as MQA over one latent per token (docs/architecture.md §5):
   latent  = [kv_a_layernorm(c_kv) | rope(k_pe)]              [T, 1, R + r]  (the KV pool entry)
   q       = [q_nope @ W_UK (per head) | rope(q_pe)]          [T, H, R + r]
   out     = softmax(q · latent) · latent[:R] @ W_UV          [T, H, v_head_dim]
