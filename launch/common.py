@@ -22,7 +22,7 @@ def resolved(raw: DictConfig) -> tuple[MoeserveConfig, str]:
     except ConfigError as e:
         print(f"moeserve: {e}", file=sys.stderr, flush=True)
         sys.exit(2)
-    from moeserve.server.children import setup_logging
+    from moeserve.procs.children import setup_logging
 
     run_dir = HydraConfig.get().runtime.output_dir
     print(OmegaConf.to_yaml(raw, resolve=True), flush=True)

@@ -36,7 +36,7 @@ class ModelConfig:
     name: str = "embedded"  # the conf/model/ option; only "embedded" may leave path unset
     path: str | None = None  # HF-format folder; None (name=embedded): the embedded SmolLM2-135M
     # auto: the checkpoint's 16-bit dtype on CUDA; on CPU bf16 where bf16 linears are fast (native
-    # bf16 with oneDNN's prepack, or the AVX2 + FMA C linear of kernels/cpu_linear.c), else float32
+    # bf16 with oneDNN's prepack, or the AVX2 + FMA C linear of kernels/cpu/linear.c), else float32
     dtype: str = "auto"
     load_format: str = "safetensors"  # dummy: random weights from config.json alone
     context_length: int | None = None  # None: max_position_embeddings of the checkpoint
@@ -56,14 +56,14 @@ class ModelConfig:
     fp8_gemm: str = "triton"
     # CPU: run the decode step's small ops (norms, q/k norm + rope, router top-k, small experts,
     # attention, the greedy LM head) as C kernels built with the system C compiler
-    # (kernels/cpu_ops.py); without one, torch ops
+    # (kernels/cpu/); without one, torch ops
     cpu_kernels: bool = True
     # CUDA: RMSNorm (+ residual), q/k norm + rope and the softmax router top-k as Triton kernels
-    # (kernels/triton_ops.py); false: torch ops
+    # (kernels/triton/ops.py); false: torch ops
     gpu_kernels: bool = True
     # CUDA: launch the decode-path Triton kernels (small ops, GEMVs, attention, fused MoE) as
     # programmatic dependent launches, so each one's launch and weight loads overlap the previous
-    # kernel (kernels/pdl.py). None: where the GPU (sm90+) and Triton support it
+    # kernel (kernels/triton/pdl.py). None: where the GPU (sm90+) and Triton support it
     pdl: bool | None = None
 
 
@@ -185,7 +185,7 @@ class MoEConfig:
     # runs on CPU under TRITON_INTERPRET=1 (float32; for tests)
     backend: str = "auto"
     # folder of tuned fused-MoE launch configs (JSON, from `python -m moeserve.tools.tune_moe`);
-    # None: the ones shipped in moeserve/kernels/moe_configs/
+    # None: the ones shipped in moeserve/kernels/triton/moe_configs/
     config_dir: str | None = None
 
 
@@ -232,7 +232,8 @@ class SpecConfig:
     # as SGLang's speculative_num_draft_tokens): a pruned tree of the num_draft_tokens - 1 rank
     # paths the draft head's eval found most often right; 0: the full k-ary tree
     num_draft_tokens: int = 0
-    # a trained NextN head (python -m moeserve.spec_mtp.train) instead of the checkpoint's MTP layer
+    # a trained NextN head (python -m moeserve.spec_mtp.training) instead of the checkpoint's
+    # MTP layer
     draft_path: str | None = None
     # decode batches larger than this run plain decode steps (the draft keeps up with one token);
     # 0: always speculate; None: the size measured for the device (SPEC_STEP_ASIDE)

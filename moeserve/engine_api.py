@@ -1,5 +1,5 @@
 """Offline Engine: the real Scheduler with in-process I/O (one rank), or the DP controller and
-scheduler processes driven over ZMQ (several ranks, `dp_attention/engine_client.py`)."""
+scheduler processes driven over ZMQ (several ranks, `engine_client.py`)."""
 
 from __future__ import annotations
 
@@ -183,7 +183,7 @@ class Engine:
 def _multi_rank_core(cfg: MoeserveConfig):
     from transformers import AutoTokenizer
 
-    from moeserve.dp_attention.engine_client import MultiRankCore
+    from moeserve.engine_client import MultiRankCore
     from moeserve.scheduler.setup import resolve_model_path
 
     path = resolve_model_path(cfg)

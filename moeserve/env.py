@@ -20,7 +20,7 @@ class Env:
     tbo_timeline: str | None
     # MOESERVE_DISABLE_<PATH>=1 forces one CPU fast path's run-time probe off (its torch fallback
     # runs, as on a CPU without it; tests use these to run every fallback on any machine):
-    disable_cpu_kernels: bool  # MOESERVE_DISABLE_CPU_KERNELS: the C decode kernels (cpu_ops)
+    disable_cpu_kernels: bool  # MOESERVE_DISABLE_CPU_KERNELS: the C decode kernels (kernels/cpu/)
     disable_march_native: bool  # MOESERVE_DISABLE_MARCH_NATIVE: build them without -march=native
     disable_bf16_head: bool  # MOESERVE_DISABLE_BF16_HEAD: the AVX512-BF16 greedy LM head
     disable_onednn_bf16: bool  # MOESERVE_DISABLE_ONEDNN_BF16: oneDNN's bf16 linear prepack

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Builds DeepEP from its source, in place, on a lent GPU machine (DESIGN.md §11: tag v1.2.1, the
-# Buffer API our adapter targets; nvcc 13, NVSHMEM from the image's nvidia.nvshmem package).
+# Builds DeepEP from its source, in place, on a lent GPU machine (docs/architecture.md §11: tag
+# v1.2.1, the Buffer API our adapter targets; nvcc 13, NVSHMEM from the image's nvidia.nvshmem
+# package).
 #   bash scripts/build_deepep.sh [SRC]   then PYTHONPATH=SRC python3 -c "import deep_ep" works
 #   source scripts/build_deepep.sh        the same for SRC=${DEEPEP_SRC:-.deepep} (a sourced script
 #                                         sees its caller's arguments: they are ignored), and

@@ -21,7 +21,7 @@ import torch.multiprocessing as mp
 from moeserve.bench.ep import time_ms
 from moeserve.distributed import ParallelMesh
 from moeserve.ep.dispatcher import create_dispatcher
-from moeserve.kernels import peer_copy
+from moeserve.kernels.triton import peer_copy
 
 
 def _time(fn) -> float:

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from moeserve.kernels.triton_attention import KVStoreTarget
+    from moeserve.kernels.triton.attention import KVStoreTarget
     from moeserve.runtime.forward_batch import ForwardBatch
 
 

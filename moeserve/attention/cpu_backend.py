@@ -1,4 +1,4 @@
-"""CPU attention backend: decode through one C kernel per layer (`kernels.cpu_ops`)."""
+"""CPU attention backend: decode through one C kernel per layer (`kernels/cpu/`)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import torch
 from moeserve.attention.base import AttentionSpec
 from moeserve.attention.torch_backend import TorchAttentionBackend
 from moeserve.forward_batch import ForwardBatch
-from moeserve.kernels.cpu_ops import CpuKernels, supports
+from moeserve.kernels.cpu.ops import CpuKernels, supports
 from moeserve.kvcache.pool import MHAKVPool
 
 _FUSED_DECODE = "cpu-fused-decode"  # attn_metadata of a decode step the kernel runs

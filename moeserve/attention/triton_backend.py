@@ -9,9 +9,9 @@ import torch
 from moeserve.attention.base import AttentionBackend, AttentionSpec
 from moeserve.forward_batch import ForwardBatch
 from moeserve.host_copy import to_device
-from moeserve.kernels.triton_attention import KVStoreTarget, decode_attention, store_kv
-from moeserve.kernels.triton_attention_extend import (extend_attention, extend_block_m,
-                                                       extend_blocks)
+from moeserve.kernels.triton.attention import KVStoreTarget, decode_attention, store_kv
+from moeserve.kernels.triton.attention_extend import (extend_attention, extend_block_m,
+                                                      extend_blocks)
 from moeserve.kvcache.pool import KVPool, MLAKVPool
 
 
@@ -48,7 +48,7 @@ class TritonAttentionBackend(AttentionBackend):
 
     def __init__(self, num_kv_splits: int | None = None, pdl: bool = False):
         self.num_kv_splits = num_kv_splits  # None: by batch size (`kv_splits`)
-        self.pdl = pdl  # decode kernels as programmatic dependent launches (kernels/pdl.py)
+        self.pdl = pdl  # decode kernels as programmatic dependent launches (kernels/triton/pdl.py)
 
     def kv_splits(self, batch: int, programs_per_request: int, mla: bool = False) -> int:
         """The fewest splits (a power of two, 1 to 32) that give the decode kernel ~512 programs

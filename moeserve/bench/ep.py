@@ -42,7 +42,7 @@ from moeserve.core import ForwardMode
 from moeserve.distributed import ParallelMesh
 from moeserve.ep.comm import exchange_counts
 from moeserve.ep.dispatcher import create_dispatcher
-from moeserve.kernels.peer_copy import owner_mask
+from moeserve.kernels.triton.peer_copy import owner_mask
 
 # H200 NVLink 4: NV18 (18 links) ≈ 478 GB/s per direction, the figure the EP issue measures against.
 NVLINK_PEAK_GBPS_PER_DIR = 478.0

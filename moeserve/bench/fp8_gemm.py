@@ -15,7 +15,7 @@ best.
 
 A second table, at M = 1 (decode batch 1), on the FP8 linears the model runs at one row (merged
 gate_up as one matrix): µs and weight GB/s (weight + scale bytes over the time) of bf16 `x @ w^T`
-(cuBLAS), the bf16 GEMV (kernels/gemv.py), the fused FP8 kernel at its one-row config
+(cuBLAS), the bf16 GEMV (kernels/triton/gemv.py), the fused FP8 kernel at its one-row config
 (activation quantization + swapped tl.dot) and the W8A16 GEMV (`gemv_fp8`), each timed in a CUDA
 graph over weight copies that together exceed L2 (no host launch time, cold weights); then the
 path Fp8Linear takes at one row and its speedup over the bf16 GEMV. Then DeepSeek-V3's routed
@@ -35,11 +35,11 @@ import triton
 
 from moeserve.kernels.deepgemm_linear import (deep_gemm_linear, deep_gemm_module,
                                               deep_gemm_supports)
-from moeserve.kernels.fp8 import (GemmConfig, fp8_block_matmul, fp8_quant_matmul, fused_config,
-                                  gemm_config, quant_fp8_per_token_group)
+from moeserve.kernels.triton.fp8 import (GemmConfig, fp8_block_matmul, fp8_quant_matmul,
+                                         fused_config, gemm_config, quant_fp8_per_token_group)
 from moeserve.kernels.fp8_format import dequantize_fp8_blocks, quantize_fp8_blocks
-from moeserve.kernels.fused_moe_small import fused_moe_small, small_moe_config
-from moeserve.kernels.gemv import GemvConfig, gemv, gemv_fp8, gemv_fp8_config
+from moeserve.kernels.triton.fused_moe_small import fused_moe_small, small_moe_config
+from moeserve.kernels.triton.gemv import GemvConfig, gemv, gemv_fp8, gemv_fp8_config
 from moeserve.layers.fp8_linear import FUSED_MAX_M, Fp8Linear, fp8_gemm_path, scaled_mm_layout
 
 # (K, N) of DeepSeek-V3: dense MLP up (gate or up), q_a, q_b, kv_a, o_proj, dense MLP down

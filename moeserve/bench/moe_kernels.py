@@ -63,7 +63,7 @@ def moved_bytes(ids: torch.Tensor, h: int, i: int, dtype: torch.dtype) -> int:
 
 
 def bench_shape(name: str, tokens: list[int], dtype: torch.dtype, bw: float) -> None:
-    from moeserve.kernels.fused_moe import fused_moe
+    from moeserve.kernels.triton.fused_moe import fused_moe
 
     e, h, i, k = SHAPES[name]
     with torch.device("cuda"):
@@ -83,7 +83,7 @@ def bench_shape(name: str, tokens: list[int], dtype: torch.dtype, bw: float) -> 
 
 def bench_small(name: str, tokens: list[int], dtype: torch.dtype) -> None:
     """The GEMV path vs the sorted path of fused_moe, each in a CUDA graph."""
-    from moeserve.kernels.fused_moe import fused_moe
+    from moeserve.kernels.triton.fused_moe import fused_moe
 
     e, h, i, k = SHAPES[name]
     for t in tokens:
@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> None:
     for name in args.shapes:
         bench_shape(name, args.tokens, getattr(torch, args.dtype), bw)
     if args.small_tokens:
-        from moeserve.kernels.fused_moe_small import SMALL_MAX_PAIRS
+        from moeserve.kernels.triton.fused_moe_small import SMALL_MAX_PAIRS
 
         print(f"\nfused_moe paths in a CUDA graph, L2 flushed (GEMV: T*K <= {SMALL_MAX_PAIRS} "
               "by default)")

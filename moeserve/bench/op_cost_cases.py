@@ -60,7 +60,7 @@ def log(msg: str) -> None:
 
 
 def gemm_rows(device: torch.device) -> list[dict]:
-    from moeserve.kernels.triton_ops import TritonOps
+    from moeserve.kernels.triton.ops import TritonOps
     from moeserve.layers.fp8_linear import fp8_linear
     from moeserve.layers.linear import Linear
 
@@ -117,8 +117,8 @@ def bmm_rows(device: torch.device) -> list[dict]:
 
 
 def moe_rows(device: torch.device) -> list[dict]:
-    from moeserve.kernels.fused_moe import fused_moe
-    from moeserve.kernels.fused_moe_small import SMALL_MAX_PAIRS
+    from moeserve.kernels.triton.fused_moe import fused_moe
+    from moeserve.kernels.triton.fused_moe_small import SMALL_MAX_PAIRS
 
     rows = []
     for model, e, h, inter, k, dtypes, tokens in MOES:
@@ -271,7 +271,7 @@ def attn_extend_rows(device: torch.device) -> list[dict]:
 
 
 def norm_router_rows(device: torch.device) -> tuple[list[dict], list[dict]]:
-    from moeserve.kernels.triton_ops import TritonOps
+    from moeserve.kernels.triton.ops import TritonOps
     from moeserve.layers.norm import RMSNorm
     from moeserve.layers.router import RouterConfig, select_experts
 

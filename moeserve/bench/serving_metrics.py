@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 if TYPE_CHECKING:
-    from moeserve.bench.serving import RequestResult
+    from moeserve.bench.serving_client import RequestResult
 
 
 def _stats(values: list[float], scale: float = 1000.0) -> dict[str, float]:

@@ -1,12 +1,12 @@
 """`python -m moeserve.bench.small_ops`: µs per call of the small per-layer ops, Triton
-(`kernels.triton_ops`, and the sampler's argmax, kernels/argmax.py) vs the torch path they
+(`kernels.triton.ops`, and the sampler's argmax, kernels/triton/argmax.py) vs the torch path they
 replace, at Qwen3-30B-A3B shapes (CUDA only).
 
 Two timings per row: eager (a loop of calls: host launch cost included, as without CUDA graphs) and
 graph (the same calls captured once in a CUDA graph and replayed: device time plus the gaps between
 kernels, as the decode step runs).
 
-A second table times the linears at decode row counts M: the small-M GEMV (kernels/gemv.py;
+A second table times the linears at decode row counts M: the small-M GEMV (kernels/triton/gemv.py;
 `Linear` takes it at M <= LINEAR_MAX_M) vs F.linear (cuBLAS), with GB/s of the graph timings
 (weight + x + out bytes). Successive calls cycle through copies of the weight totalling at least
 COLD_BYTES, so the weights come from HBM, not L2, as in a model's step.
@@ -21,9 +21,9 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from moeserve.kernels.argmax import argmax_rows
-from moeserve.kernels.gemv import gemv
-from moeserve.kernels.triton_ops import TritonOps
+from moeserve.kernels.triton.argmax import argmax_rows
+from moeserve.kernels.triton.gemv import gemv
+from moeserve.kernels.triton.ops import TritonOps
 from moeserve.layers.norm import RMSNorm, rms_norm_heads
 from moeserve.layers.rotary import RotaryEmbedding
 from moeserve.layers.router import RouterConfig, select_experts
@@ -129,8 +129,8 @@ def fusion_cases(b: int, seq: int, dtype: torch.dtype,
     """name → (two launches, one launch) closures of the decode fusions at batch b, Qwen3-30B-A3B
     shapes: the KV store in q/k norm + rope, the split-KV reduction by the last split, and the
     router GEMV with its top-k (one row; weight copies cycled so they come from HBM)."""
-    from moeserve.kernels.router_topk import router_topk
-    from moeserve.kernels.triton_attention import KVStoreTarget, decode_attention, store_kv
+    from moeserve.kernels.triton.router_topk import router_topk
+    from moeserve.kernels.triton.attention import KVStoreTarget, decode_attention, store_kv
 
     q_norm, k_norm = RMSNorm(HEAD_DIM, EPS).to(dtype), RMSNorm(HEAD_DIM, EPS).to(dtype)
     inv_freq = 1.0 / (1e6 ** (torch.arange(0, HEAD_DIM, 2, dtype=torch.float32) / HEAD_DIM))

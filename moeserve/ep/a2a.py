@@ -26,41 +26,21 @@ import torch
 import torch.distributed as dist
 
 from moeserve.ep.comm import Pending, exchange_counts
-from moeserve.ep.dispatcher import (
-    STANDARD,
-    CombineHandle,
-    Dispatcher,
-    DispatchHandle,
-    DispatchOutput,
-)
-from moeserve.kernels.peer_copy import owner_mask
+from moeserve.ep.dispatcher import CollectiveDispatcher, PendingCombine, PendingDispatch
+from moeserve.kernels.triton.peer_copy import owner_mask
 
 
 @dataclass
-class _A2AHandle(DispatchHandle):
+class _A2AHandle(PendingDispatch):
     send_token: torch.Tensor | None = None  # [S] source token of each sent row, by dest rank
     send_counts: list[int] | None = None  # [ep] rows sent to each rank
     recv_counts: list[int] | None = None  # [ep] rows received from each rank
-    pending: Pending | None = None
 
 
-@dataclass
-class _A2ACombine(CombineHandle):
-    pending: Pending | None = None
-
-
-class A2ADispatcher(Dispatcher):
+class A2ADispatcher(CollectiveDispatcher):
     """Uneven all_to_all_single dispatch/combine; see the module docstring."""
 
-    def dispatch_start(self, x, topk_ids, topk_weights, forward_mode=None,
-                       tokens_per_rank=None, overlapped=False) -> DispatchHandle:
-        on = self.comm.use(overlapped)
-        with self.comm.launch(on):
-            h = self._dispatch_launch(x, topk_ids, topk_weights)
-        h.on_side = on
-        return h
-
-    def _dispatch_launch(self, x, topk_ids, topk_weights) -> _A2AHandle:
+    def _dispatch_launch(self, x, topk_ids, topk_weights, tokens_per_rank) -> _A2AHandle:
         in_rank = owner_mask(topk_ids, self.num_local, self.mesh.ep_size)  # [T, ep]
         pairs = in_rank.t().nonzero()  # [S, 2] (dest rank, token), rank-major, tokens in order
         send_token = pairs[:, 1]
@@ -76,22 +56,7 @@ class A2ADispatcher(Dispatcher):
         h.pending = Pending(works, lambda: outs, keep=(*sends, *srcs))
         return h
 
-    def dispatch_wait(self, handle: DispatchHandle) -> DispatchOutput:
-        assert isinstance(handle, _A2AHandle) and handle.pending is not None
-        with self.comm.finish(handle.on_side):
-            hidden, ids, weights = handle.pending.wait()  # [R, H], [R, K], [R, K]
-            ids, weights, counts = self.local_view(ids, weights)
-        self.comm.join(self.comm.done(handle.on_side), (hidden, ids, weights, counts))
-        return DispatchOutput(STANDARD, hidden, counts, handle, ids, weights)
-
-    def _combine_start(self, expert_out, handle) -> CombineHandle:
-        assert isinstance(handle, _A2AHandle)
-        with self.comm.launch(handle.on_side):
-            ch = self._combine_launch(expert_out, handle)
-        ch.on_side = handle.on_side
-        return ch
-
-    def _combine_launch(self, expert_out, handle: _A2AHandle) -> _A2ACombine:
+    def _combine_launch(self, expert_out, handle: _A2AHandle) -> PendingCombine:
         y = expert_out.contiguous()  # [R, H]
         back = y.new_empty((handle.send_token.numel(), y.shape[1]))  # [S, H]
         work = dist.all_to_all_single(back, y, handle.send_counts, handle.recv_counts,
@@ -102,12 +67,6 @@ class A2ADispatcher(Dispatcher):
             out.index_add_(0, handle.send_token, back.float())  # sum the copies per source token
             return out.to(handle.dtype)  # [T, H]
 
-        return _A2ACombine(handle.num_tokens, handle.dtype,
-                           Pending([work], finish, keep=(y, expert_out, handle.send_token)))
-
-    def combine_wait(self, handle: CombineHandle) -> torch.Tensor:
-        assert isinstance(handle, _A2ACombine) and handle.pending is not None
-        with self.comm.finish(handle.on_side):
-            out = handle.pending.wait()  # [T, H]
-        self.comm.join(self.comm.done(handle.on_side), (out,))
-        return out
+        keep = (y, expert_out, handle.send_token)
+        return PendingCombine(handle.num_tokens, handle.dtype,
+                              pending=Pending([work], finish, keep=keep))

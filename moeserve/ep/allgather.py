@@ -25,24 +25,12 @@ import torch
 import torch.nn.functional as F
 
 from moeserve.ep.comm import Pending, all_gather_counts, all_gather_flat, reduce_scatter_start
-from moeserve.ep.dispatcher import (
-    STANDARD,
-    CombineHandle,
-    Dispatcher,
-    DispatchHandle,
-    DispatchOutput,
-)
+from moeserve.ep.dispatcher import CollectiveDispatcher, PendingCombine, PendingDispatch
 
 
 @dataclass
-class _GatherHandle(DispatchHandle):
+class _GatherHandle(PendingDispatch):
     max_tokens: int = 0  # T_max over ranks: every rank's block in the gathered tensors
-    pending: Pending | None = None
-
-
-@dataclass
-class _GatherCombine(CombineHandle):
-    pending: Pending | None = None
 
 
 def _pad_rows(t: torch.Tensor, rows: int, value: float) -> torch.Tensor:
@@ -51,16 +39,8 @@ def _pad_rows(t: torch.Tensor, rows: int, value: float) -> torch.Tensor:
     return F.pad(t, (0, 0) * (t.dim() - 1) + (0, pad), value=value) if pad else t.contiguous()
 
 
-class AllGatherDispatcher(Dispatcher):
+class AllGatherDispatcher(CollectiveDispatcher):
     """All-gather dispatch, reduce-scatter combine; see the module docstring."""
-
-    def dispatch_start(self, x, topk_ids, topk_weights, forward_mode=None,
-                       tokens_per_rank=None, overlapped=False) -> DispatchHandle:
-        on = self.comm.use(overlapped)
-        with self.comm.launch(on):
-            h = self._dispatch_launch(x, topk_ids, topk_weights, tokens_per_rank)
-        h.on_side = on
-        return h
 
     def _dispatch_launch(self, x, topk_ids, topk_weights, tokens_per_rank) -> _GatherHandle:
         counts = tokens_per_rank or all_gather_counts(x.shape[0], x.device, self.group)
@@ -74,37 +54,15 @@ class AllGatherDispatcher(Dispatcher):
         h.pending = Pending(works, lambda: outs, keep=(*srcs, x, topk_ids, topk_weights))
         return h
 
-    def dispatch_wait(self, handle: DispatchHandle) -> DispatchOutput:
-        assert isinstance(handle, _GatherHandle) and handle.pending is not None
-        with self.comm.finish(handle.on_side):
-            hidden, ids, weights = handle.pending.wait()  # [ep*T_max, H], [ep*T_max, K] x2
-            ids, weights, counts = self.local_view(ids, weights)
-        self.comm.join(self.comm.done(handle.on_side), (hidden, ids, weights, counts))
-        return DispatchOutput(STANDARD, hidden, counts, handle, ids, weights)
-
-    def _combine_start(self, expert_out, handle) -> CombineHandle:
-        assert isinstance(handle, _GatherHandle)
-        with self.comm.launch(handle.on_side):
-            ch = self._combine_launch(expert_out, handle)
-        ch.on_side = handle.on_side
-        return ch
-
-    def _combine_launch(self, expert_out, handle: _GatherHandle) -> _GatherCombine:
+    def _combine_launch(self, expert_out, handle: _GatherHandle) -> PendingCombine:
         t = handle.num_tokens
         if handle.max_tokens == 0:
             empty = expert_out.new_zeros((0, expert_out.shape[1]))
-            return _GatherCombine(t, handle.dtype, Pending([], lambda: empty))
+            return PendingCombine(t, handle.dtype, pending=Pending([], lambda: empty))
         inner = reduce_scatter_start(expert_out, self.group)  # [ep*T_max, H] → [T_max, H]
 
         def finish() -> torch.Tensor:
             return inner.finish()[:t].to(handle.dtype)  # drop the padding rows: [T, H]
 
-        return _GatherCombine(t, handle.dtype, Pending(inner.works, finish,
-                                                       keep=(*inner.keep, expert_out)))
-
-    def combine_wait(self, handle: CombineHandle) -> torch.Tensor:
-        assert isinstance(handle, _GatherCombine) and handle.pending is not None
-        with self.comm.finish(handle.on_side):
-            out = handle.pending.wait()  # [T, H]
-        self.comm.join(self.comm.done(handle.on_side), (out,))
-        return out
+        return PendingCombine(t, handle.dtype, pending=Pending(inner.works, finish,
+                                                               keep=(*inner.keep, expert_out)))

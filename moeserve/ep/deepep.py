@@ -2,11 +2,11 @@
 
 Written from DeepEP's documented Python API and tested on CPU against the in-repo emulation
 `tests/ep/fake_deep_ep.py` (gloo). Against the real package (tag v1.2.1, built from source on the
-lent GPUs: scripts/build_deepep.sh) normal mode served a tiny bf16 DeepSeek-V3 on 2xH200 (DESIGN.md
-§11); tests/ep/test_deepep_real.py holds this adapter's dispatcher checks against it (not run yet:
-`scripts/gpu_check.sh deepep` on 2+ GPUs). The real kernels take bf16 activations only (int64
-topk_idx, float32 weights), and the low-latency ones exist for a few hidden sizes only:
-`check_supported` refuses other models at start-up, naming the key.
+lent GPUs: scripts/build_deepep.sh) normal mode served a tiny bf16 DeepSeek-V3 on 2xH200
+(docs/architecture.md §11); tests/ep/test_deepep_real.py holds this adapter's dispatcher checks
+against it (not run yet: `scripts/gpu_check.sh deepep` on 2+ GPUs). The real kernels take bf16
+activations only (int64 topk_idx, float32 weights), and the low-latency ones exist for a few hidden
+sizes only: `check_supported` refuses other models at start-up, naming the key.
 
 Modes (`parallel.deepep_mode`):
 - normal: `get_dispatch_layout` then `dispatch` (each token once per owning rank; standard format)

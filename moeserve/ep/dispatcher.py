@@ -21,8 +21,8 @@ Contract (all backends):
   its combine has been waited.
 - Output formats are explicit (`DispatchOutput.format`), so the MoE layer never guesses a layout.
 
-Expert placement lives in `expert_owner` alone (kernels/peer_copy.py, beside the p2p kernels that
-mirror it) so that EPLB can swap logical ids for physical ones.
+Expert placement lives in `expert_owner` alone (kernels/triton/peer_copy.py, beside the p2p
+kernels that mirror it) so that EPLB can swap logical ids for physical ones.
 """
 
 from __future__ import annotations
@@ -35,8 +35,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from moeserve.ep.comm import Pending
 from moeserve.ep.streams import CommStream
-from moeserve.kernels.peer_copy import expert_owner  # noqa: F401 (re-exported: the placement rule)
+# re-exported: the placement rule
+from moeserve.kernels.triton.peer_copy import expert_owner  # noqa: F401
 from moeserve.kernels.slot_counts import count_per_expert
 
 if TYPE_CHECKING:
@@ -190,6 +192,67 @@ class Dispatcher(abc.ABC):
         weights = torch.where(local, topk_weights, 0.0)
         slot = torch.where(local, topk_ids - self.first_expert, self.num_local).flatten()
         return ids, weights, count_per_expert(slot, self.num_local)
+
+
+@dataclass
+class PendingDispatch(DispatchHandle):
+    """A dispatch whose collectives are in flight as a `Pending` yielding (hidden, ids, weights)."""
+
+    pending: Pending | None = field(default=None, kw_only=True)
+
+
+@dataclass
+class PendingCombine(CombineHandle):
+    """A combine whose collectives are in flight as a `Pending` yielding [T, H]."""
+
+    pending: Pending | None = field(default=None, kw_only=True)
+
+
+class CollectiveDispatcher(Dispatcher):
+    """A backend whose dispatch and combine are torch.distributed collectives (a2a, allgather).
+    It writes `_dispatch_launch` and `_combine_launch`; the start/wait methods here launch them
+    on the side stream when overlapped, wait on their Pending, keep the received ids this rank
+    owns (`local_view`) and make the compute stream join (ep/streams.py)."""
+
+    @abc.abstractmethod
+    def _dispatch_launch(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                         tokens_per_rank: list[int] | None) -> PendingDispatch:
+        """Launch the dispatch's collectives (on the current stream)."""
+
+    @abc.abstractmethod
+    def _combine_launch(self, expert_out: torch.Tensor, handle: PendingDispatch
+                        ) -> PendingCombine:
+        """Launch the combine's collectives (on the current stream)."""
+
+    def dispatch_start(self, x, topk_ids, topk_weights, forward_mode=None,
+                       tokens_per_rank=None, overlapped=False) -> DispatchHandle:
+        on = self.comm.use(overlapped)
+        with self.comm.launch(on):
+            h = self._dispatch_launch(x, topk_ids, topk_weights, tokens_per_rank)
+        h.on_side = on
+        return h
+
+    def dispatch_wait(self, handle: DispatchHandle) -> DispatchOutput:
+        assert isinstance(handle, PendingDispatch) and handle.pending is not None
+        with self.comm.finish(handle.on_side):
+            hidden, ids, weights = handle.pending.wait()  # [R, H], [R, K], [R, K]
+            ids, weights, counts = self.local_view(ids, weights)
+        self.comm.join(self.comm.done(handle.on_side), (hidden, ids, weights, counts))
+        return DispatchOutput(STANDARD, hidden, counts, handle, ids, weights)
+
+    def _combine_start(self, expert_out, handle) -> CombineHandle:
+        assert isinstance(handle, PendingDispatch)
+        with self.comm.launch(handle.on_side):
+            ch = self._combine_launch(expert_out, handle)
+        ch.on_side = handle.on_side
+        return ch
+
+    def combine_wait(self, handle: CombineHandle) -> torch.Tensor:
+        assert isinstance(handle, PendingCombine) and handle.pending is not None
+        with self.comm.finish(handle.on_side):
+            out = handle.pending.wait()  # [T, H]
+        self.comm.join(self.comm.done(handle.on_side), (out,))
+        return out
 
 
 @dataclass

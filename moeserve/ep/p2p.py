@@ -8,8 +8,8 @@ owning one of its experts (the copy IS the transfer: over NVLink on CUDA) and a 
 it does not own (rows it was not sent carry ids it does not own, so its experts skip them).
 Combine: one kernel writes each row this rank's experts touched back into block `me` of its
 source's combine region; one barrier; one kernel at the source sums the parts its routing named,
-its own part read straight from the expert output. The kernels are in kernels/peer_copy.py; on CPU
-the same steps run in torch over shared-memory files.
+its own part read straight from the expert output. The kernels are in
+kernels/triton/peer_copy.py; on CPU the same steps run in torch over shared-memory files.
 
 No host sync when the per-rank token counts are known: they come from the step's DP sync
 (`tokens_per_rank`); without them the dispatcher all-gathers the counts itself (one small host
@@ -50,7 +50,7 @@ from moeserve.ep.dispatcher import (
     DispatchOutput,
 )
 from moeserve.ep.peer_memory import Layout, PeerBuffers
-from moeserve.kernels.peer_copy import (
+from moeserve.kernels.triton.peer_copy import (
     combine_rows,
     dispatch_rows,
     received_view,

@@ -1,5 +1,5 @@
-"""Expert-parallel load balancing (DESIGN §7): DeepSeek's EPLB algorithm, placement metadata and
-expert-load recording."""
+"""Expert-parallel load balancing (docs/architecture.md §7): DeepSeek's EPLB algorithm, placement
+metadata and expert-load recording."""
 
 from __future__ import annotations
 

@@ -36,7 +36,7 @@ def fold_to_logical(counts: torch.Tensor, phy2log: torch.Tensor, num_logical: in
 
 
 class ExpertDistributionRecorder:
-    """Implements `moeserve.layers.moe.ExpertRecorder`; one per rank."""
+    """Implements `moeserve.layers.moe_parallel.ExpertRecorder`; one per rank."""
 
     def __init__(
         self,
@@ -66,8 +66,8 @@ class ExpertDistributionRecorder:
         # `capture_rows` (a [T] 0/1 row mask, set by the graph runner during capture) do that.
         self._on = torch.zeros(1, dtype=torch.int64, device=device)
         self.capture_rows: torch.Tensor | None = None
-        # CUDA: count with one Triton launch (kernels/expert_count.py) instead of ~10 torch ops;
-        # None: the torch ops (CPU). The model runner sets it, True meaning a PDL launch.
+        # CUDA: count with one Triton launch (kernels/triton/expert_count.py) instead of ~10
+        # torch ops; None: the torch ops (CPU). The model runner sets it, True meaning a PDL launch.
         self.kernel_pdl: bool | None = None
         self.steps = 0
         self.topk = 0
@@ -103,7 +103,7 @@ class ExpertDistributionRecorder:
             topk_ids = self.location.to_physical(topk_ids, layer_id)
         k = self.topk = topk_ids.shape[-1] if topk_ids.dim() > 1 else 1
         if self.kernel_pdl is not None:
-            from moeserve.kernels.expert_count import count_routed
+            from moeserve.kernels.triton.expert_count import count_routed
 
             count_routed(topk_ids, self._buf, self._slot, self._on, layer_id, self.num_layers,
                          self.capture_rows, pdl=self.kernel_pdl)

@@ -41,8 +41,8 @@ def deep_gemm_supports(n: int, k: int, block: Block, dtype: torch.dtype) -> bool
 def deep_gemm_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
     """x [M, K] bf16 → quant(x) @ (w * w_scale)^T [M, N] bf16, w [N, K] e4m3 (contiguous) with
     w_scale [N / 128, K / 128] float32; the activations quantized per token and 128 channels
-    by kernels/fp8.py (the values every other FP8 path uses)."""
-    from moeserve.kernels.fp8 import quant_fp8_per_token_group
+    by kernels/triton/fp8.py (the values every other FP8 path uses)."""
+    from moeserve.kernels.triton.fp8 import quant_fp8_per_token_group
 
     dg = deep_gemm_module()
     assert dg is not None, "deep_gemm does not import here"

@@ -11,7 +11,7 @@ from moeserve.attention.base import AttentionSpec
 
 if TYPE_CHECKING:
     from moeserve.forward_batch import ForwardBatch
-    from moeserve.kernels.triton_attention import KVStoreTarget
+    from moeserve.kernels.triton.attention import KVStoreTarget
 
 
 class PagedAttention(nn.Module):

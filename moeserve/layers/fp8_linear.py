@@ -11,11 +11,11 @@ into the same blocks (kernels/fp8_format.py, `model.quantization=fp8`). Two forw
 
 `fp8_linear`'s choice, from static shapes only (no host sync, so CUDA graphs capture it):
 - M <= W8A16_MAX_M (decode at batch 1), bf16/fp16/fp32 activations, weights of fewer than
-  GEMV_MAX_ELEMS elements: the weight-only FP8 GEMV (kernels/gemv.py `gemv_fp8`), x not
+  GEMV_MAX_ELEMS elements: the weight-only FP8 GEMV (kernels/triton/gemv.py `gemv_fp8`), x not
   quantized, the e4m3 tiles dequantized in registers;
 - M <= FUSED_MAX_M (decode, and batch 1 on the large weights): one Triton launch that
   quantizes x inside the GEMM, K split over enough programs to stream the weights
-  (kernels/fp8.py; at one row the weight tile is tl.dot's A operand). At one row it streams
+  (kernels/triton/fp8.py; at one row the weight tile is tl.dot's A operand). At one row it streams
   DeepSeek-V3's large weights faster than the GEMV (H200, CUDA graphs, cold weights, µs:
   7168 -> 36864 73.5 against 79.3, 18432 -> 7168 42.9 against 44.2, 16384 -> 7168 38.0 against
   39.6), the GEMV the rest (1536 -> 24576 14.3 against 15.4, 7168 -> 4096 11.5 against 13.4):
@@ -47,7 +47,7 @@ logger = logging.getLogger(__name__)
 
 FP8_BACKENDS = ("triton", "deep_gemm", "torch")  # deep_gemm: triton with DeepGEMM at large M
 W8A16_MAX_M = 1  # M <= this: the W8A16 GEMV (as `Linear` takes the bf16 GEMV: LINEAR_MAX_M)
-W8A16_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # kernels/gemv.py GEMV_DTYPES
+W8A16_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # kernels/triton/gemv.py GEMV_DTYPES
 FUSED_MAX_M = 16  # M <= this: activation quantization fused into the GEMM (one launch)
 GEMV_MAX_ELEMS = 64 << 20  # weights of at least this many elements take the fused path at M=1
 SCALED_MM_MIN_M = 17  # M >= this: torch._scaled_mm where the probe accepted it
@@ -120,7 +120,7 @@ def probe_scaled_mm(device: torch.device, dtype: torch.dtype = torch.bfloat16
 
 
 def _rel_err(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> float:
-    from moeserve.kernels.fp8 import quant_fp8_per_token_group
+    from moeserve.kernels.triton.fp8 import quant_fp8_per_token_group
 
     x_q, x_s = quant_fp8_per_token_group(x)
     ref = (x_q.float() * x_s.repeat_interleave(FP8_BLOCK, 1)[:, : x.shape[1]]) @ w.t()
@@ -133,7 +133,7 @@ def scaled_mm_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
                      layout: ScaledMMLayout) -> torch.Tensor:
     """x [M, K] → [M, N] in layout.dtype by torch._scaled_mm; the activation scales come from
     the quantization kernel in the layout's strides, padded rows are zeros."""
-    from moeserve.kernels.fp8 import quant_fp8_per_token_group
+    from moeserve.kernels.triton.fp8 import quant_fp8_per_token_group
 
     m = x.shape[0]
     rows = -(-m // layout.row_multiple) * layout.row_multiple
@@ -162,9 +162,9 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
                pdl: bool = False, deep_gemm: bool = False) -> torch.Tensor:
     """A linear layer on block-FP8 weights: x [..., K] → [..., N] in x.dtype (module docstring:
     which GEMM runs). `pdl`: the GEMV and fused paths as programmatic dependent launches
-    (kernels/pdl.py); the other paths launch plainly. `deep_gemm`: DeepGEMM instead of
+    (kernels/triton/pdl.py); the other paths launch plainly. `deep_gemm`: DeepGEMM instead of
     torch._scaled_mm / the Triton GEMM where the shape fits (kernels/deepgemm_linear.py)."""
-    from moeserve.kernels import fp8 as kernels  # imports Triton
+    from moeserve.kernels.triton import fp8 as kernels  # imports Triton
 
     x2 = x.reshape(-1, x.shape[-1])  # [M, K]
     block = as_block(block)
@@ -179,7 +179,7 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
         if bias is not None:
             out += bias
     elif path == "gemv":
-        from moeserve.kernels.gemv import gemv_fp8
+        from moeserve.kernels.triton.gemv import gemv_fp8
 
         x2 = x2 if x2.stride(1) == 1 else x2.contiguous()
         out = gemv_fp8(x2, w, w_scale, bias, block, pdl=pdl)
@@ -294,8 +294,8 @@ class Fp8MergedLinear(Fp8Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.backend == "torch" or self.aligned:
             return super().forward(x)
-        from moeserve.kernels import fp8 as kernels  # imports Triton
-        from moeserve.kernels.gemv import gemv_fp8
+        from moeserve.kernels.triton import fp8 as kernels  # imports Triton
+        from moeserve.kernels.triton.gemv import gemv_fp8
 
         x2 = x.reshape(-1, x.shape[-1])  # [T, K]
         out = torch.empty((x2.shape[0], self.out_features), dtype=x.dtype, device=x.device)

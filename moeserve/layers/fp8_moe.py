@@ -101,8 +101,8 @@ class Fp8MoEExperts(MoEExperts):
 
     def forward_triton(self, x: torch.Tensor, topk_ids: torch.Tensor,
                        topk_weights: torch.Tensor) -> torch.Tensor:
-        from moeserve.kernels.fused_moe import fused_moe
-        from moeserve.kernels.moe_config import get_moe_config
+        from moeserve.kernels.triton.fused_moe import fused_moe
+        from moeserve.kernels.triton.moe_config import get_moe_config
 
         cfg = get_moe_config(self.num_local, x.shape[1], self.intermediate_size,
                              topk_ids.shape[1], x.dtype, x.shape[0], self.config_dir)

@@ -13,8 +13,8 @@ from torch import nn
 from moeserve.env import env, log_forced_off
 
 if TYPE_CHECKING:  # importing it imports Triton
-    from moeserve.kernels.cpu_ops import CpuKernels
-    from moeserve.kernels.triton_ops import TritonOps
+    from moeserve.kernels.cpu.ops import CpuKernels
+    from moeserve.kernels.triton.ops import TritonOps
 
 logger = logging.getLogger(__name__)
 
@@ -22,7 +22,7 @@ logger = logging.getLogger(__name__)
 class Linear(nn.Linear):
     """nn.Linear that can run from a oneDNN-prepacked copy of its weight on CPU (`pack`), and on
     CUDA through the Triton GEMV at decode batch 1 (`gpu_ops.linear`: at most LINEAR_MAX_M rows,
-    kernels/gemv.py, where it beat cuBLAS' M=1 GEMMs: 1.04-2.6x on Qwen3-30B-A3B's linears).
+    kernels/triton/gemv.py, where it beat cuBLAS' M=1 GEMMs: 1.04-2.6x on Qwen3-30B-A3B's linears).
 
     Why the prepack: for bf16 on CPU, F.linear re-lays out the weight on every call; a prepacked
     weight gives bit-identical outputs 1.3-2x faster at decode batch sizes (lm_head 129280x64 at
@@ -32,8 +32,8 @@ class Linear(nn.Linear):
     """
 
     packed: torch.Tensor | None = None
-    gpu_ops: TritonOps | None = None  # set on CUDA models (kernels.triton_ops)
-    cpu_kernels: CpuKernels | None = None  # set on CPU models (kernels.cpu_ops)
+    gpu_ops: TritonOps | None = None  # set on CUDA models (kernels.triton.ops)
+    cpu_kernels: CpuKernels | None = None  # set on CPU models (kernels/cpu/ops.py)
     w16: torch.Tensor | None = None  # the weight packed for cpu_kernels.linear (bf16, no oneDNN)
 
     def pack(self) -> bool:

@@ -2,21 +2,20 @@
 
 `MoEExperts` holds the experts this rank owns ([local_experts, ...] stacks) and computes
 sum_k w[t, k] * expert_{ids[t, k]}(x[t]) for tokens already routed to it. Dispatch and combine across
-expert-parallel ranks wrap around this module; the math here is the torch reference.
+expert-parallel ranks wrap around this module (moe_stages.py), and where the experts live is
+moe_parallel.py's; the math here is the torch reference.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from torch import nn
 
-from moeserve.kernels.cpu_ops import CpuKernels
+from moeserve.kernels.cpu.ops import CpuKernels
 from moeserve.kernels.slot_counts import count_per_expert
 from moeserve.layers.activation import silu_and_mul
-from moeserve.tbo.operations import YIELD, MoEStepState, Op
 
 GATE, UP, DOWN = "gate", "up", "down"
 _HAS_GROUPED_MM = hasattr(torch, "_grouped_mm")
@@ -32,7 +31,7 @@ class MoEExperts(nn.Module):
     w13: [E_local, 2I, H] laid out as [gate | up]; w2: [E_local, H, I].
     """
 
-    cpu_kernels: CpuKernels | None = None  # set on CPU models (kernels.cpu_ops): small batches
+    cpu_kernels: CpuKernels | None = None  # set on CPU models (kernels/cpu/ops.py): small batches
     gpu_ops: Any = None  # TritonOps on CUDA models: its `pdl` flag applies to the fused MoE
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int,
@@ -118,8 +117,8 @@ class MoEExperts(nn.Module):
     def forward_triton(self, x: torch.Tensor, topk_ids: torch.Tensor,
                        topk_weights: torch.Tensor) -> torch.Tensor:
         """The fused-MoE Triton kernels (imported here: torch-only runs never import Triton)."""
-        from moeserve.kernels.fused_moe import fused_moe
-        from moeserve.kernels.moe_config import get_moe_config
+        from moeserve.kernels.triton.fused_moe import fused_moe
+        from moeserve.kernels.triton.moe_config import get_moe_config
 
         cfg = get_moe_config(self.num_local, x.shape[1], self.intermediate_size,
                              topk_ids.shape[1], x.dtype, x.shape[0], self.config_dir)
@@ -195,157 +194,3 @@ class MoEExperts(nn.Module):
             out.index_add_(0, tok, h.float() * w[:, None].float())
             start += n
         return out.to(x.dtype)
-
-
-
-class ExpertRecorder(Protocol):
-    """Receives each MoE layer's routing every forward, as physical slot ids (= logical ids
-    without redundant experts); the EPLB recorder counts them on the device."""
-
-    def record(self, layer_id: int, topk_ids: torch.Tensor) -> None: ...
-
-
-class NullRecorder:
-    def record(self, layer_id: int, topk_ids: torch.Tensor) -> None:
-        pass
-
-
-@dataclass
-class MoEParallel:
-    """How routed experts are spread: physical slot p (logical experts + redundant replicas) lives
-    on rank p // (P / ep_size); `location` (an eplb ExpertLocation, None = identity) maps router
-    ids to slots; tokens move through `dispatcher` (None: all slots local, no communication)."""
-
-    ep_rank: int = 0
-    ep_size: int = 1
-    dispatcher: Any = None  # moeserve.ep.dispatcher.Dispatcher
-    recorder: ExpertRecorder = field(default_factory=NullRecorder)
-    location: Any = None  # moeserve.eplb.location.ExpertLocation
-    experts_by_layer: dict[int, MoEExperts] = field(default_factory=dict)  # for live rebalance
-    moe_backend: str = "torch"  # torch | triton (the runner resolves moe.backend=auto)
-    moe_config_dir: str | None = None  # tuned fused-MoE launch configs (moe.config_dir)
-    # (rows, cols) of FP8 weight blocks: experts built resident in FP8 (layers/fp8_moe.py); None:
-    # in the model dtype (models/quantization.py decides)
-    fp8_block: tuple[int, int] | None = None
-
-    def num_physical(self, num_logical: int) -> int:
-        return num_logical if self.location is None else self.location.num_physical
-
-    def make_experts(self, num_logical: int, hidden: int, intermediate: int,
-                     layer_id: int) -> MoEExperts:
-        num_phy = self.num_physical(num_logical)
-        if num_phy % self.ep_size:
-            raise ValueError(f"{num_phy} physical experts do not divide over ep_size "
-                             f"{self.ep_size} (eplb.num_redundant_experts)")
-        n = num_phy // self.ep_size
-        first = self.ep_rank * n
-        slots = None
-        if self.location is not None:
-            slots = self.location.physical_to_logical[layer_id, first : first + n].tolist()
-        kwargs = dict(first_expert=first, num_local=n, slot_logical=slots,
-                      backend=self.moe_backend, config_dir=self.moe_config_dir)
-        if self.fp8_block is not None:
-            from moeserve.layers.fp8_moe import Fp8MoEExperts
-
-            experts = Fp8MoEExperts(num_phy, hidden, intermediate, block=self.fp8_block, **kwargs)
-        else:
-            experts = MoEExperts(num_phy, hidden, intermediate, **kwargs)
-        self.experts_by_layer[layer_id] = experts
-        return experts
-
-
-def run_routed_experts(experts: MoEExperts, x: torch.Tensor, topk_ids: torch.Tensor,
-                       topk_weights: torch.Tensor, par: MoEParallel | None, fb: Any = None,
-                       layer_id: int = 0) -> torch.Tensor:
-    """sum_k w[t,k] * expert_{ids[t,k]}(x[t]) over all experts, wherever they live: [T, H].
-    `topk_ids` are logical; `fb` (the ForwardBatch, None outside a served step) carries the step's
-    global forward mode (DeepEP picks kernels by it) and every rank's token count. The stages below
-    run straight through; two-batch overlap runs the same stages from a layer's op list."""
-    st = MoEStepState(x=x, topk_weights=topk_weights)
-    st.topk_ids = to_slots(par, topk_ids, layer_id)
-    moe_dispatch_start(par, st, fb)
-    moe_dispatch_wait(par, st)
-    moe_experts(experts, par, st)
-    moe_combine_start(par, st)
-    moe_combine_wait(par, st)
-    return st.routed
-
-
-# ---- the stages of one MoE layer (each reads and writes a MoEStepState) ----------------------------
-def to_slots(par: MoEParallel | None, topk_ids: torch.Tensor, layer_id: int) -> torch.Tensor:
-    """Logical router ids → physical slots [T, K], counted by the EPLB recorder (once per token:
-    each micro-batch records its own tokens)."""
-    if par is not None and par.location is not None:
-        topk_ids = par.location.to_physical(topk_ids, layer_id)  # [T, K] physical slots
-    if par is not None:
-        par.recorder.record(layer_id, topk_ids)
-    return topk_ids
-
-
-def _dispatcher(par: MoEParallel | None) -> Any:
-    return None if par is None else par.dispatcher
-
-
-def moe_dispatch_start(par: MoEParallel | None, st: MoEStepState, fb: Any) -> None:
-    """Launch the dispatch (collective); without a dispatcher every expert is local. A TBO
-    micro-batch's dispatch is `overlapped` (the other one computes meanwhile)."""
-    d = _dispatcher(par)
-    if d is not None:
-        mode = fb.global_forward_mode if fb is not None else None
-        st.dispatch = d.dispatch_start(st.x, st.topk_ids, st.topk_weights, mode,
-                                       fb.global_num_tokens if fb is not None else None,
-                                       overlapped=fb is not None and fb.micro_batch)
-
-
-def moe_dispatch_wait(par: MoEParallel | None, st: MoEStepState) -> None:
-    d = _dispatcher(par)
-    if d is not None:
-        st.dispatched, st.dispatch = d.dispatch_wait(st.dispatch), None
-
-
-def moe_experts(experts: MoEExperts, par: MoEParallel | None, st: MoEStepState) -> None:
-    """This rank's experts on what arrived (or on the local tokens without a dispatcher)."""
-    d = _dispatcher(par)
-    if d is None:
-        st.routed = experts(st.x, st.topk_ids, st.topk_weights)
-    else:
-        st.expert_out = d.experts_forward(experts, st.dispatched)
-
-
-def moe_combine_start(par: MoEParallel | None, st: MoEStepState) -> None:
-    d = _dispatcher(par)
-    if d is not None:
-        st.combine = d.combine_start(st.expert_out, st.dispatched)
-        st.expert_out = None
-
-
-def moe_combine_wait(par: MoEParallel | None, st: MoEStepState) -> None:
-    d = _dispatcher(par)
-    if d is not None:
-        st.routed, st.combine, st.dispatched = d.combine_wait(st.combine), None, None
-
-
-def moe_operations(block: Any, layer_id: int) -> list:
-    """A MoE block (with `route`, `shared`, `experts`, `parallel`) as ops: router → dispatch start
-    | dispatch wait → experts → combine start | combine wait → shared experts. Reads s.hidden
-    (the normed post-attention stream); leaves s.moe.routed and s.moe.shared."""
-
-    def router(s) -> None:
-        weights, ids = block.route(s.hidden)  # [T, K] each
-        s.moe = MoEStepState(x=s.hidden, topk_weights=weights,
-                             topk_ids=to_slots(block.parallel, ids, block.layer_id))
-
-    def stage(fn):
-        return lambda s: fn(block.parallel, s.moe)
-
-    def shared_experts(s) -> None:
-        s.moe.shared = block.shared(s.moe.x)
-
-    return [Op("router", router, layer_id),
-            Op("dispatch_start", lambda s: moe_dispatch_start(block.parallel, s.moe, s.fb),
-               layer_id), YIELD,
-            Op("dispatch_wait", stage(moe_dispatch_wait), layer_id),
-            Op("experts", lambda s: moe_experts(block.experts, block.parallel, s.moe), layer_id),
-            Op("combine_start", stage(moe_combine_start), layer_id), YIELD,
-            Op("combine_wait", stage(moe_combine_wait), layer_id),
-            Op("shared_experts", shared_experts, layer_id)]

@@ -8,15 +8,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moeserve.kernels.cpu_ops import CpuKernels
+from moeserve.kernels.cpu.ops import CpuKernels
 
 if TYPE_CHECKING:  # importing it imports Triton
-    from moeserve.kernels.triton_ops import TritonOps
+    from moeserve.kernels.triton.ops import TritonOps
 
 
 class RMSNorm(nn.Module):
-    cpu_kernels: CpuKernels | None = None  # set on CPU models (kernels.cpu_ops)
-    gpu_ops: TritonOps | None = None  # set on CUDA models (kernels.triton_ops)
+    cpu_kernels: CpuKernels | None = None  # set on CPU models (kernels/cpu/ops.py)
+    gpu_ops: TritonOps | None = None  # set on CUDA models (kernels.triton.ops)
 
     def __init__(self, hidden_size: int, eps: float = 1e-6):
         super().__init__()

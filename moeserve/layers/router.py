@@ -10,10 +10,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from moeserve.kernels.cpu_ops import CpuKernels
+from moeserve.kernels.cpu.ops import CpuKernels
 
 if TYPE_CHECKING:  # importing it imports Triton
-    from moeserve.kernels.triton_ops import TritonOps
+    from moeserve.kernels.triton.ops import TritonOps
 
 
 @dataclass(frozen=True)

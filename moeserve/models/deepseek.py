@@ -1,6 +1,6 @@
 """DeepSeek-V2 / V3: multi-head latent attention (MLA) + grouped top-k MoE with shared experts.
 
-MLA runs weight-absorbed, as MQA over one latent per token (DESIGN.md §5):
+MLA runs weight-absorbed, as MQA over one latent per token (docs/architecture.md §5):
   latent  = [kv_a_layernorm(c_kv) | rope(k_pe)]              [T, 1, R + r]  (the KV pool entry)
   q       = [q_nope @ W_UK (per head) | rope(q_pe)]          [T, H, R + r]
   out     = softmax(q · latent) · latent[:R] @ W_UV          [T, H, v_head_dim]
@@ -25,7 +25,8 @@ from torch import nn
 from moeserve.forward_batch import ForwardBatch
 from moeserve.layers.attention import PagedAttention
 from moeserve.layers.linear import Linear, MergedLinear
-from moeserve.layers.moe import MoEParallel, run_routed_experts
+from moeserve.layers.moe_parallel import MoEParallel
+from moeserve.layers.moe_stages import run_routed_experts
 from moeserve.layers.norm import RMSNorm
 from moeserve.layers.rotary import get_rope, rope_parameters
 from moeserve.layers.router import RouterConfig, select_experts
@@ -33,7 +34,7 @@ from moeserve.layers.router_skew import routing_skew, skewed
 from moeserve.models.llama import MLP, CausalLM, DecoderLayer, DecoderModel
 
 if TYPE_CHECKING:  # importing it imports Triton
-    from moeserve.kernels.triton_ops import TritonOps
+    from moeserve.kernels.triton.ops import TritonOps
 
 LORA_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm use the default eps, not rms_norm_eps
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.")
@@ -60,7 +61,7 @@ def softmax_scale(cfg: Any) -> float:
 
 
 class MLAttention(nn.Module):
-    gpu_ops: TritonOps | None = None  # set on CUDA models (kernels.triton_ops)
+    gpu_ops: TritonOps | None = None  # set on CUDA models (kernels.triton.ops)
 
     def __init__(self, cfg: Any, layer_id: int):
         super().__init__()
@@ -173,7 +174,7 @@ class MLAttention(nn.Module):
 class MoEGate(nn.Module):
     """Router: `weight` [E, hidden] and (V3) `e_score_correction_bias` [E], both float32."""
 
-    gpu_ops: TritonOps | None = None  # set on CUDA models (kernels.triton_ops)
+    gpu_ops: TritonOps | None = None  # set on CUDA models (kernels.triton.ops)
 
     def __init__(self, hidden_size: int, num_experts: int, with_bias: bool):
         super().__init__()
@@ -194,7 +195,7 @@ class MoEGate(nn.Module):
 class DeepseekMoE(nn.Module):
     """Routed experts (grouped top-k) plus always-on shared experts."""
 
-    gpu_ops: TritonOps | None = None  # set on CUDA models (kernels.triton_ops): the router
+    gpu_ops: TritonOps | None = None  # set on CUDA models (kernels.triton.ops): the router
 
     def __init__(self, cfg: Any, router: RouterConfig, layer_id: int,
                  parallel: MoEParallel | None = None):

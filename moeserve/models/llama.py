@@ -11,17 +11,17 @@ import torch
 from torch import nn
 
 from moeserve.forward_batch import ForwardBatch
-from moeserve.kernels.cpu_ops import CpuKernels
+from moeserve.kernels.cpu.ops import CpuKernels
 from moeserve.layers.activation import silu_and_mul
 from moeserve.layers.attention import PagedAttention
 from moeserve.layers.linear import Linear, MergedLinear
-from moeserve.layers.moe import moe_operations
+from moeserve.layers.moe_stages import moe_operations
 from moeserve.layers.norm import RMSNorm, rms_norm_heads
 from moeserve.layers.rotary import get_rope
 from moeserve.tbo.operations import ForwardState, MoEStepState, Op, Yield, run_straight
 
 if TYPE_CHECKING:  # importing it imports Triton
-    from moeserve.kernels.triton_ops import TritonOps
+    from moeserve.kernels.triton.ops import TritonOps
 
 
 def head_dim_of(cfg: Any) -> int:
@@ -29,8 +29,8 @@ def head_dim_of(cfg: Any) -> int:
 
 
 class Attention(nn.Module):
-    cpu_kernels: CpuKernels | None = None  # set on CPU models (kernels.cpu_ops)
-    gpu_ops: TritonOps | None = None  # set on CUDA models (kernels.triton_ops)
+    cpu_kernels: CpuKernels | None = None  # set on CPU models (kernels/cpu/ops.py)
+    gpu_ops: TritonOps | None = None  # set on CUDA models (kernels.triton.ops)
 
     def __init__(self, cfg: Any, layer_id: int, qkv_bias: bool = False, qk_norm: bool = False):
         super().__init__()

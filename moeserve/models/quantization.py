@@ -12,7 +12,7 @@ Eligible: the linear projections of the decoder layers (attention q / q_a / q_b 
 kv_b, dense MLPs, shared experts, the MTP eh_proj) and the routed experts. MLA's `kv_b_proj` is
 never run as a linear: weight absorption uses it per head, as W_UK on the query and W_UV on the
 attention output. The decode token's per-head GEMV reads its e4m3 bytes with the block scales
-(kernels/head_gemv.py: DeepSeek-V3's heads start on 128-row blocks), so FP8 halves a layer's
+(kernels/triton/head_gemv.py: DeepSeek-V3's heads start on 128-row blocks), so FP8 halves a layer's
 33.6 MB there too; more tokens run the einsum on a bf16 copy made at load
 (`MLAttention.after_load`: resident, +16.8M elements a layer). Until 2026-12-04 it stayed bf16
 only. Kept in higher precision:
@@ -42,7 +42,8 @@ from moeserve.kernels.fp8_format import FP8_BLOCK, check_block
 from moeserve.layers.fp8_linear import Fp8Linear, Fp8MergedLinear
 from moeserve.layers.fp8_moe import Fp8MoEExperts
 from moeserve.layers.linear import Linear, MergedLinear
-from moeserve.layers.moe import DOWN, MoEParallel
+from moeserve.layers.moe import DOWN
+from moeserve.layers.moe_parallel import MoEParallel
 from moeserve.models.loader import (checkpoint_files, fp8_target, iterate_weights,
                                     load_weights)
 

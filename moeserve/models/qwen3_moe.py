@@ -8,22 +8,23 @@ import torch
 from torch import nn
 
 from moeserve.forward_batch import ForwardBatch
-from moeserve.kernels.cpu_ops import CpuKernels
+from moeserve.kernels.cpu.ops import CpuKernels
 from moeserve.layers.linear import Linear
-from moeserve.layers.moe import MoEParallel, run_routed_experts
+from moeserve.layers.moe_parallel import MoEParallel
+from moeserve.layers.moe_stages import run_routed_experts
 from moeserve.layers.router import RouterConfig, select_experts
 from moeserve.layers.router_skew import routing_skew, skewed
 from moeserve.models.llama import MLP, Attention, CausalLM, DecoderLayer, DecoderModel
 
 if TYPE_CHECKING:  # importing it imports Triton
-    from moeserve.kernels.triton_ops import TritonOps
+    from moeserve.kernels.triton.ops import TritonOps
 
 
 class SparseMoeBlock(nn.Module):
     """Router → top-k → experts. Parameter names follow the checkpoint (`gate`, `experts`)."""
 
-    cpu_kernels: CpuKernels | None = None  # set on CPU models (kernels.cpu_ops)
-    gpu_ops: TritonOps | None = None  # set on CUDA models (kernels.triton_ops)
+    cpu_kernels: CpuKernels | None = None  # set on CPU models (kernels/cpu/ops.py)
+    gpu_ops: TritonOps | None = None  # set on CUDA models (kernels.triton.ops)
 
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int,
                  router: RouterConfig, layer_id: int, parallel: MoEParallel | None = None):

@@ -18,7 +18,7 @@ from __future__ import annotations
 import bisect
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -26,9 +26,30 @@ from moeserve.core import ForwardMode
 from moeserve.forward_batch import ForwardBatch
 
 if TYPE_CHECKING:
-    from moeserve.runtime.model_runner import ModelRunner
+    from moeserve.distributed import ParallelMesh
+    from moeserve.runtime.kv_memory import KVMemory
 
 logger = logging.getLogger(__name__)
+
+
+class GraphHost(Protocol):
+    """What a graph runner reads from the runner that owns it (runtime/model_runner.py's
+    ModelRunner; the graphs never import it): the model and attention backend it captures, the
+    KV memory and mesh its static batches point at, the EPLB recorder it masks."""
+
+    model: Any  # the CausalLM: model(fb) → hidden [T, H], compute_logits
+    attn_backend: Any
+    memory: KVMemory
+    mesh: ParallelMesh
+    device: torch.device
+    dtype: torch.dtype
+    hf_config: Any
+    recorder: Any  # eplb ExpertDistributionRecorder (`capture_rows`), or None
+
+    def make_batch(self, mode: ForwardMode, input_ids: torch.Tensor | list[int],
+                   positions: torch.Tensor | list[int], out_cache_loc: torch.Tensor,
+                   req_pool_indices: list[int], prefix_lens: list[int],
+                   extend_lens: list[int]) -> ForwardBatch: ...
 
 
 def decode_buckets(max_bs: int) -> list[int]:
@@ -76,7 +97,7 @@ class StaticDecodeInputs:
         torch.lt(self.arange, n, out=self.row_mask)
 
 
-def capture_buckets(runner: ModelRunner, buckets: list[int], capture_one, what: str) -> None:
+def capture_buckets(runner: GraphHost, buckets: list[int], capture_one, what: str) -> None:
     """capture_one(size, side stream, EPLB recorder) for every bucket, largest first (smaller
     graphs then reuse the pool's blocks), with a progress bar; the recorder's capture mask is
     cleared afterwards even when a capture fails."""
@@ -101,7 +122,7 @@ class CudaGraphRunner:
 
     label = "decode"  # what the graphs run (logged)
 
-    def __init__(self, runner: ModelRunner, max_bs: int):
+    def __init__(self, runner: GraphHost, max_bs: int):
         self.runner = runner
         self.max_bs = max_bs
         self.buckets = decode_buckets(max_bs)

@@ -23,7 +23,6 @@ from __future__ import annotations
 import bisect
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -31,10 +30,8 @@ from moeserve.attention.triton_backend import ExtendMetadata, extend_block_m_of
 from moeserve.core import ForwardMode
 from moeserve.forward_batch import ForwardBatch
 from moeserve.host_copy import to_device
-from moeserve.kernels.triton_attention_extend import NO_BLOCK, PAD_BLOCK, extend_blocks
-
-if TYPE_CHECKING:
-    from moeserve.runtime.model_runner import ModelRunner
+from moeserve.kernels.triton.attention_extend import NO_BLOCK, PAD_BLOCK, extend_blocks
+from moeserve.runtime.cuda_graph import GraphHost, capture_buckets
 
 logger = logging.getLogger(__name__)
 
@@ -130,7 +127,7 @@ class ExtendGraphRunner:
     """Captured extend forwards by token bucket; `run` returns the step's final hidden states
     [T, H] (a view of the graph's output, valid until the next replay)."""
 
-    def __init__(self, runner: ModelRunner, max_tokens: int, max_reqs: int, capture: bool = True):
+    def __init__(self, runner: GraphHost, max_tokens: int, max_reqs: int, capture: bool = True):
         self.runner = runner
         self.max_tokens = max_tokens
         self.buckets = extend_buckets(max_tokens)
@@ -164,8 +161,6 @@ class ExtendGraphRunner:
     @torch.inference_mode()
     def capture(self, pool=None) -> None:
         """Capture every bucket, largest first, into `pool` (shared with the decode graphs)."""
-        from moeserve.runtime.cuda_graph import capture_buckets
-
         self.pool = pool
         capture_buckets(self.runner, self.buckets, self._capture_one, "extend token counts")
 

@@ -44,10 +44,10 @@ def moe_backend_name(cfg: MoeserveConfig, device: torch.device, interpret: bool)
 
 def use_pdl(cfg: MoeserveConfig, device: torch.device) -> bool:
     """model.pdl resolved: None is on where the device supports programmatic dependent launch
-    (kernels/pdl.py); true where it does not is refused."""
+    (kernels/triton/pdl.py); true where it does not is refused."""
     if cfg.model.pdl is False or device.type != "cuda":
         return False
-    from moeserve.kernels.pdl import pdl_supported
+    from moeserve.kernels.triton.pdl import pdl_supported
 
     ok = pdl_supported(device)
     if cfg.model.pdl and not ok:

@@ -15,10 +15,11 @@ from moeserve.forward_batch import ForwardBatch
 from moeserve.host_copy import to_device
 from moeserve.distributed import ParallelMesh, single_rank_mesh
 from moeserve.kernels.attach import attach_ops
-from moeserve.kernels.cpu_ops import CpuKernels, load_cpu_kernels, supports
+from moeserve.kernels.cpu.build import load_cpu_kernels
+from moeserve.kernels.cpu.ops import CpuKernels, supports
 from moeserve.env import env
 from moeserve.layers.linear import onednn_bf16_linear_works, pack_bf16_linears, pack_linears
-from moeserve.layers.moe import ExpertRecorder
+from moeserve.layers.moe_parallel import ExpertRecorder
 from moeserve.models.loader import WeightLoadError
 from moeserve.models.quantization import resolve_quant_plan
 from moeserve.models.registry import model_class
@@ -53,7 +54,7 @@ def cpu_has_native_bf16() -> bool:
 def cpu_bf16_is_fast(use_cpu_kernels: bool = True) -> bool:
     """bf16 linears run fast here: oneDNN's prepack on a CPU with native bf16, or, where the
     prepack is off (AVX2-only x86), the C bf16-weight linear built for AVX2 + FMA
-    (kernels/cpu_linear.c). Where the prepack works without native bf16 (AVX-512 without BF16)
+    (kernels/cpu/linear.c). Where the prepack works without native bf16 (AVX-512 without BF16)
     it would run the linears, which was not measured: float32 there, as before."""
     if onednn_bf16_linear_works():
         return cpu_has_native_bf16()
@@ -104,7 +105,7 @@ class ModelRunner:
         self.recorder = (self.moe_parallel.recorder
                          if recorder is None and num_logical_experts(self.hf_config) else None)
         self.draft = None  # spec_mtp.draft.Draft with spec.algorithm=nextn
-        self.draft_graphs = None  # its decode-shaped passes' CUDA graphs (spec_mtp/draft_graphs)
+        self.draft_graphs = None  # its decode-shaped passes' CUDA graphs (Draft.capture_graphs)
         self.model = self._build_model(model_path)
         self.context_len = cfg.model.context_length or self.hf_config.max_position_embeddings
         layout = kv_layout(self.model, self.hf_config, self.draft)
@@ -116,7 +117,7 @@ class ModelRunner:
         if self.cpu_kernels is not None:  # to the modules declaring `cpu_kernels`; bf16
             attach_ops(self.model, "cpu_kernels", self.cpu_kernels)  # linears without oneDNN's
             pack_bf16_linears(self.model, self.cpu_kernels)  # prepack run CpuKernels.linear
-        self.pdl = use_pdl(cfg, self.device)  # programmatic dependent launches (kernels/pdl.py)
+        self.pdl = use_pdl(cfg, self.device)  # programmatic dependent launches (triton/pdl.py)
         if self.device.type == "cuda" and hasattr(self.moe_parallel.recorder, "kernel_pdl"):
             self.moe_parallel.recorder.kernel_pdl = self.pdl  # one counting launch a layer
         self.gpu_ops = self._gpu_ops()
@@ -202,7 +203,7 @@ class ModelRunner:
         if self.device.type != "cuda" or not self.cfg.model.gpu_kernels:
             return None
         from moeserve.kernels.attach import attach_ops
-        from moeserve.kernels.triton_ops import TritonOps
+        from moeserve.kernels.triton.ops import TritonOps
 
         ops = TritonOps(pdl=self.pdl)
         attach_ops(self.model, "gpu_ops", ops)
@@ -229,10 +230,7 @@ class ModelRunner:
             graphs.pool = self.extend_graphs.pool
         graphs.capture()
         if self.draft is not None:
-            from moeserve.spec_mtp.draft_graphs import DraftGraphRunner
-
-            self.draft_graphs = DraftGraphRunner(self, self.draft, graphs.max_bs)
-            self.draft_graphs.capture()
+            self.draft_graphs = self.draft.capture_graphs(self, graphs.max_bs)
         return graphs
 
     def _extend_graphs(self):

@@ -7,7 +7,7 @@ import torch
 
 from moeserve.config import MoeserveConfig, loads_mtp_layer
 from moeserve.distributed import ParallelMesh
-from moeserve.layers.moe import ExpertRecorder, MoEParallel
+from moeserve.layers.moe_parallel import ExpertRecorder, MoEParallel
 
 
 def num_logical_experts(hf_config) -> int | None:

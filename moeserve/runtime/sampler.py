@@ -36,15 +36,15 @@ _BF16_INF_BITS = 0x7F80  # +inf; larger int16 bit patterns are NaNs
 def greedy(logits: torch.Tensor) -> torch.Tensor:
     """argmax over the last dim ([B, V] → [B]), the first index on ties, as torch.argmax.
 
-    On CUDA in one launch over chunks of every row (kernels/argmax.py). On CPU in two stages: the
-    max of each chunk of ARGMAX_CHUNK columns (a vectorised reduction), then the argmax inside the
-    first chunk holding the row's max; a single argmax over a 129k-token vocabulary ran at ~2 GB/s
-    (1 ms for 16 rows), the two stages in 0.14 ms. bf16 rows reduce their bit patterns as int16
+    On CUDA in one launch over chunks of every row (kernels/triton/argmax.py). On CPU in two stages:
+    the max of each chunk of ARGMAX_CHUNK columns (a vectorised reduction), then the argmax inside
+    the first chunk holding the row's max; a single argmax over a 129k-token vocabulary ran at ~2
+    GB/s (1 ms for 16 rows), the two stages in 0.14 ms. bf16 rows reduce their bit patterns as int16
     (`_greedy_bf16_bits`); few bf16 logits (FLOAT_ARGMAX_MAX) are upcast and reduced at once.
     """
     b, v = logits.shape
     if logits.device.type == "cuda":
-        from moeserve.kernels.argmax import argmax_rows  # Triton: CUDA machines only
+        from moeserve.kernels.triton.argmax import argmax_rows  # Triton: CUDA machines only
 
         # torch's argmax reduces a row in one block: 37 µs for 129k logits on an H200
         ids = argmax_rows(logits)

@@ -122,7 +122,7 @@ def run_scheduler_process(cfg: MoeserveConfig, model_path: str, endpoints: Endpo
     from moeserve.models.weight_bytes import weight_bytes
     from moeserve.scheduler.setup import build_scheduler
     from moeserve.scheduler.shutdown import StopRequest, exit_process, release_rank
-    from moeserve.server.children import STOP_SIGNAL
+    from moeserve.procs.children import STOP_SIGNAL
 
     device = rank_device(cfg.device, rank)
     if device.type == "cpu":

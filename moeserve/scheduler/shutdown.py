@@ -24,7 +24,7 @@ The order, per rank (`release_rank`):
      exit-time C++ errors come from) took 2-3 s on the 2-core CI machine under load, racing
      the launcher's 5 s stop limit (a rank still finalizing there was SIGKILLed).
 A rank whose peer died never gets through step 0's DP sync: the stop watcher of
-server/children.py ends it after its grace, skipping finalizers (nothing is printed either).
+procs/children.py ends it after its grace, skipping finalizers (nothing is printed either).
 """
 
 from __future__ import annotations

@@ -1,92 +1,42 @@
 """`serve(cfg)`: start the detokenizer, the DP controller (dp_size > 1) and one scheduler process
 per rank, wait for their ready handshakes, then run the HTTP server in this (main) process until a
-signal or a child's death.
+signal or a child's death. `serve_node(cfg)`: a node other than 0, its ranks only.
 
-Shutdown contract (DESIGN.md §2): SIGTERM while serving drains first (guard.py: new requests
-503, in-flight ones up to server.shutdown_timeout_s); SIGINT/SIGTERM → children terminated and
-joined, exit 0; a child dying at any time → a log line naming it, the others terminated, exit 1;
-no orphans (children die with the launcher, see children.py); the ipc:// socket files are
-removed.
+Shutdown contract (docs/architecture.md §2): SIGTERM while serving drains first (guard.py: new
+requests 503, in-flight ones up to server.shutdown_timeout_s); SIGINT/SIGTERM → children
+terminated and joined, exit 0; a child dying at any time → a log line naming it, the others
+terminated, exit 1; no orphans (children die with the launcher, see procs/children.py); the
+ipc:// socket files are removed. The processes themselves are started by moeserve.procs.
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
-import os
-import signal
-import socket
 import time
 from collections.abc import Callable
 from typing import Any
 
 from moeserve.config import MoeserveConfig
 from moeserve.ipc.queues import Endpoints
-from moeserve.server.children import Child, ChildDied, ProcessGroup, setup_logging
+from moeserve.procs.children import ChildDied, ProcessGroup, setup_logging
+from moeserve.procs.ipc_files import remove_ipc_files
+from moeserve.procs.ranks import node_ranks, start_ranks
+from moeserve.procs.rendezvous import with_rendezvous
+from moeserve.procs.supervise import exit_on_child_death, interrupt_on_signals
 
 logger = logging.getLogger("moeserve.server")
 
 
-def _default_scheduler() -> Callable[..., None]:
+def _start_ranks(procs: ProcessGroup, cfg: MoeserveConfig, model_path: str, endpoints: Endpoints,
+                 scheduler_target: Callable[..., None] | None) -> set[tuple[str, int]]:
+    """procs/ranks.py with the real roles: the DP controller and the scheduler process (unless
+    `scheduler_target` replaces it)."""
+    from moeserve.dp_attention.controller import run_controller_process
     from moeserve.scheduler.process import run_scheduler_process
 
-    return run_scheduler_process
-
-
-def _raise_interrupt(signum: int, _frame: Any) -> None:
-    raise KeyboardInterrupt(signal.Signals(signum).name)
-
-
-def remove_ipc_files(endpoints: Endpoints) -> None:
-    addresses = (endpoints.scheduler_in, endpoints.detokenizer_in, endpoints.manager_in,
-                 *endpoints.rank_in, endpoints.controller_in or "")
-    for address in addresses:
-        if address.startswith("ipc://"):
-            try:
-                os.unlink(address[len("ipc://"):])
-            except OSError:
-                pass
-
-
-def free_tcp_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-def with_rendezvous(cfg: MoeserveConfig) -> MoeserveConfig:
-    """cfg with `parallel.dist_init_addr` set to a free loopback port when several ranks need a
-    rendezvous and none was given (passed to the children; cfg itself is frozen)."""
-    p = cfg.parallel
-    if p.world_size == 1 or p.dist_init_addr is not None:
-        return cfg
-    addr = f"127.0.0.1:{free_tcp_port()}"
-    return dataclasses.replace(cfg, parallel=dataclasses.replace(p, dist_init_addr=addr))
-
-
-def node_ranks(cfg: MoeserveConfig) -> range:
-    """The global ranks of this node: rank = node_rank * ranks_per_node + local_rank."""
-    p = cfg.parallel
-    per_node = p.world_size // p.nnodes
-    return range(p.node_rank * per_node, (p.node_rank + 1) * per_node)
-
-
-def start_ranks(procs: ProcessGroup, cfg: MoeserveConfig, model_path: str, endpoints: Endpoints,
-                scheduler_target: Callable[..., None] | None = None) -> set[tuple[str, int]]:
-    """Start the DP controller (dp_size > 1, node 0 only) and one scheduler process per rank of
-    this node; returns the (role, rank) pairs whose ReadyMsg to wait for (every node's ranks).
-    Call from the main thread."""
-    from moeserve.dp_attention.controller import run_controller_process
-
-    expected = {("scheduler", r) for r in range(cfg.parallel.world_size)}
-    if cfg.parallel.dp_size > 1 and cfg.parallel.node_rank == 0:
-        procs.start("dp-controller", run_controller_process, (cfg, endpoints))
-        expected.add(("controller", 0))
-    target = scheduler_target or _default_scheduler()
-    for rank in node_ranks(cfg):
-        procs.start(f"scheduler-{rank}", target, (cfg, model_path, endpoints, rank))
-    return expected
+    return start_ranks(procs, cfg, model_path, endpoints,
+                       scheduler_target or run_scheduler_process, run_controller_process)
 
 
 def serve(cfg: MoeserveConfig, scheduler_target: Callable[..., None] | None = None,
@@ -107,13 +57,12 @@ def serve(cfg: MoeserveConfig, scheduler_target: Callable[..., None] | None = No
     cfg = with_rendezvous(cfg)
     endpoints = endpoints or Endpoints.fresh(cfg.parallel.dp_size)
     procs = ProcessGroup(cfg.server.log_level, log_file)
-    signal.signal(signal.SIGTERM, _raise_interrupt)
-    signal.signal(signal.SIGINT, _raise_interrupt)
+    interrupt_on_signals()
     try:
         if start_first is not None:
             start_first(procs)
         procs.start("detokenizer", run_detokenizer_process, (model_path, endpoints))
-        expected = start_ranks(procs, cfg, model_path, endpoints, scheduler_target)
+        expected = _start_ranks(procs, cfg, model_path, endpoints, scheduler_target)
         asyncio.run(_serve_http(cfg, model_path, endpoints, procs, expected))
         return 0
     except KeyboardInterrupt as e:
@@ -140,11 +89,10 @@ def serve_node(cfg: MoeserveConfig, endpoints: Endpoints, log_file: str | None =
     setup_logging(cfg.server.log_level, log_file)
     model_path = cfg.model.path or embedded_model_path()
     procs = ProcessGroup(cfg.server.log_level, log_file)
-    signal.signal(signal.SIGTERM, _raise_interrupt)
-    signal.signal(signal.SIGINT, _raise_interrupt)
+    interrupt_on_signals()
     try:
-        start_ranks(procs, cfg, model_path, endpoints, scheduler_target)
-        procs.start_watchdog(lambda child: _on_child_death(child, procs, endpoints))
+        _start_ranks(procs, cfg, model_path, endpoints, scheduler_target)
+        procs.start_watchdog(lambda child: exit_on_child_death(child, procs, endpoints))
         logger.info("node %d: ranks %s started; rendezvous %s", cfg.parallel.node_rank,
                     list(node_ranks(cfg)), cfg.parallel.dist_init_addr)
         while True:
@@ -169,7 +117,7 @@ async def _serve_http(cfg: MoeserveConfig, model_path: str, endpoints: Endpoints
     manager.start()
     expected = expected | {("detokenizer", 0)}
     await manager.wait_ready(expected, cfg.server.startup_timeout_s, procs.check_alive)
-    procs.start_watchdog(lambda child: _on_child_death(child, procs, endpoints))
+    procs.start_watchdog(lambda child: exit_on_child_death(child, procs, endpoints))
     gate = RequestGate(create_app(manager, cfg), cfg.server.max_request_bytes)
     server = DrainingServer(uvicorn.Config(
         gate, host=cfg.server.host, port=cfg.server.port,
@@ -204,15 +152,3 @@ def rank_summary(ready: dict[tuple[str, int], dict]) -> dict[str, Any]:
         if values:
             out[key] = combine(values)
     return out
-
-
-def _on_child_death(child: Child, procs: ProcessGroup, endpoints: Endpoints) -> None:
-    """Watchdog callback (a thread): one child died, so the whole server goes down with exit 1.
-    The likeliest cause among the dead children is named (ProcessGroup.dead)."""
-    child = procs.dead() or child
-    logger.error("child process '%s' (pid %s) died with exit code %s; shutting the server down",
-                 child.name, child.process.pid, child.process.exitcode)
-    procs.stop(timeout=2.0)  # ranks blocked in a collective with the dead one never answer
-    remove_ipc_files(endpoints)
-    logging.shutdown()
-    os._exit(1)

@@ -10,25 +10,24 @@
 - slurm: submitit, one task per node; each task reads SLURM_NODEID and SLURM_JOB_NODELIST (first
   host = node 0: rendezvous and ZMQ endpoints) and runs node-local ranks. dry_run prints the sbatch
   script submitit would submit.
+
+The addresses and the Slurm environment are read by procs/rendezvous.py and procs/slurm.py; this
+module decides what each node runs.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
-import random
-import re
 import shlex
-import socket
-import subprocess
 import sys
-from typing import Any
 
 from moeserve.config import MoeserveConfig
 from moeserve.ipc.queues import Endpoints
-from moeserve.server.children import ProcessGroup
-from moeserve.server.launch import free_tcp_port, serve, serve_node
+from moeserve.procs.children import ProcessGroup
+from moeserve.procs.rendezvous import free_port_block, free_tcp_port, with_node
+from moeserve.procs.slurm import render_sbatch, slurm_node_config, slurm_parameters
+from moeserve.server.launch import serve, serve_node
 
 logger = logging.getLogger("moeserve.multinode")
 
@@ -55,33 +54,6 @@ def run(cfg: MoeserveConfig, run_dir: str, log_file: str | None, task_overrides:
 
 
 # ---- local_2node --------------------------------------------------------------------------------
-def free_port_block(host: str, count: int, attempts: int = 50) -> int:
-    """A base port with `count` consecutive free ports on host."""
-    for _ in range(attempts):
-        base = random.randrange(20000, 60000 - count)
-        socks = []
-        try:
-            for port in range(base, base + count):
-                s = socket.socket()
-                socks.append(s)
-                s.bind((host, port))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError(f"no {count} consecutive free ports on {host}")
-
-
-def with_node(cfg: MoeserveConfig, node_rank: int, dist_init_addr: str,
-              zmq_base_port: int) -> MoeserveConfig:
-    return dataclasses.replace(
-        cfg, parallel=dataclasses.replace(cfg.parallel, node_rank=node_rank,
-                                          dist_init_addr=dist_init_addr),
-        cluster=dataclasses.replace(cfg.cluster, zmq_base_port=zmq_base_port))
-
-
 def run_local_2node(cfg: MoeserveConfig, run_dir: str, log_file: str | None,
                     task_overrides: list[str]) -> int:
     c, p = cfg.cluster, cfg.parallel
@@ -115,25 +87,6 @@ def exec_argv(argv: list[str]) -> None:
 
 
 # ---- slurm --------------------------------------------------------------------------------------
-def slurm_parameters(cfg: MoeserveConfig) -> dict[str, Any]:
-    """SlurmExecutor parameters: one task per node, every GPU of the node to that task."""
-    c, p = cfg.cluster, cfg.parallel
-    params: dict[str, Any] = {
-        "nodes": p.nnodes, "ntasks_per_node": 1, "gpus_per_node": p.tp_size // p.nnodes,
-        "time": c.time_min, "job_name": c.job_name, "partition": c.partition,
-        "account": c.account, "cpus_per_task": c.cpus_per_task, "setup": list(c.setup) or None}
-    return {k: v for k, v in params.items() if v is not None}
-
-
-def render_sbatch(cfg: MoeserveConfig, folder: str) -> str:
-    """The sbatch script submitit's SlurmExecutor would submit (its own renderer and command)."""
-    from submitit.slurm.slurm import _make_sbatch_string
-
-    command = " ".join([shlex.quote(sys.executable), "-u -m submitit.core._submit",
-                        shlex.quote(folder)])
-    return _make_sbatch_string(command=command, folder=folder, **slurm_parameters(cfg))
-
-
 def submit_slurm(cfg: MoeserveConfig, run_dir: str) -> int:
     folder = os.path.join(run_dir, cfg.cluster.folder)
     if cfg.cluster.dry_run:
@@ -148,48 +101,6 @@ def submit_slurm(cfg: MoeserveConfig, run_dir: str) -> int:
     print(f"submitted Slurm job {job.job_id} ({cfg.parallel.nnodes} nodes); logs in {folder}",
           flush=True)
     return 0
-
-
-def expand_nodelist(nodelist: str) -> list[str]:
-    """Slurm's compact host list ('gpu[01-03,07],cpu5') → hosts, without scontrol."""
-    hosts: list[str] = []
-    for m in re.finditer(r"([^,\[]+)(?:\[([^\]]+)\])?", nodelist):
-        prefix, ranges = m.group(1), m.group(2)
-        if ranges is None:
-            hosts.append(prefix)
-            continue
-        for part in ranges.split(","):
-            lo, _, hi = part.partition("-")
-            for i in range(int(lo), int(hi or lo) + 1):
-                hosts.append(f"{prefix}{i:0{len(lo)}d}")
-    return hosts
-
-
-def slurm_hosts(env: dict[str, str]) -> list[str]:
-    nodelist = env["SLURM_JOB_NODELIST"]
-    try:
-        out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True,
-                             text=True, check=True, timeout=30).stdout.split()
-        if out:
-            return out
-    except (OSError, subprocess.SubprocessError):
-        pass
-    return expand_nodelist(nodelist)
-
-
-def slurm_node_config(cfg: MoeserveConfig, env: dict[str, str]) -> tuple[MoeserveConfig, Endpoints]:
-    """This task's node rank and addresses from the Slurm environment (one task per node)."""
-    c, p = cfg.cluster, cfg.parallel
-    node_rank = int(env.get("SLURM_NODEID", env.get("SLURM_PROCID", "0")))
-    hosts = slurm_hosts(env)
-    if len(hosts) != p.nnodes:
-        raise RuntimeError(f"Slurm gave {len(hosts)} nodes, parallel.nnodes is {p.nnodes}")
-    per_node = p.tp_size // p.nnodes
-    base = c.zmq_base_port or 29600
-    rank_hosts = tuple(hosts[r // per_node] for r in range(p.dp_size))
-    endpoints = Endpoints.tcp(hosts[0], base, p.dp_size, rank_hosts)
-    addr = p.dist_init_addr or f"{hosts[0]}:{c.dist_port or 29500}"
-    return with_node(cfg, node_rank, addr, base), endpoints
 
 
 def slurm_node_main(cfg: MoeserveConfig, run_dir: str) -> int:

@@ -1,5 +1,9 @@
 """The draft model of NextN speculation: DeepSeek's MTP layer, or a trained NextNHead.
 
+The model runner's one door into speculation: `build_draft` gives it the Draft (or None), whose
+`extra_kv_layers` it sizes the KV pool by and whose `capture_graphs` it calls once its own CUDA
+graphs are captured; the runner names no other spec_mtp module.
+
 Both read the embedding of the token after position i and a hidden state for position i (the
 target's at accepted positions, the draft's own while chaining), run one decoder block over their
 own KV layer (the pool holds it next to the target's layers, at the same slots), and share the
@@ -17,7 +21,9 @@ from torch import nn
 from moeserve.config import ConfigError, MoeserveConfig
 from moeserve.forward_batch import ForwardBatch
 from moeserve.layers.fp8_linear import Fp8Linear
+from moeserve.runtime.cuda_graph import GraphHost
 from moeserve.runtime.sampler import greedy
+from moeserve.spec_mtp.draft_graphs import DraftGraphRunner
 
 
 class Draft:
@@ -53,6 +59,13 @@ class Draft:
         idx = logits.topk(k, dim=-1).indices
         return idx if self.vocab is None else self.vocab[idx]
 
+    def capture_graphs(self, host: GraphHost, max_bs: int) -> DraftGraphRunner:
+        """CUDA graphs of this draft's decode-shaped passes up to max_bs rows, captured now
+        (draft_graphs.py), for the runner `host` whose KV memory and backend they use."""
+        graphs = DraftGraphRunner(host, self, max_bs)
+        graphs.capture()
+        return graphs
+
 
 def build_draft(cfg: MoeserveConfig, model: nn.Module, hf_config: Any) -> Draft | None:
     """The draft for spec.algorithm=nextn (None when off). Call under the model's default dtype
@@ -64,8 +77,8 @@ def build_draft(cfg: MoeserveConfig, model: nn.Module, hf_config: Any) -> Draft 
     if spec.draft_path is None:
         if not getattr(model, "load_mtp", False):
             raise ConfigError("spec.draft_path", "this model has no NextN (MTP) layer in its "
-                              "checkpoint: train a head with `python -m moeserve.spec_mtp.train` "
-                              "and pass spec.draft_path=DIR")
+                              "checkpoint: train a head with `python -m "
+                              "moeserve.spec_mtp.training` and pass spec.draft_path=DIR")
         return Draft(model.mtp, model, 0, "mtp")
     from moeserve.spec_mtp.head import dummy_vocab_size, load_head, random_head
 

@@ -9,22 +9,27 @@ from, and returns the draft's hidden states and logits.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
 from moeserve.forward_batch import ForwardBatch
-from moeserve.runtime.cuda_graph import CudaGraphRunner
+from moeserve.runtime.cuda_graph import CudaGraphRunner, GraphHost
 
-if TYPE_CHECKING:
-    from moeserve.runtime.model_runner import ModelRunner
-    from moeserve.spec_mtp.draft import Draft
+
+class DraftPasses(Protocol):
+    """The two passes of a draft (spec_mtp/draft.py's Draft) that the graphs capture."""
+
+    def forward(self, fb: ForwardBatch, input_ids: torch.Tensor,
+                hidden: torch.Tensor) -> torch.Tensor: ...
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
 
 
 class DraftGraphRunner(CudaGraphRunner):
     label = "draft"
 
-    def __init__(self, runner: ModelRunner, draft: Draft, max_bs: int):
+    def __init__(self, runner: GraphHost, draft: DraftPasses, max_bs: int):
         super().__init__(runner, max_bs)
         self.draft = draft
         self.static_hidden = torch.zeros(max_bs, runner.hf_config.hidden_size,

@@ -5,7 +5,7 @@ The same structure as DeepSeek-V3's MTP layer, built from the target's own decod
 where h_i is the target's final (post-norm) hidden state at position i, and logits_i predict
 t_{i+2}. The embedding and LM head are the target's; only the head's weights are in its file.
 
-File format (written by `python -m moeserve.spec_mtp.train`): DIR/model.safetensors with
+File format (written by `python -m moeserve.spec_mtp.training`): DIR/model.safetensors with
 `enorm.weight`, `hnorm.weight`, `eh_proj.weight` [hidden, 2 hidden], `norm.weight` and `layer.*`
 (transformers' names of the decoder layer: q/k/v/o_proj, gate/up/down_proj, the two norms), plus
 DIR/config.json with "architecture": "NextNHead" and the target's shapes. A head trained with a

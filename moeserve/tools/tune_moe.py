@@ -24,8 +24,8 @@ from pathlib import Path
 
 import torch
 
-from moeserve.kernels.moe_config import (DOWN_KEYS, KEYS, SHIPPED_DIR, config_file_name,
-                                         default_config)
+from moeserve.kernels.triton.moe_config import (DOWN_KEYS, KEYS, SHIPPED_DIR, config_file_name,
+                                                default_config)
 
 # (BLOCK_SIZE_M, BLOCK_SIZE_N, BLOCK_SIZE_K, GROUP_SIZE_M, num_warps, num_stages)
 SPACE = [
@@ -110,7 +110,7 @@ def tune(e: int, h: int, i: int, k: int, dtype: torch.dtype, tokens: list[int],
     GEMM's own tile over DOWN_SPACE with that BLOCK_SIZE_M. `out`: the JSON, rewritten after
     every token count so that a run cut short keeps what it measured; entries it holds for
     other token counts are kept."""
-    from moeserve.kernels.fused_moe import fused_moe
+    from moeserve.kernels.triton.fused_moe import fused_moe
 
     kept = out is not None and out.is_file()
     best: dict[str, dict] = json.loads(out.read_text()) if kept else {}

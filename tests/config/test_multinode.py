@@ -20,7 +20,7 @@ import httpx
 
 from moeserve.config import compose
 from moeserve.ipc.queues import Endpoints
-from moeserve.server.multinode import expand_nodelist, slurm_node_config
+from moeserve.procs.slurm import expand_nodelist, slurm_node_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 from recording_streams import RecordingOps
 
-import moeserve.kernels.peer_copy as peer_copy
+import moeserve.kernels.triton.peer_copy as peer_copy
 from moeserve.distributed import single_rank_mesh
 from moeserve.ep.loopback import LoopbackDispatcher
 from moeserve.ep.streams import CommStream

@@ -1,5 +1,6 @@
-"""What the real DeepEP kernels cannot run is refused at start-up, naming the key (DESIGN §11:
-a tiny model's hidden size killed a rank inside low_latency_dispatch)."""
+"""What the real DeepEP kernels cannot run is refused at start-up, naming the key
+(docs/architecture.md §11: a tiny model's hidden size killed a rank inside
+low_latency_dispatch)."""
 
 from __future__ import annotations
 

@@ -51,7 +51,7 @@ def _run(rank: int, world: int, port: int) -> None:
     from moeserve.distributed import ParallelMesh
     from moeserve.eplb.location import ExpertLocation
     from moeserve.eplb.rebalancer import rebalance
-    from moeserve.layers.moe import MoEParallel
+    from moeserve.layers.moe_parallel import MoEParallel
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world)

@@ -45,7 +45,7 @@ def test_graph_decode_is_token_identical_to_eager(tiny_model, arch, num_prompts)
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("num_prompts", [1, 8])
 def test_pdl_graphs_are_token_identical_to_plain_eager_launches(tiny_model, arch, num_prompts):
-    """Programmatic dependent launches (kernels/pdl.py) change when kernels start, never what
+    """Programmatic dependent launches (kernels/triton/pdl.py) change when kernels start, never what
     they compute: graphs of PDL launches equal eager steps without PDL."""
     path = tiny_model(arch)
     prompts = prompts_of_lengths([5, 17, 9, 30, 3, 12, 21, 8][:num_prompts], 30000, seed=4)
@@ -83,7 +83,7 @@ def _recorded(path: str, prompts: list[list[int]], overrides: list[str], torch_o
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3"])
 def test_graphs_record_the_expert_counts_of_eager_torch_ops(tiny_model, arch):
-    """Decode graphs count experts inside the graph (kernels/expert_count.py, padded rows
+    """Decode graphs count experts inside the graph (kernels/triton/expert_count.py, padded rows
     excluded): the counts equal an eager run's through the recorder's torch ops (8 requests: a
     bucket size, so both runs' GEMMs see the same shapes and route alike)."""
     path = tiny_model(arch)

@@ -1,14 +1,14 @@
-"""The p2p dispatcher's Triton kernels against their torch path (kernels/peer_copy.py), on one
-GPU: ordinary device buffers stand in for the peers' mappings, the torch path runs on CPU copies of
-the same inputs, and every destination starts poisoned so that a stray or missing store shows. The
-multi-GPU path runs in scripts/gpu_dp_check.py and bench.ep."""
+"""The p2p dispatcher's Triton kernels against their torch path (kernels/triton/peer_copy.py), on
+one GPU: ordinary device buffers stand in for the peers' mappings, the torch path runs on CPU copies
+of the same inputs, and every destination starts poisoned so that a stray or missing store shows.
+The multi-GPU path runs in scripts/gpu_dp_check.py and bench.ep."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from moeserve.kernels.peer_copy import (
+from moeserve.kernels.triton.peer_copy import (
     combine_rows,
     dispatch_rows,
     owner_mask,

@@ -15,7 +15,7 @@ from tbo_checks import check_forced_tbo_with_loopback
 from moeserve.distributed import single_rank_mesh
 from moeserve.ep.loopback import LoopbackDispatcher
 from moeserve.ep.streams import CommStream
-from moeserve.kernels.peer_copy import combine_rows, dispatch_rows
+from moeserve.kernels.triton.peer_copy import combine_rows, dispatch_rows
 from moeserve.layers.moe import MoEExperts
 
 pytestmark = pytest.mark.gpu

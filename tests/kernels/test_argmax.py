@@ -1,7 +1,7 @@
-"""The one-launch argmax (kernels/argmax.py) against torch.argmax: ties (the first index), NaN
-(the first NaN's index), -inf rows, partial last chunks, float32 / bf16 / fp16 logits, several
-rows, and the counters zero again between launches. Without CUDA: Triton's interpreter with
-small chunks; on CUDA also DeepSeek-V3's and Qwen3's vocabularies, and CUDA graph replay."""
+"""The one-launch argmax (kernels/triton/argmax.py) against torch.argmax: ties (the first index),
+NaN (the first NaN's index), -inf rows, partial last chunks, float32 / bf16 / fp16 logits, several
+rows, and the counters zero again between launches. Without CUDA: Triton's interpreter with small
+chunks; on CUDA also DeepSeek-V3's and Qwen3's vocabularies, and CUDA graph replay."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from moeserve.kernels.argmax import MAX_ROWS, _counters, argmax_rows  # noqa: E402
+from moeserve.kernels.triton.argmax import MAX_ROWS, _counters, argmax_rows  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 BLOCK = 4096 if DEVICE.type == "cuda" else 64  # the interpreter runs programs one by one

@@ -1,7 +1,7 @@
-"""The EPLB recorder's one-launch Triton count (kernels/expert_count.py) against a plain Python
-count and against the recorder's torch ops: stat and per-pass rings, ids < 0, a captured graph's
-row mask and on/off switch, several programs. CPU: Triton's interpreter (integer math only, so
-exact there too)."""
+"""The EPLB recorder's one-launch Triton count (kernels/triton/expert_count.py) against a plain
+Python count and against the recorder's torch ops: stat and per-pass rings, ids < 0, a captured
+graph's row mask and on/off switch, several programs. CPU: Triton's interpreter (integer math only,
+so exact there too)."""
 
 from __future__ import annotations
 

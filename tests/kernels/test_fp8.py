@@ -12,9 +12,9 @@ import torch
 
 import triton
 
-from moeserve.kernels import fp8
-from moeserve.kernels.fp8 import (GemmConfig, fp8_block_matmul, fp8_quant_matmul, fused_config,
-                                  quant_fp8_per_token_group)
+from moeserve.kernels.triton import fp8
+from moeserve.kernels.triton.fp8 import (GemmConfig, fp8_block_matmul, fp8_quant_matmul,
+                                         fused_config, quant_fp8_per_token_group)
 from moeserve.kernels.fp8_format import FP8, FP8_MAX, dequantize_fp8_blocks, quantize_fp8_blocks
 from moeserve.layers.fp8_linear import fp8_linear
 
@@ -41,7 +41,7 @@ def test_per_token_group_quant(t, k):
     bound = x.double().abs() / 16 + s.double().repeat_interleave(128, 1)[:, :k] * 2**-9
     assert (err <= bound).all()  # e4m3: 3 mantissa bits, half an ulp; subnormals absolute
     if DEVICE == "cuda":  # the Triton kernel (on CPU the torch ops run: the interpreter's e4m3
-        from moeserve.kernels.fp8 import _quant_torch  # cast is wrong for some values)
+        from moeserve.kernels.triton.fp8 import _quant_torch  # cast is wrong for some values)
 
         ref_q, ref_s = _quant_torch(x, 128, s.shape[1])
         torch.testing.assert_close(s, ref_s, rtol=1e-6, atol=0)
@@ -269,7 +269,7 @@ def _fp8_experts(e: int, rows: int, cols: int, gen, shards: int = 1):
 def test_fp8_fused_moe_equals_float64_on_dequantized_weights(t, k, first, num_local, i):
     """Partial blocks (H 200, I 72 or 200: gate's last block partial, up blocked apart),
     EP-local masking (ids outside [first, first + num_local))."""
-    from moeserve.kernels.fused_moe import fused_moe
+    from moeserve.kernels.triton.fused_moe import fused_moe
 
     h, e_global = 200, 10
     g = torch.Generator().manual_seed(t * 7 + k)

@@ -14,9 +14,9 @@ pytest.importorskip("triton")
 from test_fused_moe import _reference  # noqa: E402
 from test_fused_moe_small import _fp8_experts  # noqa: E402
 
-from moeserve.kernels import fused_moe_small as fs  # noqa: E402
+from moeserve.kernels.triton import fused_moe_small as fs  # noqa: E402
 from moeserve.kernels.fp8_format import FP8, dequantize_fp8_blocks  # noqa: E402
-from moeserve.kernels.gemv import gemv_fp8  # noqa: E402
+from moeserve.kernels.triton.gemv import gemv_fp8  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 

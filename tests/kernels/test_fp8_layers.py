@@ -13,13 +13,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from moeserve.kernels import fp8 as kernels
-from moeserve.kernels import fused_moe as fm
-from moeserve.kernels import gemv as gemv_kernels
-from moeserve.kernels.fp8 import quant_fp8_per_token_group
+from moeserve.kernels.triton import fp8 as kernels
+from moeserve.kernels.triton import fused_moe as fm
+from moeserve.kernels.triton import gemv as gemv_kernels
+from moeserve.kernels.triton.fp8 import quant_fp8_per_token_group
 from moeserve.kernels.fp8_format import FP8, dequantize_fp8_blocks, quantize_fp8_blocks
 from moeserve.layers import fp8_linear as lin
-from moeserve.kernels.fused_moe_small import SMALL_MAX_PAIRS
+from moeserve.kernels.triton.fused_moe_small import SMALL_MAX_PAIRS
 from moeserve.layers.fp8_linear import (W8A16_MAX_M, Fp8Linear, Fp8MergedLinear, ScaledMMLayout,
                                         fp8_gemm_path)
 from moeserve.layers.fp8_moe import Fp8MoEExperts

@@ -11,10 +11,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from moeserve.kernels import fused_moe as fm
-from moeserve.kernels import moe_align as ma
-from moeserve.kernels import moe_config
-from moeserve.layers.moe import MoEExperts, MoEParallel
+from moeserve.kernels.triton import fused_moe as fm
+from moeserve.kernels.triton import moe_align as ma
+from moeserve.kernels.triton import moe_config
+from moeserve.layers.moe import MoEExperts
+from moeserve.layers.moe_parallel import MoEParallel
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPE = torch.bfloat16 if DEVICE == "cuda" else torch.float32

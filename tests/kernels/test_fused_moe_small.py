@@ -12,10 +12,10 @@ import torch
 import triton
 from test_fused_moe import DEVICE, DTYPE, TOL, _check, _inputs, poisoned_buffers  # noqa: F401
 
-from moeserve.kernels import fused_moe as fm
-from moeserve.kernels import fused_moe_small as fs
+from moeserve.kernels.triton import fused_moe as fm
+from moeserve.kernels.triton import fused_moe_small as fs
 from moeserve.kernels.fp8_format import dequantize_fp8_blocks, quantize_fp8_blocks
-from moeserve.kernels.gemv import FP8_TILE_ELEMS, MIN_BLOCK_K
+from moeserve.kernels.triton.gemv import FP8_TILE_ELEMS, MIN_BLOCK_K
 from moeserve.layers.moe import MoEExperts
 
 CUDA = torch.device("cuda")

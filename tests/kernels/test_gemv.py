@@ -1,6 +1,6 @@
-"""The small-M GEMV (kernels/gemv.py) against float64 torch, and `Linear` with TritonOps attached
-against F.linear; its weight-only FP8 variant against float64 on the dequantized weights (x not
-quantized), partial 128 blocks included. Without CUDA: Triton's interpreter in float32 (its
+"""The small-M GEMV (kernels/triton/gemv.py) against float64 torch, and `Linear` with TritonOps
+attached against F.linear; its weight-only FP8 variant against float64 on the dequantized weights (x
+not quantized), partial 128 blocks included. Without CUDA: Triton's interpreter in float32 (its
 launch geometry, and in some tests the CUDA one); on CUDA also bf16 at Qwen3-30B-A3B's and
 DeepSeek-V3's shapes and under graph capture."""
 
@@ -15,10 +15,10 @@ pytest.importorskip("triton")
 from moeserve.kernels.attach import attach_ops  # noqa: E402
 from moeserve.kernels.fp8_format import (  # noqa: E402
     dequantize_fp8_blocks, quantize_fp8_blocks)
-from moeserve.kernels.gemv import (  # noqa: E402
+from moeserve.kernels.triton.gemv import (  # noqa: E402
     FP8_TILE_ELEMS, FP8_WIDE_MIN_ELEMS, GEMV_MAX_M, LINEAR_MAX_M, MIN_BLOCK_K, GemvConfig, gemv,
     gemv_config, gemv_fp8, gemv_fp8_config)
-from moeserve.kernels.triton_ops import TritonOps  # noqa: E402
+from moeserve.kernels.triton.ops import TritonOps  # noqa: E402
 from moeserve.layers.fp8_linear import Fp8Linear  # noqa: E402
 from moeserve.layers.linear import Linear, MergedLinear  # noqa: E402
 

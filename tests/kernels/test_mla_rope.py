@@ -1,7 +1,7 @@
-"""MLA's fused rope + latent norm (+ KV store) kernel (kernels/mla_rope.py) and its per-head GEMV
-(kernels/head_gemv.py) against the torch paths they replace in `MLAttention` and a float64
-oracle; both rope styles. Without CUDA:
-Triton's interpreter, float32 only; with CUDA also bfloat16 (within 1 ulp of the torch path)."""
+"""MLA's fused rope + latent norm (+ KV store) kernel (kernels/triton/mla_rope.py) and its per-head
+GEMV (kernels/triton/head_gemv.py) against the torch paths they replace in `MLAttention` and a
+float64 oracle; both rope styles. Without CUDA: Triton's interpreter, float32 only; with CUDA also
+bfloat16 (within 1 ulp of the torch path)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from test_triton_ops import (DEVICE, DTYPES, EPS, OPS, close_to_oracle,  # noqa:
                              close_to_torch, rand)
 from transformers import DeepseekV3Config  # noqa: E402
 
-from moeserve.kernels.triton_attention import KVStoreTarget  # noqa: E402
+from moeserve.kernels.triton.attention import KVStoreTarget  # noqa: E402
 from moeserve.layers.norm import RMSNorm  # noqa: E402
 from moeserve.layers.rotary import RotaryEmbedding  # noqa: E402
 from moeserve.models.deepseek import MLAttention  # noqa: E402
@@ -121,7 +121,7 @@ def test_mla_prepare_with_gpu_ops_equals_torch_path(interleave):
 @pytest.mark.parametrize("h,k,n", [(4, 16, 48), (3, 128, 512), (5, 512, 128), (2, 100, 70)])
 @pytest.mark.parametrize("k_major", [True, False])
 def test_head_gemv_matches_einsum_and_float64(dtype, h, k, n, k_major):
-    """One token's per-head products (kernels/head_gemv.py) against the einsum MLA ran and a
+    """One token's per-head products (kernels/triton/head_gemv.py) against the einsum MLA ran and a
     float64 oracle; x a strided view as q_nope is (the head stride spans the rope channels)."""
     gen = torch.Generator().manual_seed(h * k + n + k_major)
     x = rand(1, h, k + 8, dtype=dtype, gen=gen)[..., :k]  # rows of k + 8, like q's nope part

@@ -1,9 +1,9 @@
-"""Programmatic dependent launch (kernels/pdl.py) on a Hopper GPU: a decode-layer-like chain of
-the kernels that take `pdl` (RMSNorm, GEMV, q/k norm + rope with the KV store, split-KV decode,
+"""Programmatic dependent launch (kernels/triton/pdl.py) on a Hopper GPU: a decode-layer-like chain
+of the kernels that take `pdl` (RMSNorm, GEMV, q/k norm + rope with the KV store, split-KV decode,
 the one-token router, the small fused MoE, the sorted fused MoE), launched with PDL inside a CUDA
 graph and replayed on fresh inputs, must give bit for bit what plain launches give. A kernel that
-read its predecessor's output (or wrote a buffer still being read) before its wait would race,
-and these chains make each kernel depend on the one just before it."""
+read its predecessor's output (or wrote a buffer still being read) before its wait would race, and
+these chains make each kernel depend on the one just before it."""
 
 from __future__ import annotations
 
@@ -16,10 +16,10 @@ pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
     pytest.skip("PDL needs CUDA", allow_module_level=True)
 
-from moeserve.kernels.fused_moe import fused_moe  # noqa: E402
-from moeserve.kernels.pdl import pdl_supported  # noqa: E402
-from moeserve.kernels.triton_attention import decode_attention  # noqa: E402
-from moeserve.kernels.triton_ops import TritonOps  # noqa: E402
+from moeserve.kernels.triton.fused_moe import fused_moe  # noqa: E402
+from moeserve.kernels.triton.pdl import pdl_supported  # noqa: E402
+from moeserve.kernels.triton.attention import decode_attention  # noqa: E402
+from moeserve.kernels.triton.ops import TritonOps  # noqa: E402
 
 DEV = torch.device("cuda")
 if not pdl_supported(DEV):
@@ -42,7 +42,7 @@ def _step(ops: TritonOps, x: torch.Tensor, positions, loc, kv, req_rows, seq_len
           pdl: bool) -> torch.Tensor:
     """A batch of decode tokens through LAYERS layer-like chains; every kernel reads the output
     of the kernel launched just before it."""
-    from moeserve.kernels.triton_attention import KVStoreTarget
+    from moeserve.kernels.triton.attention import KVStoreTarget
 
     t = x.shape[0]
     residual = x

@@ -16,8 +16,8 @@ from moeserve.attention.torch_backend import TorchAttentionBackend
 from moeserve.attention.triton_backend import TritonAttentionBackend
 from moeserve.core import ForwardMode
 from moeserve.forward_batch import ForwardBatch
-from moeserve.kernels.triton_attention import decode_attention, split_counters, store_kv
-from moeserve.kernels.triton_attention_extend import extend_attention
+from moeserve.kernels.triton.attention import decode_attention, split_counters, store_kv
+from moeserve.kernels.triton.attention_extend import extend_attention
 from moeserve.kvcache.pool import MHAKVPool, MLAKVPool
 from moeserve.kvcache.table import ReqToTokenPool
 

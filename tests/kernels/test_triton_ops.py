@@ -13,7 +13,7 @@ from torch import nn
 pytest.importorskip("triton")
 
 from moeserve.kernels.attach import attach_ops  # noqa: E402
-from moeserve.kernels.triton_ops import TritonOps  # noqa: E402
+from moeserve.kernels.triton.ops import TritonOps  # noqa: E402
 from moeserve.layers.norm import RMSNorm, rms_norm_heads  # noqa: E402
 from moeserve.layers.rotary import RotaryEmbedding  # noqa: E402
 from moeserve.layers.router import RouterConfig, select_experts  # noqa: E402
@@ -139,7 +139,7 @@ def test_qk_norm_rope(dtype, t, h, hkv, d, rd, qk_norm):
 def test_qk_norm_rope_stores_kv(dtype, t, h, hkv, d, rd, qk_norm):
     """With a store target the kernel also writes the final k heads and the v heads to the pool
     rows at loc (exactly the values left in qkv), and no other row."""
-    from moeserve.kernels.triton_attention import KVStoreTarget
+    from moeserve.kernels.triton.attention import KVStoreTarget
 
     gen = torch.Generator().manual_seed(7 * t + h + rd)
     inv_freq = 1.0 / (10000.0 ** (torch.arange(0, rd, 2, dtype=torch.float32) / rd))

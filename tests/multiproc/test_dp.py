@@ -119,7 +119,7 @@ def test_controller_wake_abort_control_and_bad_pin():
     from moeserve.ipc.messages import (AbortReq, ControlReq, DetokenizerInput, GenerateReq,
                                        SchedulerInput, Wake)
     from moeserve.ipc.queues import Endpoints, PullQueue, PushQueue
-    from moeserve.server.launch import remove_ipc_files
+    from moeserve.procs.ipc_files import remove_ipc_files
 
     cfg = compose(DP2 + ["parallel.dp_policy=round_robin"])
     ep = Endpoints.fresh(2)

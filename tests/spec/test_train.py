@@ -10,10 +10,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from moeserve.spec_mtp import train as train_mod
-from moeserve.spec_mtp import train_data as data
-from moeserve.spec_mtp.train_eval import collate, evaluate
-from moeserve.spec_mtp.train_head import TrainHead, _ChainKV, chain_mask, load_head, save_head
+from moeserve.spec_mtp.training import train as train_mod
+from moeserve.spec_mtp.training import train_data as data
+from moeserve.spec_mtp.training.train_eval import collate, evaluate
+from moeserve.spec_mtp.training.train_head import (TrainHead, _ChainKV, chain_mask, load_head,
+                                                   save_head)
 
 LAYER_NAMES = {
     "layer.self_attn.q_proj.weight", "layer.self_attn.k_proj.weight",
@@ -257,7 +258,7 @@ def test_tree_bound_ranks_against_topk(tiny, vocab_size):
     (over the draft vocabulary when there is one); k=1 walks exactly as the chain does, and a
     wider tree never accepts less."""
     from moeserve.spec_mtp.draft_vocab import pick_vocab
-    from moeserve.spec_mtp.train_eval import label_ranks
+    from moeserve.spec_mtp.training.train_eval import label_ranks
 
     target, _, records = tiny
     torch.manual_seed(0)
@@ -290,7 +291,7 @@ def test_draft_vocab_training_and_file(tiny, tmp_path):
     answers, the file carries the sorted ids (served by spec_mtp/head.py), loading restores them,
     and the evaluation's drafts are vocabulary tokens."""
     from moeserve.spec_mtp.draft_vocab import pick_vocab
-    from moeserve.spec_mtp.train_eval import chain_correct
+    from moeserve.spec_mtp.training.train_eval import chain_correct
 
     target, _, records = tiny
     vocab = pick_vocab(records, 64, target.config.vocab_size)
@@ -355,7 +356,7 @@ def test_served_walk_counts_tokens_per_verify_step():
     """Served accept length follows the decode walk, not every chain start: chains start only
     where the last step ended. Here (N=2) the walk's steps start at 0, 3, 4 and 5: 7 tokens in 4
     steps (1.75), while the mean over every start of the same answer is 2.0."""
-    from moeserve.spec_mtp.train_eval import served_walk
+    from moeserve.spec_mtp.training.train_eval import served_walk
 
     step1 = [True, True, False, False, False, True, True]  # correct[k][j], 8 answer tokens
     step2 = [False, True, False, False, False, False, True]  # (7 labelled positions)
@@ -415,7 +416,7 @@ def test_pruned_tree_eval_equals_served(tiny, tiny_model, tmp_path):
     """A pruned draft tree served from a head's recorded rank paths: the Engine builds the M
     most counted paths, and its tokens per verify step equal the eval's walk of that tree over
     the same answers (tree_stats.tree_walk); the tree accepts no less than the chain."""
-    from moeserve.spec_mtp.train_head import write_tree_paths
+    from moeserve.spec_mtp.training.train_head import write_tree_paths
     from moeserve.spec_mtp.tree import TreeShape
     from moeserve.spec_mtp.tree_stats import paths_from_json, tree_walk
 

@@ -14,7 +14,7 @@ from moeserve.core import ForwardMode
 from moeserve.forward_batch import ForwardBatch
 from moeserve.kvcache.pool import MHAKVPool
 from moeserve.kvcache.table import ReqToTokenPool
-from moeserve.kernels.cpu_ops import load_cpu_kernels
+from moeserve.kernels.cpu.build import load_cpu_kernels
 
 H, HKV, D, LAYERS = 4, 2, 8, 2
 SPECS = [AttentionSpec(i, H, HKV, D, D, D**-0.5) for i in range(LAYERS)]

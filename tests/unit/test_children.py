@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from moeserve.server.children import STOP_SIGNAL, ProcessGroup
+from moeserve.procs.children import STOP_SIGNAL, ProcessGroup
 
 
 def _wait_exit(procs: ProcessGroup, name: str) -> None:

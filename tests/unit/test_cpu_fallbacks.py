@@ -16,7 +16,7 @@ from parity import (extend_batch, hf_logits, hf_model, make_runner, prefill_logi
                     prompts_of_lengths, rel_err)
 
 from moeserve.env import log_forced_off
-from moeserve.kernels.cpu_ops import NATIVE, _x86_tiers, build_and_probe, load_cpu_kernels
+from moeserve.kernels.cpu.build import NATIVE, _x86_tiers, build_and_probe, load_cpu_kernels
 from moeserve.layers.linear import Linear, onednn_bf16_linear_works
 
 CC = shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")

@@ -1,4 +1,4 @@
-"""The C decode kernels (kernels/cpu_decode.c) against transformers' modules and float64 math, and
+"""The C decode kernels (kernels/cpu/decode.c) against transformers' modules and float64 math, and
 the torch ops they replace (where the kernel promises the same rounding, bit for bit)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from moeserve.kernels.cpu_ops import AVX2, NATIVE, _x86_tiers, build_and_probe, load_cpu_kernels
+from moeserve.kernels.cpu.build import AVX2, NATIVE, _x86_tiers, build_and_probe, load_cpu_kernels
 from moeserve.layers.moe import MoEExperts
 from moeserve.layers.norm import RMSNorm, rms_norm_heads
 from moeserve.layers.rotary import RotaryEmbedding
