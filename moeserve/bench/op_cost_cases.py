@@ -15,7 +15,7 @@ from functools import partial
 
 import torch
 
-from moeserve.bench.op_costs import copies_for, time_graph
+from moeserve.bench.graph_timing import copies_for, time_graph
 
 MS = [1, 4, 16, 64, 256, 1024, 4096, 16384]
 # (model, k, n, dtypes): the linear shapes of the models the planner prices
