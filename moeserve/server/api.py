@@ -28,7 +28,9 @@ from moeserve.config import MoeserveConfig
 from moeserve.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest,
                                       DetokenizeRequest, GenerateRequest, ModelCard, ModelList,
                                       TokenizeRequest, error_body)
-from moeserve.server.serving_chat import chat_response, chat_stream, message_dict, prepare_chat
+from moeserve.server.chat_messages import message_dict
+from moeserve.server.serving_chat import chat_response, chat_stream, prepare_chat
+from moeserve.server.tool_parsers import make_parser
 from moeserve.server.serving_common import ClientGone, sse_stream, until_disconnect
 from moeserve.server.serving_completions import (completion_response, completion_stream,
                                                  prepare_completion)
@@ -179,8 +181,10 @@ def _add_native_routes(app: FastAPI, manager: TokenizerManager, cfg: MoeserveCon
         if (req.prompt is None) == (req.messages is None):
             raise APIError("pass exactly one of prompt or messages", param="prompt")
         if req.messages is not None:
+            parser = make_parser(cfg.server.tool_parser, manager.tokenizer.chat_template)
             ids = manager.apply_chat_template([message_dict(m) for m in req.messages],
-                                              add_generation_prompt=req.add_generation_prompt)
+                                              add_generation_prompt=req.add_generation_prompt,
+                                              parser=parser)
         else:
             ids = list(manager.tokenizer(req.prompt, add_special_tokens=req.add_special_tokens)
                        ["input_ids"])
@@ -192,12 +196,11 @@ def _add_native_routes(app: FastAPI, manager: TokenizerManager, cfg: MoeserveCon
             manager.check_ids(req.tokens, "tokens")
         return {"prompt": manager.tokenizer.decode(req.tokens)}
 
-    @app.get("/get_model_info")
-    async def get_model_info() -> dict[str, Any]:
-        """SGLang's route: what the served model is."""
-        return {"model_path": manager.model_path, "tokenizer_path": manager.model_path,
-                "served_model_name": manager.served_model_name, "is_generation": True,
-                "max_req_len": manager.max_req_len, "vocab_size": manager.vocab_size}
+    @app.get("/model_info")
+    @app.get("/get_model_info")  # the deprecated name, still asked for by older routers
+    async def model_info() -> dict[str, Any]:
+        """SGLang's route: what the served model is (sglang-router reads it per worker)."""
+        return manager.model_info()
 
     @app.get("/server_info")
     async def server_info() -> dict[str, Any]:

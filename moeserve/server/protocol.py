@@ -71,6 +71,7 @@ class _SamplingRequest(_Request):
     response_format: dict[str, Any] | None = None  # text | json_object | json_schema
     regex: str | None = None  # SGLang extras: constrain the output to a regex or an EBNF grammar
     ebnf: str | None = None
+    prompt_logprobs: int | None = None  # vLLM extra: the prompt tokens' logprobs, with this top
 
     def unsupported(self) -> list[str]:
         """Names of fields set to values this server cannot honour."""
@@ -84,7 +85,7 @@ class _SamplingRequest(_Request):
 class CompletionRequest(_SamplingRequest):
     prompt: Union[str, list[int], list[str], list[list[int]]]
     logprobs: int | None = None
-    echo: bool = False
+    echo: bool = False  # the prompt is repeated before the completion (its logprobs too)
     suffix: str | None = None
     best_of: int | None = None
 
@@ -93,11 +94,31 @@ class CompletionRequest(_SamplingRequest):
         return bad + (["best_of"] if self.best_of not in (None, 1, self.n) else [])
 
 
+class TextPart(_Request):
+    """A part of a multi-part `content` (text only: the server has no multimodal input)."""
+
+    type: Literal["text"]
+    text: str
+
+
+class ToolCallFunctionIn(_Request):
+    name: str
+    arguments: str | dict[str, Any] = "{}"  # OpenAI sends a JSON string
+
+
+class ToolCallIn(_Request):
+    """A call in an earlier assistant turn, as OpenAI clients send it back."""
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: ToolCallFunctionIn
+
+
 class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[dict[str, Any]] | None = None
+    content: str | list[TextPart] | None = None
     name: str | None = None
-    tool_calls: list[dict[str, Any]] | None = None  # assistant turns that called tools
+    tool_calls: list[ToolCallIn] | None = None  # assistant turns that called tools
     tool_call_id: str | None = None  # role "tool": the call this result answers
     reasoning_content: str | None = None
 
@@ -144,6 +165,8 @@ class GenerateRequest(_Request):
     stream: bool = False
     return_logprob: bool = False
     top_logprobs_num: int = 0
+    logprob_start_len: int = -1  # with return_logprob: prompt logprobs from this position on
+    return_text_in_logprobs: bool = False
 
 
 class TokenizeRequest(_Request):
@@ -206,10 +229,19 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int] = Field(default_factory=list)
 
 
+class PromptLogprob(BaseModel):
+    """vLLM's prompt logprob entry (rank 1: the most likely token)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None  # vLLM extra
     finish_reason: str | None = None
     stop_reason: int | str | None = None  # the stop token id or string that matched (vLLM field)
 
@@ -277,6 +309,7 @@ class ChatCompletionResponse(_Response):
     model: str
     choices: list[ChatChoice]
     usage: Usage | None = None
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None  # vLLM extra
 
 
 class DeltaMessage(BaseModel):

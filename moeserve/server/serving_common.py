@@ -15,8 +15,8 @@ from starlette.requests import Request
 
 from moeserve.core import SamplingParams
 from moeserve.ipc.messages import TextOutput
-from moeserve.server.protocol import (MAX_TOP_LOGPROBS, APIError, TokenLogprob, TopLogprob, Usage,
-                                      _SamplingRequest)
+from moeserve.server.protocol import (MAX_TOP_LOGPROBS, APIError, PromptLogprob, TokenLogprob,
+                                      TopLogprob, Usage, _SamplingRequest)
 from moeserve.server.tokenizer_manager import SHUTDOWN_ERROR, TokenizerManager
 
 T = TypeVar("T")
@@ -26,9 +26,15 @@ class ClientGone(Exception):
     """The HTTP client disconnected before the response was ready."""
 
 
+# sglang-router's `model` for requests that name none; each worker serves one model, so it means
+# this one (SGLang's own server ignores the field)
+ROUTER_DEFAULT_MODEL = "unknown"
+
+
 def check_request(manager: TokenizerManager, req: _SamplingRequest) -> None:
     """Model name, n and refused fields (before any tokenization work)."""
-    if req.model not in (None, "", manager.served_model_name, manager.model_path):
+    if req.model not in (None, "", manager.served_model_name, manager.model_path,
+                         ROUTER_DEFAULT_MODEL):
         raise APIError(f"The model `{req.model}` does not exist.", status_code=404,
                        param="model", code="model_not_found")
     bad = req.unsupported()
@@ -138,6 +144,9 @@ class ChoiceState:
     completion_tokens: int = 0
     cached_tokens: int = 0
     spec: tuple[int, int, int] = (0, 0, 0)  # verify steps, draft tokens, accepted tokens
+    input_logprobs: list[float | None] | None = None  # prompt logprobs, when asked for
+    input_top_logprobs: list[list[tuple[int, float]] | None] | None = None
+    input_ranks: list[int | None] | None = None
 
     def update(self, out: TextOutput) -> None:
         if out.error:
@@ -154,6 +163,9 @@ class ChoiceState:
         self.cached_tokens = out.cached_tokens or self.cached_tokens
         if out.spec_verify_steps:
             self.spec = (out.spec_verify_steps, out.spec_draft_tokens, out.spec_accepted_tokens)
+        if out.input_logprobs is not None:
+            self.input_logprobs, self.input_ranks = out.input_logprobs, out.input_ranks
+            self.input_top_logprobs = out.input_top_logprobs
 
 
 async def collect(stream: AsyncIterator[tuple[int, TextOutput]], num: int) -> list[ChoiceState]:
@@ -175,20 +187,40 @@ def usage(states: list[ChoiceState], n: int) -> Usage:
 
 
 def token_text(manager: TokenizerManager, token_id: int) -> str:
-    return manager.tokenizer.decode([token_id])
+    """The token's own bytes as text (server/token_bytes.py): partial UTF-8 as \\xHH escapes."""
+    return manager.token_bytes.text_of(token_id)
 
 
 def chat_logprobs(manager: TokenizerManager, ids: list[int], logprobs: list[float],
                   top: list[list[tuple[int, float]]]) -> list[TokenLogprob]:
     def entry(cls: type, tid: int, lp: float, **kw: Any) -> Any:
-        text = token_text(manager, tid)
-        return cls(token=text, logprob=lp, bytes=list(text.encode()), **kw)
+        return cls(token=token_text(manager, tid), logprob=lp,
+                   bytes=list(manager.token_bytes.bytes_of(tid)), **kw)
 
     def tops(k: int) -> list[TopLogprob]:
         return [entry(TopLogprob, t, v) for t, v in (top[k] if k < len(top) else [])]
 
     return [entry(TokenLogprob, tid, lp, top_logprobs=tops(k))
             for k, (tid, lp) in enumerate(zip(ids, logprobs))]
+
+
+def vllm_prompt_logprobs(manager: TokenizerManager, ids: list[int], s: ChoiceState, top: int
+                         ) -> list[dict[str, PromptLogprob] | None]:
+    """vLLM's `prompt_logprobs`: per prompt position None (position 0) or {token id: {logprob,
+    rank, decoded_token}} holding the prompt's token and the `top` most likely ones."""
+    out: list[dict[str, PromptLogprob] | None] = []
+    for j, lp in enumerate(s.input_logprobs or []):
+        if lp is None:
+            out.append(None)
+            continue
+        alts = (s.input_top_logprobs or [])[j] if s.input_top_logprobs else []
+        entry = {str(t): PromptLogprob(logprob=v, rank=r + 1, decoded_token=token_text(manager, t))
+                 for r, (t, v) in enumerate((alts or [])[:top])}
+        rank = (s.input_ranks or [None] * (j + 1))[j]
+        entry[str(ids[j])] = PromptLogprob(logprob=lp, rank=rank,
+                                           decoded_token=token_text(manager, ids[j]))
+        out.append(entry)
+    return out
 
 
 def sse(event: BaseModel | dict) -> str:

@@ -10,7 +10,7 @@ from typing import Any
 
 from moeserve.core import SamplingParams, spec_meta
 from moeserve.server.protocol import APIError, GenerateRequest, new_id
-from moeserve.server.serving_common import ChoiceState, check_top_logprobs, collect
+from moeserve.server.serving_common import ChoiceState, check_top_logprobs, collect, token_text
 from moeserve.server.tokenizer_manager import GenInput, TokenizerManager, expand_n
 
 
@@ -19,6 +19,7 @@ class NativeJob:
     inputs: list[GenInput]
     batched: bool  # the request held a list of prompts: answer with a list
     id: str
+    text_in_logprobs: bool = False  # return_text_in_logprobs
 
 
 def _prompts(manager: TokenizerManager, req: GenerateRequest) -> tuple[list[list[int]], bool]:
@@ -65,31 +66,61 @@ def prepare_native(manager: TokenizerManager, req: GenerateRequest) -> NativeJob
         manager.check_ids([t for t, _ in sampling.logit_bias], "sampling_params.logit_bias")
     top = check_top_logprobs(req.top_logprobs_num, "top_logprobs_num")
     prompts, batched = _prompts(manager, req)
+    start = req.logprob_start_len if req.return_logprob else -1
     inputs = []
     for ids in prompts:
         manager.check_ids(ids, "input_ids" if req.input_ids is not None else "text")
-        max_new = manager.resolve_max_tokens(len(ids), sampling.max_new_tokens, "prompt")
+        if start >= len(ids):
+            raise APIError(f"logprob_start_len {start} is past the prompt's last position "
+                           f"{len(ids) - 1}", param="logprob_start_len")
+        max_new = manager.resolve_max_tokens(len(ids), sampling.max_new_tokens, "prompt",
+                                             minimum=0)
         inputs.append(GenInput(ids, dataclasses.replace(sampling, max_new_tokens=max_new),
-                               req.return_logprob, top))
-    return NativeJob(expand_n(inputs, n), batched or n > 1, new_id("gen"))
+                               req.return_logprob, top, start, top))
+    return NativeJob(expand_n(inputs, n), batched or n > 1, new_id("gen"),
+                     req.return_text_in_logprobs)
 
 
-def _result(job: NativeJob, i: int, s: ChoiceState) -> dict[str, Any]:
+def _triples(manager: TokenizerManager, job: NativeJob, lps: list, ids: list[int]) -> list:
+    """SGLang's logprob entries: [logprob, token id, its text or None]."""
+    text = (lambda t: token_text(manager, t)) if job.text_in_logprobs else (lambda t: None)
+    return [[lp, t, text(t)] for lp, t in zip(lps, ids)]
+
+
+def _logprob_meta(manager: TokenizerManager, job: NativeJob, i: int, s: ChoiceState
+                  ) -> dict[str, Any]:
+    """SGLang's meta_info logprob fields (input ones from logprob_start_len on)."""
+    def tops(rows: list | None) -> list:
+        return [None if r is None else _triples(manager, job, [v for _, v in r], [t for t, _ in r])
+                for r in rows or []]
+
+    x = job.inputs[i]
+    meta = {"output_token_logprobs": _triples(manager, job, s.logprobs, s.ids),
+            "output_top_logprobs": tops(s.top_logprobs)}
+    if x.logprob_start_len >= 0:
+        meta["input_token_logprobs"] = _triples(manager, job, s.input_logprobs or [],
+                                                x.input_ids[x.logprob_start_len:])
+        meta["input_top_logprobs"] = tops(s.input_top_logprobs) if s.input_top_logprobs else [
+            None if v is None else [] for v in s.input_logprobs or []]
+    return meta
+
+
+def _result(manager: TokenizerManager, job: NativeJob, i: int, s: ChoiceState
+            ) -> dict[str, Any]:
     finish = None if s.finish_reason is None else {"type": s.finish_reason, "matched": s.matched}
     meta = {"id": f"{job.id}-{i}", "finish_reason": finish, "prompt_tokens": s.prompt_tokens,
             "completion_tokens": s.completion_tokens, "cached_tokens": s.cached_tokens}
     if s.spec[0]:
         meta.update(spec_meta(*s.spec))
     if job.inputs[i].return_logprob:
-        meta["output_token_logprobs"] = s.logprobs
-        meta["output_top_logprobs"] = s.top_logprobs
+        meta.update(_logprob_meta(manager, job, i, s))
     return {"text": s.text, "output_ids": s.ids, "meta_info": meta} | (
         {"index": i} if job.batched else {})
 
 
 async def native_response(manager: TokenizerManager, job: NativeJob) -> Any:
     states = await collect(manager.generate(job.inputs, stream=False), len(job.inputs))
-    results = [_result(job, i, s) for i, s in enumerate(states)]
+    results = [_result(manager, job, i, s) for i, s in enumerate(states)]
     return results if job.batched else results[0]
 
 
@@ -99,4 +130,4 @@ async def native_stream(manager: TokenizerManager, job: NativeJob
     async with aclosing(manager.generate(job.inputs, stream=True)) as outputs:
         async for i, out in outputs:
             states[i].update(out)
-            yield _result(job, i, states[i])
+            yield _result(manager, job, i, states[i])
