@@ -22,13 +22,14 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from moeserve.server.tool_parsers import HermesParser, ToolParser
 
 _PROBE = "moeserve_template_probe"
 
 Render = Callable[[list[dict[str, Any]]], str]  # messages -> prompt text (raises on a bad chat)
+T = TypeVar("T")
 
 
 def message_dict(m: Any) -> dict[str, Any]:
@@ -74,13 +75,21 @@ def _renders_marker(render: Render, messages: list[dict[str, Any]]) -> bool:
     return False
 
 
-def prepare_messages(messages: list[dict[str, Any]], caps: TemplateCaps,
-                     parser: ToolParser | None) -> list[list[dict[str, Any]]]:
-    """The renderings to try in order (the first the template accepts is used)."""
+def render_first(render: Callable[[list[dict[str, Any]]], T], messages: list[dict[str, Any]],
+                 caps: TemplateCaps, parser: ToolParser | None) -> T:
+    """`render` of the first form of `messages` the template accepts (see the module docstring);
+    when it accepts none, the first form's error is raised."""
     messages = _name_tool_results(messages)
-    if caps.tool_calls:
-        return list(structured_variants(messages))
-    return [_as_text(messages, caps, parser or HermesParser())]
+    forms = structured_variants(messages) if caps.tool_calls else iter(
+        [_as_text(messages, caps, parser or HermesParser())])
+    error: Exception | None = None
+    for form in forms:
+        try:
+            return render(form)
+        except Exception as e:  # NOTE: jinja errors on a form: try the next one
+            error = error or e
+    assert error is not None
+    raise error
 
 
 def structured_variants(messages: list[dict[str, Any]]) -> Iterator[list[dict[str, Any]]]:

@@ -46,6 +46,13 @@ def check_request(manager: TokenizerManager, req: _SamplingRequest) -> None:
         manager.check_ids(req.stop_token_ids, "stop_token_ids")
 
 
+def response_model(manager: TokenizerManager, req: _SamplingRequest) -> str:
+    """The `model` a response names: the request's, or the served model's when it named none
+    (or the router's placeholder)."""
+    return req.model if req.model not in (None, "", ROUTER_DEFAULT_MODEL) else \
+        manager.served_model_name
+
+
 def check_top_logprobs(k: int | None, param: str) -> int:
     if k is not None and not 0 <= k <= MAX_TOP_LOGPROBS:
         raise APIError(f"{param} must be between 0 and {MAX_TOP_LOGPROBS}, got {k}", param=param)

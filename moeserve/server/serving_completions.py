@@ -11,8 +11,8 @@ from moeserve.server.protocol import (APIError, CompletionChoice, CompletionChun
                                       CompletionLogprobs, CompletionRequest, CompletionResponse,
                                       new_id)
 from moeserve.server.serving_common import (ChoiceState, check_request, check_top_logprobs,
-                                            collect, sampling_params, token_text, usage,
-                                            vllm_prompt_logprobs)
+                                            collect, response_model, sampling_params, token_text,
+                                            usage, vllm_prompt_logprobs)
 from moeserve.server.tokenizer_manager import GenInput, TokenizerManager, expand_n
 
 
@@ -56,7 +56,7 @@ def prepare_completion(manager: TokenizerManager, req: CompletionRequest) -> Com
     echo = [manager.tokenizer.decode(x.input_ids, skip_special_tokens=True) if req.echo else ""
             for x in inputs for _ in range(req.n)]
     return CompletionJob(req, expand_n(inputs, req.n), echo, new_id("cmpl"),
-                         req.model or manager.served_model_name)
+                         response_model(manager, req))
 
 
 def _logprobs(manager: TokenizerManager, job: CompletionJob, ids: list[int],

@@ -29,7 +29,7 @@ from moeserve.ipc.messages import (AbortReq, ControlReply, ControlReq, GenerateR
 from moeserve.ipc.queues import AsyncPullQueue, Endpoints, PushQueue
 from moeserve.runtime.grammar import GrammarCompiler
 from moeserve.server.metrics import Metrics, RequestTimer
-from moeserve.server.chat_messages import TemplateCaps, prepare_messages, probe_template
+from moeserve.server.chat_messages import TemplateCaps, probe_template, render_first
 from moeserve.server.protocol import APIError
 from moeserve.server.token_bytes import TokenBytes
 from moeserve.server.tool_parsers import ToolParser
@@ -183,17 +183,16 @@ class TokenizerManager:
         `template_kwargs` (e.g. enable_thinking) are variables the template reads. Messages as
         clients send them (tool calls, tool results) are rendered in the first form the template
         accepts (chat_messages.py); `parser` writes tool calls as text where it cannot."""
-        error: Exception | None = None
-        for variant in prepare_messages(messages, self.template_caps, parser):
-            try:
-                out = self.tokenizer.apply_chat_template(
-                    variant, tools=tools, add_generation_prompt=add_generation_prompt,
-                    tokenize=True, **(template_kwargs or {}))
-            except Exception as e:  # jinja errors on unexpected roles/orders
-                error = error or e
-                continue
-            return list(out["input_ids"] if hasattr(out, "keys") else out)
-        raise APIError(f"could not apply the chat template: {error}", param="messages")
+        def render(form: list[dict[str, Any]]) -> Any:
+            return self.tokenizer.apply_chat_template(
+                form, tools=tools, add_generation_prompt=add_generation_prompt, tokenize=True,
+                **(template_kwargs or {}))
+
+        try:
+            out = render_first(render, messages, self.template_caps, parser)
+        except Exception as e:  # jinja errors on unexpected roles/orders
+            raise APIError(f"could not apply the chat template: {e}", param="messages") from e
+        return list(out["input_ids"] if hasattr(out, "keys") else out)
 
     def check_ids(self, ids: list[int], param: str) -> None:
         if not ids:
