@@ -91,7 +91,7 @@ class Scheduler:
     def add_request(self, msg: GenerateReq) -> None:
         req = Req(msg.rid, list(msg.input_ids), msg.sampling, stream=msg.stream,
                   return_logprob=msg.return_logprob, top_logprobs_num=msg.top_logprobs_num)
-        if 0 <= msg.logprob_start_len < len(req.input_ids):
+        if 0 <= msg.logprob_start_len <= len(req.input_ids):  # == len: no prompt entries
             req.prompt_logprobs = PromptLogprobs(msg.logprob_start_len, len(req.input_ids),
                                                  msg.input_top_logprobs_num)
         req.device_len = len(req.input_ids)
@@ -100,7 +100,7 @@ class Scheduler:
         state = None if req.input_ids and total <= self.max_req_len else (
             f"prompt ({len(req.input_ids)} tokens) + max_new_tokens "
             f"({msg.sampling.max_new_tokens}) exceeds the context length {self.max_req_len}")
-        if msg.logprob_start_len >= len(req.input_ids):
+        if msg.logprob_start_len > len(req.input_ids):
             state = state or f"logprob_start_len {msg.logprob_start_len} is not a prompt position"
         state = state or self.grammars.attach(req)  # a new grammar: parked while it compiles
         if state not in (None, PARKED):

@@ -51,7 +51,7 @@ def _tools(manager: TokenizerManager, req: ChatCompletionRequest
         tools = [t for t in tools if t.function.name == choice.function.name]
         if not tools:
             raise APIError(f"tool_choice names {choice.function.name!r}, which is not in tools",
-                           param="tool_choice")
+                           status_code=404, param="tool_choice", code="tool_not_found")
     parser = make_parser(manager.cfg.server.tool_parser, manager.tokenizer.chat_template)
     names, offered = frozenset(t.function.name for t in tools), [
         t.model_dump(exclude_none=True) for t in tools]
@@ -92,6 +92,8 @@ def prepare_chat(manager: TokenizerManager, req: ChatCompletionRequest) -> ChatJ
     ids = manager.apply_chat_template(_messages(manager, req, tools, spec), template_tools,
                                       req.chat_template_kwargs, parser=spec.tools)
     manager.check_ids(ids, "messages")
+    if req.max_tokens is not None:  # checked even when max_completion_tokens wins
+        manager.resolve_max_tokens(len(ids), req.max_tokens, "messages")
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None \
         else req.max_tokens
     max_new = manager.resolve_max_tokens(len(ids), max_tokens, "messages")

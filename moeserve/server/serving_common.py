@@ -17,6 +17,7 @@ from moeserve.core import SamplingParams
 from moeserve.ipc.messages import TextOutput
 from moeserve.server.protocol import (MAX_TOP_LOGPROBS, APIError, PromptLogprob, TokenLogprob,
                                       TopLogprob, Usage, _SamplingRequest)
+from moeserve.server.request_models import JsonObjectFormat, JsonSchemaResponseFormat
 from moeserve.server.tokenizer_manager import SHUTDOWN_ERROR, TokenizerManager
 
 T = TypeVar("T")
@@ -31,16 +32,16 @@ class ClientGone(Exception):
 ROUTER_DEFAULT_MODEL = "unknown"
 
 
+def model_names(manager: TokenizerManager) -> list[str | None]:
+    """What a request's `model` may be: this server's model by name or path, or none."""
+    return [manager.served_model_name, manager.model_path, ROUTER_DEFAULT_MODEL, "", None]
+
+
 def check_request(manager: TokenizerManager, req: _SamplingRequest) -> None:
-    """Model name, n and refused fields (before any tokenization work)."""
-    if req.model not in (None, "", manager.served_model_name, manager.model_path,
-                         ROUTER_DEFAULT_MODEL):
+    """Model name, n and token ids (before any tokenization work)."""
+    if req.model not in model_names(manager):
         raise APIError(f"The model `{req.model}` does not exist.", status_code=404,
                        param="model", code="model_not_found")
-    bad = req.unsupported()
-    if bad:
-        raise APIError(f"unsupported parameter(s): {', '.join(bad)} (this server does not "
-                       f"implement them)", param=bad[0], code="unsupported_parameter")
     manager.check_n(req.n)
     if req.stop_token_ids:
         manager.check_ids(req.stop_token_ids, "stop_token_ids")
@@ -81,21 +82,12 @@ def grammar_spec(manager: TokenizerManager, req: _SamplingRequest,
     """response_format / regex / ebnf → (kind, source), compiled here once so a bad one is a 400.
     `tool_grammar` (already compiled) is what tool_choice required or named forces; the request
     may not constrain its output a second way."""
-    fmt = dict(req.response_format or {"type": "text"})
-    kind = fmt.get("type", "text")
+    fmt = req.response_format
     specs: list[tuple[str, str, str]] = []  # (param, kind, source)
-    if kind == "json_object":
-        specs.append(("response_format", kind, ""))
-    elif kind == "json_schema":
-        body = fmt.get("json_schema")
-        schema = body.get("schema") if isinstance(body, dict) else None
-        if not isinstance(schema, (dict, bool)):
-            raise APIError("response_format json_schema needs json_schema.schema (an object)",
-                           param="response_format")
-        specs.append(("response_format", kind, json.dumps(schema)))
-    elif kind != "text":
-        raise APIError(f"response_format type must be text, json_object or json_schema, got "
-                       f"{kind!r}", param="response_format")
+    if isinstance(fmt, JsonObjectFormat):
+        specs.append(("response_format", fmt.type, ""))
+    elif isinstance(fmt, JsonSchemaResponseFormat):
+        specs.append(("response_format", fmt.type, json.dumps(fmt.json_schema.schema_)))
     specs += [(k, k, v) for k, v in (("regex", req.regex), ("ebnf", req.ebnf)) if v is not None]
     if tool_grammar is not None:
         if specs:

@@ -9,9 +9,12 @@ from contextlib import aclosing
 from typing import Any
 
 from moeserve.core import SamplingParams, spec_meta
-from moeserve.server.protocol import APIError, GenerateRequest, new_id
+from moeserve.server.protocol import APIError, GenerateRequest, NativeSamplingParams, new_id
 from moeserve.server.serving_common import ChoiceState, check_top_logprobs, collect, token_text
 from moeserve.server.tokenizer_manager import GenInput, TokenizerManager, expand_n
+
+
+DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's, when sampling_params has none
 
 
 @dataclasses.dataclass
@@ -35,14 +38,13 @@ def _prompts(manager: TokenizerManager, req: GenerateRequest) -> tuple[list[list
     return [list(ids)], False
 
 
-def _grammar(manager: TokenizerManager, params: dict[str, Any]) -> tuple[str, str] | None:
+def _grammar(manager: TokenizerManager, params: NativeSamplingParams) -> tuple[str, str] | None:
     """SGLang's sampling_params json_schema / regex / ebnf (strings), compiled now for the 400."""
-    found = [(k, params.pop(k)) for k in ("json_schema", "regex", "ebnf") if k in params]
-    found = [(k, v) for k, v in found if v is not None]
+    found = params.grammar()
     if not found:
         return None
-    if len(found) > 1 or not isinstance(found[0][1], str):
-        raise APIError("sampling_params: give one of json_schema, regex, ebnf, as a string",
+    if len(found) > 1:
+        raise APIError("sampling_params: give one of json_schema, regex, ebnf",
                        param="sampling_params")
     try:
         manager.grammars.compile(found[0])
@@ -51,32 +53,39 @@ def _grammar(manager: TokenizerManager, params: dict[str, Any]) -> tuple[str, st
     return found[0]
 
 
-def prepare_native(manager: TokenizerManager, req: GenerateRequest) -> NativeJob:
-    params = dict(req.sampling_params)
-    n = params.pop("n", 1)
-    if not isinstance(n, int):
-        raise APIError("sampling_params.n must be an integer", param="sampling_params.n")
-    manager.check_n(n)
-    params["grammar"] = _grammar(manager, params)
+def _sampling(manager: TokenizerManager, params: NativeSamplingParams) -> SamplingParams:
+    """The typed sampling_params as the scheduler's SamplingParams (top_k 0 means off)."""
+    fields = params.model_dump(exclude={"n", "regex", "json_schema", "ebnf"})
+    if params.max_new_tokens is None:
+        fields["max_new_tokens"] = min(DEFAULT_MAX_NEW_TOKENS, manager.max_completion_tokens)
+    fields["top_k"] = -1 if params.top_k == 0 else params.top_k
+    fields["logit_bias"] = fields["logit_bias"] or ()
+    fields["stop"], fields["stop_token_ids"] = fields["stop"] or (), fields["stop_token_ids"] or ()
     try:
-        sampling = SamplingParams.from_dict(params)
+        sampling = SamplingParams.from_dict({**fields, "grammar": _grammar(manager, params)})
     except (ValueError, TypeError) as e:
         raise APIError(f"sampling_params: {e}", param="sampling_params") from e
     if sampling.logit_bias:
         manager.check_ids([t for t, _ in sampling.logit_bias], "sampling_params.logit_bias")
+    if sampling.stop_token_ids:
+        manager.check_ids(list(sampling.stop_token_ids), "sampling_params.stop_token_ids")
+    return sampling
+
+
+def prepare_native(manager: TokenizerManager, req: GenerateRequest) -> NativeJob:
+    n = req.sampling_params.n
+    manager.check_n(n)
+    sampling = _sampling(manager, req.sampling_params)
     top = check_top_logprobs(req.top_logprobs_num, "top_logprobs_num")
     prompts, batched = _prompts(manager, req)
     start = req.logprob_start_len if req.return_logprob else -1
     inputs = []
     for ids in prompts:
         manager.check_ids(ids, "input_ids" if req.input_ids is not None else "text")
-        if start >= len(ids):
-            raise APIError(f"logprob_start_len {start} is past the prompt's last position "
-                           f"{len(ids) - 1}", param="logprob_start_len")
         max_new = manager.resolve_max_tokens(len(ids), sampling.max_new_tokens, "prompt",
                                              minimum=0)
         inputs.append(GenInput(ids, dataclasses.replace(sampling, max_new_tokens=max_new),
-                               req.return_logprob, top, start, top))
+                               req.return_logprob, top, min(start, len(ids)), top))
     return NativeJob(expand_n(inputs, n), batched or n > 1, new_id("gen"),
                      req.return_text_in_logprobs)
 

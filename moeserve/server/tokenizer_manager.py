@@ -202,16 +202,28 @@ class TokenizerManager:
             raise APIError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})",
                            param=param)
 
+    @property
+    def max_completion_tokens(self) -> int:
+        """The largest max_tokens accepted: server.max_completion_tokens, at most the context
+        minus one (the prompt needs a token)."""
+        cap = self.cfg.server.max_completion_tokens
+        return self.max_req_len - 1 if cap is None else min(cap, self.max_req_len - 1)
+
     def resolve_max_tokens(self, prompt_len: int, max_tokens: int | None, param: str,
                            minimum: int = 1) -> int:
         """max_tokens is a cap: generation also ends where the context does (finish_reason
-        "length"), so a request whose prompt fits is served whatever its max_tokens, up to
-        `context - 1` (a larger one never fits: 400, as a prompt that fills the context is).
-        None → the rest of the context. `minimum`: 0 where scoring a prompt alone is allowed."""
+        "length"), so a request whose prompt fits is served with any max_tokens up to
+        `max_completion_tokens` (above it: 400; a prompt that fills the context: 400).
+        None → the rest of the context, within max_completion_tokens. `minimum`: 0 where
+        scoring a prompt alone is allowed."""
         limit = self.max_req_len
         if max_tokens is not None and max_tokens < minimum:
             raise APIError(f"max_tokens must be at least {minimum}, got {max_tokens}",
                            param="max_tokens")
+        cap = self.cfg.server.max_completion_tokens
+        if cap is not None and (max_tokens or 0) > cap:
+            raise APIError(f"max_tokens must be at most {cap} (server.max_completion_tokens), "
+                           f"got {max_tokens}", param="max_tokens")
         if prompt_len >= limit or (max_tokens or 0) >= limit:
             asked = prompt_len + (max_tokens or 0)
             raise APIError(
@@ -220,7 +232,7 @@ class TokenizerManager:
                 f"completion). Please reduce the length of the {param} or completion.",
                 param=param if prompt_len >= limit else "max_tokens",
                 code="context_length_exceeded")
-        room = limit - prompt_len
+        room = limit - prompt_len if cap is None else min(limit - prompt_len, cap)
         return room if max_tokens is None else min(max_tokens, room)
 
     def model_info(self) -> dict[str, Any]:
