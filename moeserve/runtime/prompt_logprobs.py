@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-SCORE_LOGITS = 1 << 22  # logits per LM-head block while scoring (16 MiB in float32)
+SCORE_LOGITS = 1 << 24  # logits per LM-head block while scoring (64 MiB in float32)
 
 
 @dataclass(frozen=True)

@@ -44,7 +44,7 @@ ModelName = Annotated[str, Field(json_schema_extra={"x-model-name": True})]
 Bias = Annotated[float, Field(ge=-100, le=100)]
 # integers beyond 2**53 are not exact in every JSON client (a float64 compare lets 2**64 + 384
 # pass a maximum of 2**64 - 1): seeds keep to the exact range
-Seed = Annotated[int, Field(ge=-(2**53 - 1), le=2**53 - 1), INTEGRAL]  # what a torch generator takes
+Seed = Annotated[int, Field(ge=-(2**53 - 1), le=2**53 - 1), INTEGRAL]
 TopLogprobs = Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS), INTEGRAL]
 TopK = Annotated[int, Field(ge=-1, le=INT32_MAX), INTEGRAL]  # 0 or -1: off
 Penalty = Annotated[float, Field(ge=-2, le=2)]
