@@ -159,3 +159,26 @@ def test_scoring_runs_the_head_in_blocks(monkeypatch):
                 full[r].topk(span.top).indices.tolist() for r in rows]
         else:
             assert scores.tops is None
+
+
+def test_prompt_logprobs_while_speculating(tiny_model):
+    """With MTP speculation (tiny DeepSeek-V3's own MTP layer) the target's prefill steps run in
+    the speculative decoder, which scores them too: chunked, beside verify steps."""
+    from transformers import AutoModelForCausalLM
+
+    path = tiny_model("deepseek_v3")
+    prompts = workload(1)[:3]
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logps = [torch.log_softmax(model(torch.tensor([p])).logits[0].float(), -1)
+                 for p in prompts]
+    spec = ["spec.algorithm=nextn", "spec.max_batch_size=0", "spec.num_steps=2",
+            "scheduler.overlap=true", "scheduler.chunked_prefill_size=8"]
+    with Engine(path, FP32_CPU + spec) as eng:
+        assert eng.runner.draft is not None
+        outs = eng.generate(input_ids=prompts, sampling_params={**GREEDY, "max_new_tokens": 6},
+                            logprob_start_len=0)
+        assert sum(o["meta"].get("spec_verify_steps", 0) for o in outs) > 0
+        for prompt, logp, out in zip(prompts, logps, outs):
+            assert_close(out["meta"]["input_logprobs"], expected(prompt, logp, 0))
+        assert eng.scheduler.is_memory_clean()
