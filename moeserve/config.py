@@ -103,6 +103,7 @@ def validate(cfg: MoeserveConfig) -> MoeserveConfig:
     if cfg.scheduler.log_interval_s < 0:
         raise ConfigError("scheduler.log_interval_s", "must be >= 0 (0: off)")
     _check_positive("server.max_n", cfg.server.max_n, False)
+    _check_positive("server.max_completion_tokens", cfg.server.max_completion_tokens)
     _check_positive("server.max_request_bytes", cfg.server.max_request_bytes, False)
     if cfg.server.shutdown_timeout_s < 0:
         raise ConfigError("server.shutdown_timeout_s", "must be >= 0")

@@ -119,6 +119,9 @@ class ServerConfig:
     api_key: str | None = None  # when set, requests need "Authorization: Bearer <key>"
     served_model_name: str | None = None  # default: the model folder's name
     max_n: int = 16  # largest `n` accepted per request
+    # most tokens one request may generate (max_tokens above it is a 400; absent, it is the
+    # default); None: up to the context
+    max_completion_tokens: int | None = None
     log_level: str = "info"
     startup_timeout_s: float = 600.0
     tool_parser: str = "auto"  # auto (from the chat template) | none | deepseek_v3 | hermes | llama3

@@ -118,6 +118,44 @@ def spec_meta(verify_steps: int, draft_tokens: int, accepted_tokens: int) -> dic
             "spec_accept_length": round(accepted_tokens / max(verify_steps, 1), 3)}
 
 
+@dataclass
+class PromptLogprobs:
+    """A request's prompt logprobs: entry j is log p(prompt[start + j] | prompt[: start + j])
+    (None for position 0, which has no context), with the top-`top` alternatives and the token's
+    rank. Filled by position as prefill chunks finish, so a chunk scored twice (a retracted
+    request prefilled again) overwrites instead of appending."""
+
+    start: int  # first prompt position returned
+    prompt_len: int
+    top: int = 0
+    values: list[float | None] = field(default_factory=list)
+    tops: list[list[tuple[int, float]] | None] = field(default_factory=list)
+    ranks: list[int | None] = field(default_factory=list)
+    sent: bool = False
+
+    def __post_init__(self) -> None:
+        n = self.prompt_len - self.start
+        self.values, self.tops, self.ranks = [None] * n, [None] * n, [None] * n
+        self._missing = set(range(max(self.start, 1), self.prompt_len))
+
+    @property
+    def done(self) -> bool:
+        return not self._missing
+
+    def first_missing(self) -> int:
+        """The earliest prompt position still without its logprob (prompt_len when done)."""
+        return min(self._missing, default=self.prompt_len)
+
+    def record(self, first: int, values: list[float], ranks: list[int],
+               tops: list[list[tuple[int, float]]] | None) -> None:
+        """Logprobs of prompt positions first, first + 1, …"""
+        for k, v in enumerate(values):
+            j = first + k - self.start
+            self.values[j], self.ranks[j] = v, ranks[k]
+            self.tops[j] = tops[k] if tops else []
+            self._missing.discard(first + k)
+
+
 @dataclass(eq=False)
 class Req:
     """All state of one request on a scheduler rank.
@@ -154,6 +192,7 @@ class Req:
     retractions: int = 0
     spec_verify_steps: int = 0  # speculative decoding: verify passes this request took part in
     spec_accepted_tokens: int = 0  # tokens they produced (accepted drafts + the target's token)
+    prompt_logprobs: PromptLogprobs | None = None  # asked for: filled while the prompt prefills
 
     @property
     def fill_ids(self) -> list[int]:
@@ -171,3 +210,10 @@ class Req:
     @property
     def finished(self) -> bool:
         return self.finish is not None
+
+    @property
+    def max_cached_prefix(self) -> int | None:
+        """The longest cached prefix admission may reuse: prompt logprobs still to compute need
+        the hidden state before each of their tokens, which a cache hit would skip."""
+        lp = self.prompt_logprobs
+        return None if lp is None or lp.done else lp.first_missing() - 1

@@ -112,11 +112,15 @@ class Engine:
                  input_ids: list[list[int]] | None = None,
                  sampling_params: dict | list[dict] | None = None,
                  dp_ranks: list[int | None] | None = None,
-                 return_logprob: bool = False) -> list[dict[str, Any]]:
+                 return_logprob: bool = False, logprob_start_len: int = -1,
+                 top_logprobs_num: int = 0) -> list[dict[str, Any]]:
         """One result per prompt: {"text", "output_ids", "meta": {prompt_tokens, completion_tokens,
         cached_tokens, finish_reason}}. Exactly one of prompts / input_ids. `dp_ranks` pins
         prompts to data-parallel ranks (multi-rank engines). `return_logprob`: meta also holds
-        "output_logprobs", each output token's logprob under the raw distribution."""
+        "output_logprobs", each output token's logprob under the raw distribution.
+        `logprob_start_len` >= 0: meta also holds "input_logprobs", the prompt tokens' logprobs
+        from that position on (None at position 0), and with `top_logprobs_num`,
+        "input_top_logprobs" ((id, logprob) pairs per position)."""
         if (prompts is None) == (input_ids is None):
             raise ValueError("pass exactly one of prompts or input_ids")
         if isinstance(prompts, str):
@@ -128,7 +132,10 @@ class Engine:
             raise ValueError("empty prompt")
         pins = dp_ranks if dp_ranks is not None else [None] * len(ids)
         reqs = [GenerateReq(rid=f"engine-{next(self._rid)}", input_ids=list(x), sampling=p,
-                            dp_rank=pin, return_logprob=return_logprob)
+                            dp_rank=pin, return_logprob=return_logprob,
+                            top_logprobs_num=top_logprobs_num,
+                            logprob_start_len=logprob_start_len,
+                            input_top_logprobs_num=top_logprobs_num)
                 for x, p, pin in zip(ids, params, pins, strict=True)]
         outputs = self._core.run(reqs)
         return [self._result(outputs[r.rid]) for r in reqs]
@@ -163,6 +170,11 @@ class Engine:
                 "finish_reason": "length" if last.finish_reason == "length" else "stop"}
         if any(o.logprobs is not None for o in outs):
             meta["output_logprobs"] = [lp for o in outs for lp in (o.logprobs or [])]
+        prompt = next((o for o in outs if o.input_logprobs is not None), None)
+        if prompt is not None:
+            meta["input_logprobs"] = prompt.input_logprobs
+            if prompt.input_top_logprobs is not None:
+                meta["input_top_logprobs"] = prompt.input_top_logprobs
         if last.spec_verify_steps:
             meta.update(spec_meta(last.spec_verify_steps, last.spec_draft_tokens,
                                   last.spec_accepted_tokens))

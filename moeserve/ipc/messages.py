@@ -29,6 +29,9 @@ class GenerateReq(Msg):
     return_logprob: bool = False
     top_logprobs_num: int = 0
     dp_rank: int | None = None  # pin to one data-parallel rank
+    # prompt logprobs from this prompt position on (-1: none), with this many alternatives each
+    logprob_start_len: int = -1
+    input_top_logprobs_num: int = 0
 
 
 class AbortReq(Msg):
@@ -65,6 +68,11 @@ class TokenOutput(Msg):
     spec_verify_steps: int = 0  # speculative decoding: verify passes so far
     spec_draft_tokens: int = 0  # drafts proposed so far
     spec_accepted_tokens: int = 0  # tokens those passes produced (accepted drafts + bonus)
+    # prompt logprobs (once, with the first output after the prompt's prefill): entry j is for
+    # prompt position logprob_start_len + j (None at position 0); ranks are 1 for the argmax
+    input_logprobs: list[float | None] | None = None
+    input_top_logprobs: list[list[tuple[int, float]] | None] | None = None
+    input_ranks: list[int | None] | None = None
 
 
 class TokenOutputBatch(Msg):
@@ -88,6 +96,9 @@ class TextOutput(Msg):
     spec_verify_steps: int = 0
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
+    input_logprobs: list[float | None] | None = None
+    input_top_logprobs: list[list[tuple[int, float]] | None] | None = None
+    input_ranks: list[int | None] | None = None
 
 
 class TextOutputBatch(Msg):

@@ -102,6 +102,11 @@ def target_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     """The distribution a sampled request draws from: softmax(logits / T), then top-k, top-p and
     min-p (speculative verification accepts against exactly this one)."""
     probs = torch.softmax(logits.float() / p.temperature, dim=-1)  # [V]
+    # NOTE: a temperature near 0 (or a repetition penalty near 0 before it) overflows logits / T
+    # to inf, and softmax to NaN, which multinomial refuses: a raise that killed the scheduler.
+    # The limit of softmax(x / T) as T -> 0 is the argmax's one-hot; no host sync to pick it.
+    limit = torch.zeros_like(probs).scatter_(0, logits.float().argmax().view(1), 1.0)
+    probs = torch.where(torch.isfinite(probs).all(), probs, limit)
     return filter_probs(probs, p.top_k, p.top_p, p.min_p)
 
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from moeserve.core import ForwardMode, SamplingParams
+from moeserve.runtime.prompt_logprobs import PromptSpan, SpanScores
 
 
 @dataclass
@@ -40,6 +41,8 @@ class ForwardInput:
     # speculative decoding, EXTEND: the token after each request's chunk (the draft's input at the
     # chunk's last position), -1 where the chunk completes the prompt (the sampled token is)
     next_prompt_ids: list[int] = field(default_factory=list)
+    # EXTEND/MIXED: prompt positions scored for prompt logprobs (runtime/prompt_logprobs.py)
+    prompt_spans: list[PromptSpan] = field(default_factory=list)
 
     def greedy_only(self) -> bool:
         """Only greedy next tokens are needed (no sampling, logprobs, edits, grammars or returned
@@ -74,6 +77,7 @@ class ForwardOutput:
     # a Future done once the grammar matchers have accepted this step's tokens (on the
     # grammar_steps helper thread); the scheduler reads a matcher's done_at only after it
     grammar_accepted: Future | None = None
+    prompt_scores: list[SpanScores] | None = None  # one per ForwardInput.prompt_spans entry
 
     def resolved(self) -> ForwardOutput:
         """This output with next_token_ids on the host (waits for the step's copy) and its

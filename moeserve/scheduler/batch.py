@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from moeserve.core import ForwardMode, Req
+from moeserve.runtime.prompt_logprobs import PromptSpan, span_of
 from moeserve.runtime.step import ForwardInput
 
 
@@ -21,6 +22,14 @@ class ScheduledBatch:
     def idle(cls) -> ScheduledBatch:
         return cls(ForwardMode.IDLE, [], [], [], [], ForwardInput.idle())
 
+    def record_prompt_scores(self, scores) -> None:
+        """A finished step's prompt logprobs (ForwardOutput.prompt_scores) into its requests,
+        unless a request finished, aborted or was retracted since (its epoch moved on)."""
+        for span, got in zip(self.forward_input.prompt_spans, scores or ()):
+            req = self.reqs[span.index]
+            if req.epoch == self.epochs[span.index] and req.prompt_logprobs is not None:
+                req.prompt_logprobs.record(got.first, got.values, got.ranks, got.tops)
+
     @property
     def num_tokens(self) -> int:
         return sum(self.forward_input.extend_lens)
@@ -34,8 +43,9 @@ class ScheduledBatch:
         (one token each); their input tokens were sampled on the device and are already in the
         token table (the host may not know them yet), so only the prefills' tokens travel."""
         prefix_lens = [r.kv_len for r in reqs]
-        new_ids, history, after = None, [], []
+        new_ids, history, after, spans = None, [], [], []
         if mode in (ForwardMode.EXTEND, ForwardMode.MIXED):
+            spans = _prompt_spans(reqs[: len(reqs) - riders], extend_lens)
             fills = list(zip(reqs[: len(reqs) - riders], extend_lens))
             new_ids = [t for r, n in fills for t in r.fill_ids[r.kv_len : r.kv_len + n]]
             history = [(r.req_pool_idx, r.fill_ids[: r.kv_len]) for r, _ in fills
@@ -57,6 +67,20 @@ class ScheduledBatch:
             top_logprobs_nums=[r.top_logprobs_num if r.return_logprob else -1 for r in reqs],
             prompt_lens=[len(r.input_ids) for r in reqs], history=history,
             grammars=[r.grammar for r in reqs] if any(r.grammar for r in reqs) else [],
-            next_prompt_ids=after)
+            next_prompt_ids=after, prompt_spans=spans)
         return cls(mode, list(reqs), [r.epoch for r in reqs], list(partial),
                    [r.kv_len for r in reqs], fi)
+
+
+def _prompt_spans(reqs: list[Req], extend_lens: list[int]) -> list[PromptSpan]:
+    """The prompt positions this step scores for requests still missing prompt logprobs (called
+    before kv_len advances: each chunk starts at its request's kv_len)."""
+    spans, row = [], 0
+    for i, (r, n) in enumerate(zip(reqs, extend_lens)):
+        lp = r.prompt_logprobs
+        if lp is not None and not lp.done:
+            span = span_of(i, row, r.kv_len, n, r.input_ids, lp.start, lp.top)
+            if span is not None:
+                spans.append(span)
+        row += n
+    return spans

@@ -110,7 +110,13 @@ class CacheManager:
     # ---- helpers ----------------------------------------------------------------------------
     @staticmethod
     def _key(req: Req) -> list[int]:
-        return req.fill_ids[:-1] if req.fill_ids else []
+        """What the prefix cache may serve: all but the last token (whose logits are needed), and
+        no more than `req.max_cached_prefix` (prompt logprobs yet to compute). NOTE: capping the
+        match recomputes those positions' KV into the request's own slots, the same compute as
+        any way of getting their hidden states back (docs/prompt_logprobs.md measures it)."""
+        key = req.fill_ids[:-1] if req.fill_ids else []
+        cap = req.max_cached_prefix
+        return key if cap is None else key[:cap]
 
     def _computed(self, req: Req, upto: int | None = None) -> tuple[list[int], torch.Tensor]:
         """(tokens whose ids are known, slots) for the first `upto` (default kv_len) positions.

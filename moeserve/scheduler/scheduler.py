@@ -11,7 +11,7 @@ from collections.abc import Callable
 from typing import Protocol
 
 from moeserve.config import MoeserveConfig
-from moeserve.core import FinishReason, ForwardMode, Req
+from moeserve.core import FinishReason, ForwardMode, PromptLogprobs, Req
 from moeserve.distributed import ParallelMesh, single_rank_mesh
 from moeserve.dp_attention.sync import GlobalBatchInfo, dp_sync
 from moeserve.dp_attention.watchdog import LockstepWatchdog, RankState, SyncJitter
@@ -89,12 +89,17 @@ class Scheduler:
     def add_request(self, msg: GenerateReq) -> None:
         req = Req(msg.rid, list(msg.input_ids), msg.sampling, stream=msg.stream,
                   return_logprob=msg.return_logprob, top_logprobs_num=msg.top_logprobs_num)
+        if 0 <= msg.logprob_start_len <= len(req.input_ids):  # == len: no prompt entries
+            req.prompt_logprobs = PromptLogprobs(msg.logprob_start_len, len(req.input_ids),
+                                                 msg.input_top_logprobs_num)
         req.device_len = len(req.input_ids)
         req.generator = make_generator(msg.sampling, self.runner.device)
         total = len(req.input_ids) + msg.sampling.max_new_tokens
         state = None if req.input_ids and total <= self.max_req_len else (
             f"prompt ({len(req.input_ids)} tokens) + max_new_tokens "
             f"({msg.sampling.max_new_tokens}) exceeds the context length {self.max_req_len}")
+        if msg.logprob_start_len > len(req.input_ids):
+            state = state or f"logprob_start_len {msg.logprob_start_len} is not a prompt position"
         state = state or self.grammars.attach(req)  # a new grammar: parked while it compiles
         if state not in (None, PARKED):
             self._reject(req, state)
@@ -265,6 +270,7 @@ class Scheduler:
     def process_result(self, batch: ScheduledBatch, out) -> None:
         """`out` is the finished step's ForwardOutput; no step older than the next is in flight."""
         self.cache.free_deferred_rows()
+        batch.record_prompt_scores(out.prompt_scores)
         touched: list[Req] = []
         for i, req in enumerate(batch.reqs):
             if req.finished or req.epoch != batch.epochs[i]:
@@ -272,7 +278,9 @@ class Scheduler:
             if batch.partial[i]:
                 self.cache.cache_unfinished(req, batch.kv_ends[i])
                 continue
-            if out.spec_tokens is None:
+            if req.sampling.max_new_tokens == 0:  # prompt scoring only: nothing is generated
+                finish = FinishReason("length")
+            elif out.spec_tokens is None:
                 finish = self._append(req, out.next_token_ids[i], out.logprobs, out.top_logprobs,
                                       i)
             else:  # a verified block: tokens up to the first stop condition
@@ -327,14 +335,20 @@ class Scheduler:
         lp = req.logprobs[req.sent_len :] if req.return_logprob else None
         top = req.top_logprobs[req.sent_len :] if req.return_logprob else None
         req.sent_len = len(req.output_ids)
-        f = req.finish
+        f, plp = req.finish, req.prompt_logprobs
+        prompt = plp is not None and plp.done and not plp.sent  # sent once, when complete
+        if prompt:
+            plp.sent = True
         return TokenOutput(rid=req.rid, new_ids=new, finish_reason=f.type if f else None,
                            finish_matched=f.matched if f else None,
                            prompt_tokens=len(req.input_ids), completion_tokens=len(req.output_ids),
                            cached_tokens=req.cached_tokens, logprobs=lp, top_logprobs=top,
                            spec_verify_steps=req.spec_verify_steps,
                            spec_draft_tokens=req.spec_verify_steps * self.cfg.spec.draft_nodes,
-                           spec_accepted_tokens=req.spec_accepted_tokens)
+                           spec_accepted_tokens=req.spec_accepted_tokens,
+                           input_logprobs=plp.values if prompt else None,
+                           input_top_logprobs=plp.tops if prompt and plp.top else None,
+                           input_ranks=plp.ranks if prompt else None)
 
     def _take_stop_strings(self, reqs: list[Req]) -> dict[str, list[str]]:
         return {r.rid: self.pending_stop_strings.pop(r.rid) for r in reqs

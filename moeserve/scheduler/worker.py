@@ -15,6 +15,7 @@ from moeserve.host_copy import PendingHost, to_device
 from moeserve.runtime.grammar_steps import GrammarSteps, StepMask
 from moeserve.runtime.model_runner import ModelRunner
 from moeserve.runtime.penalties import LogitEdits, edit_logits
+from moeserve.runtime.prompt_logprobs import score_spans
 from moeserve.runtime.sampler import greedy, logprobs_of, sample
 from moeserve.runtime.step import ForwardInput, ForwardOutput
 
@@ -72,10 +73,24 @@ class ForwardWorker:
         if self.spec is not None:
             return self.spec.run(fi)
         fb = self._prepare(fi)
+        if fi.prompt_spans:
+            return self._scoring_step(fi, fb)
         if fi.greedy_only():
             return self.finish_step(fi, fb, self.runner.forward_greedy(fb), None, defer=True)
         logits = self.runner.forward(fb, float_logits=fi.return_all_logits)  # sampling upcasts
         return self.sample_step(fi, fb, logits, defer=True)
+
+    def _scoring_step(self, fi: ForwardInput, fb: ForwardBatch) -> ForwardOutput:
+        """A prefill step that also scores prompt positions: the hidden states of every position
+        are kept (fb.return_all_logits), the last ones sampled as usual, the spans' rows scored
+        by blocks (runtime/prompt_logprobs.py)."""
+        fb.return_all_logits = True
+        hidden = self.runner.forward_hidden(fb)  # [T, H]
+        logits = self.runner.model.compute_logits(hidden[fb.last_token_indices()]).float()
+        out = self.sample_step(fi, fb, logits)
+        out.prompt_scores = score_spans(self.runner.model.compute_logits, hidden,
+                                        fi.prompt_spans)
+        return out
 
     def sample_step(self, fi: ForwardInput, fb: ForwardBatch, logits: torch.Tensor,
                     defer: bool = False) -> ForwardOutput:

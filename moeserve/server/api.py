@@ -7,17 +7,15 @@ raise `BadRequestError`. The heavy lifting lives in serving_*.py; this file only
 
 from __future__ import annotations
 
+import hmac
 import json
 import logging
-import os
-import hmac
-import tempfile
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import asdict
 from typing import Any
 
 from fastapi import Depends, FastAPI, Request
+from fastapi.security import HTTPBearer
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -25,26 +23,36 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from moeserve.config import MoeserveConfig
-from moeserve.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest,
-                                      DetokenizeRequest, GenerateRequest, ModelCard, ModelList,
+from moeserve.server.api_experts import add_expert_routes
+from moeserve.server.chat_messages import message_dict
+from moeserve.server.openapi import install_openapi
+from moeserve.server.protocol import (APIError, ChatCompletionRequest, ChatCompletionResponse,
+                                      CompletionRequest, CompletionResponse, DetokenizeRequest,
+                                      ErrorResponse, GenerateRequest, ModelCard, ModelList,
                                       TokenizeRequest, error_body)
-from moeserve.server.serving_chat import chat_response, chat_stream, message_dict, prepare_chat
+from moeserve.server.serving_chat import chat_response, chat_stream, prepare_chat
 from moeserve.server.serving_common import ClientGone, sse_stream, until_disconnect
 from moeserve.server.serving_completions import (completion_response, completion_stream,
                                                  prepare_completion)
 from moeserve.server.serving_native import native_response, native_stream, prepare_native
 from moeserve.server.tokenizer_manager import TokenizerManager
+from moeserve.server.tool_parsers import make_parser
 
 logger = logging.getLogger(__name__)
+BEARER = HTTPBearer(auto_error=False)  # documents the scheme; _api_key_checker enforces it
 
 
 def create_app(manager: TokenizerManager, cfg: MoeserveConfig) -> FastAPI:
     app = FastAPI(title="moeserve", docs_url=None, redoc_url=None)
     app.state.manager = manager
     _install_error_handlers(app)
-    auth = [Depends(_api_key_checker(cfg.server.api_key))]
+    auth = [Depends(_api_key_checker(cfg.server.api_key))] if cfg.server.api_key else []
     _add_openai_routes(app, manager, auth)
     _add_native_routes(app, manager, cfg, auth)
+    if manager.scheduler_info.get("weight_bytes", {}).get("experts"):  # a MoE model
+        eplb = cfg.eplb.num_redundant_experts > 0 or cfg.eplb.init_placement is not None
+        add_expert_routes(app, manager, auth, eplb, errors(409, body=True), _json_body)
+    install_openapi(app, manager, cfg)
     return app
 
 
@@ -79,12 +87,11 @@ def _install_error_handlers(app: FastAPI) -> None:
                             status_code=500)
 
 
-def _api_key_checker(api_key: str | None) -> Callable[[Request], Awaitable[None]]:
-    expected = (api_key or "").encode("utf-8")
+def _api_key_checker(api_key: str) -> Callable[..., Awaitable[None]]:
+    expected = api_key.encode("utf-8")
 
-    async def check(request: Request) -> None:
-        if api_key is None:
-            return
+    async def check(request: Request, _: Any = Depends(BEARER)) -> None:
+        """BEARER only states the scheme in /openapi.json; the header is read here."""
         header = request.headers.get("authorization", "")
         scheme, _, token = header.partition(" ")
         # NOTE: constant time, on bytes (compare_digest refuses non-ASCII str: a 500)
@@ -116,26 +123,51 @@ async def _complete(request: Request, work: Awaitable[Any]) -> Response:
 async def _json_body(request: Request, model: type[BaseModel]) -> Any:
     """Parse the body as JSON whatever its Content-Type (SGLang's /generate does: curl -d sends
     form encoding by default), with the same 400s as FastAPI's own parsing."""
+    raw = await request.body()
     try:
-        data = json.loads(await request.body())
+        json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise APIError(f"invalid JSON body: {e}") from None
     try:
-        return model.model_validate(data)
+        return model.model_validate_json(raw)
     except ValidationError as e:
         raise RequestValidationError(e.errors()) from None
 
 
 # ---- routes ------------------------------------------------------------------------------------
+def errors(*statuses: int, body: bool = False) -> dict[int | str, dict[str, Any]]:
+    """Documented error responses (OpenAI's body): `statuses`, plus 400 and 413 for a route that
+    reads a body, and 503 for every route (answered while the server drains)."""
+    codes = set(statuses) | ({400, 413} if body else set()) | {503}
+    return {code: {"model": ErrorResponse, "description": ERROR_MEANINGS[code]}
+            for code in sorted(codes)}
+
+
+ERROR_MEANINGS = {400: "Invalid request (see error.message and error.param)",
+                  404: "The model, or the function tool_choice names, does not exist",
+                  409: "Not possible in the server's current state",
+                  413: "Request body over server.max_request_bytes",
+                  503: "The server is shutting down or not serving"}
+
+
+def _with_stream(model: type[BaseModel], *statuses: int) -> dict[int | str, dict[str, Any]]:
+    """The route's JSON result, or (`stream: true`) server-sent events."""
+    return {200: {"model": model, "content": {"text/event-stream": {"schema": {
+        "type": "string", "description": "server-sent events, ending with data: [DONE]"}}}},
+            **errors(404, *statuses, body=True)}
+
+
 def _add_openai_routes(app: FastAPI, manager: TokenizerManager, auth: list) -> None:
-    @app.post("/v1/completions", dependencies=auth)
+    @app.post("/v1/completions", dependencies=auth, response_model=None,
+              responses=_with_stream(CompletionResponse))
     async def completions(req: CompletionRequest, request: Request) -> Response:
         job = prepare_completion(manager, req)
         if req.stream:
             return _stream(completion_stream(manager, job))
         return await _complete(request, completion_response(manager, job))
 
-    @app.post("/v1/chat/completions", dependencies=auth)
+    @app.post("/v1/chat/completions", dependencies=auth, response_model=None,
+              responses=_with_stream(ChatCompletionResponse))
     async def chat_completions(req: ChatCompletionRequest, request: Request) -> Response:
         job = prepare_chat(manager, req)
         if req.stream:
@@ -146,11 +178,11 @@ def _add_openai_routes(app: FastAPI, manager: TokenizerManager, auth: list) -> N
         return ModelCard(id=manager.served_model_name, root=manager.model_path,
                          max_model_len=manager.max_req_len)
 
-    @app.get("/v1/models", dependencies=auth)
+    @app.get("/v1/models", dependencies=auth, responses=errors())
     async def models() -> ModelList:
         return ModelList(data=[card()])
 
-    @app.get("/v1/models/{model:path}", dependencies=auth)
+    @app.get("/v1/models/{model:path}", dependencies=auth, responses=errors(404))
     async def model(model: str) -> ModelCard:
         if model not in (manager.served_model_name, manager.model_path):
             raise APIError(f"The model `{model}` does not exist.", status_code=404,
@@ -160,46 +192,57 @@ def _add_openai_routes(app: FastAPI, manager: TokenizerManager, auth: list) -> N
 
 def _add_native_routes(app: FastAPI, manager: TokenizerManager, cfg: MoeserveConfig,
                        auth: list) -> None:
-    @app.api_route("/health", methods=["GET", "HEAD"])
+    @app.api_route("/health", methods=["GET", "HEAD"], response_model=None,
+                   responses={200: {"content": {"application/json": {"schema": {
+                       "type": "object", "properties": {"status": {"const": "ok"}}}}}},
+                       **errors()})
     async def health() -> Response:
         if not manager.healthy:
             return JSONResponse(error_body("tokenizer manager stopped", "server_error"), 503)
         return JSONResponse({"status": "ok"})
 
-    @app.post("/generate", dependencies=auth)
+    generate_doc = {200: {"content": {
+        "application/json": {"schema": {"anyOf": [{"type": "object"}, {"type": "array"}]}},
+        "text/event-stream": {"schema": {"type": "string"}}}}, **errors(body=True)}
+
+    @app.post("/generate", dependencies=auth, response_model=None, responses=generate_doc,
+              openapi_extra={"requestBody": {"required": True, "content": {"application/json": {
+                  "schema": {"$ref": "#/components/schemas/GenerateRequest"}}}}})
     async def generate(request: Request) -> Response:
+        """A JSON body whatever the Content-Type (curl -d sends form encoding by default)."""
         req = await _json_body(request, GenerateRequest)
         job = prepare_native(manager, req)
         if req.stream:
             return _stream(native_stream(manager, job))
         return await _complete(request, native_response(manager, job))
 
-    @app.post("/tokenize", dependencies=auth)
+    @app.post("/tokenize", dependencies=auth, responses=errors(body=True))
     async def tokenize(req: TokenizeRequest) -> dict[str, Any]:
         if (req.prompt is None) == (req.messages is None):
             raise APIError("pass exactly one of prompt or messages", param="prompt")
         if req.messages is not None:
+            parser = make_parser(cfg.server.tool_parser, manager.tokenizer.chat_template)
             ids = manager.apply_chat_template([message_dict(m) for m in req.messages],
-                                              add_generation_prompt=req.add_generation_prompt)
+                                              add_generation_prompt=req.add_generation_prompt,
+                                              parser=parser)
         else:
             ids = list(manager.tokenizer(req.prompt, add_special_tokens=req.add_special_tokens)
                        ["input_ids"])
         return {"tokens": ids, "count": len(ids), "max_model_len": manager.max_req_len}
 
-    @app.post("/detokenize", dependencies=auth)
+    @app.post("/detokenize", dependencies=auth, responses=errors(body=True))
     async def detokenize(req: DetokenizeRequest) -> dict[str, Any]:
         if req.tokens:
             manager.check_ids(req.tokens, "tokens")
         return {"prompt": manager.tokenizer.decode(req.tokens)}
 
-    @app.get("/get_model_info")
-    async def get_model_info() -> dict[str, Any]:
-        """SGLang's route: what the served model is."""
-        return {"model_path": manager.model_path, "tokenizer_path": manager.model_path,
-                "served_model_name": manager.served_model_name, "is_generation": True,
-                "max_req_len": manager.max_req_len, "vocab_size": manager.vocab_size}
+    @app.get("/model_info", responses=errors())
+    @app.get("/get_model_info", responses=errors())  # deprecated, asked for by older routers
+    async def model_info() -> dict[str, Any]:
+        """SGLang's route: what the served model is (sglang-router reads it per worker)."""
+        return manager.model_info()
 
-    @app.get("/server_info")
+    @app.get("/server_info", responses=errors())
     async def server_info() -> dict[str, Any]:
         replies = await manager.control("server_info", timeout=10.0)
         return {"model_path": manager.model_path, "served_model_name": manager.served_model_name,
@@ -208,55 +251,17 @@ def _add_native_routes(app: FastAPI, manager: TokenizerManager, cfg: MoeserveCon
                 "load": manager.load_summary(), "inflight": manager.num_inflight,
                 "ranks": [{"rank": r.rank, "ok": r.ok, **r.data} for r in replies]}
 
-    @app.api_route("/flush_cache", methods=["GET", "POST"], dependencies=auth)
-    async def flush_cache() -> Response:
+    @app.api_route("/flush_cache", methods=["GET", "POST"], dependencies=auth,
+                   responses=errors(409))
+    async def flush_cache() -> dict[str, Any]:
         replies = await manager.control("flush_cache", timeout=30.0)
         if not all(r.ok for r in replies):
-            raise APIError("cache not flushed: requests are still running", status_code=400,
+            raise APIError("cache not flushed: requests are still running", status_code=409,
                            code="cache_busy")
-        return JSONResponse({"ok": True, "ranks": len(replies)})
+        return {"ok": True, "ranks": len(replies)}
 
-    async def expert_record(op: str) -> dict[str, Any]:
-        replies = await manager.control(op, timeout=30.0)
-        bad = [r for r in replies if not r.ok]
-        if bad:
-            raise APIError(f"{op}: {bad[0].data.get('error', 'failed')}", status_code=400)
-        return {"ok": True, "ranks": len(replies), "replies": replies}
-
-    @app.post("/expert_distribution/start", dependencies=auth)
-    @app.post("/start_expert_distribution_record", dependencies=auth)  # SGLang's name
-    async def expert_record_start() -> dict[str, Any]:
-        return {"ok": True, "ranks": (await expert_record("expert_record_start"))["ranks"]}
-
-    @app.post("/expert_distribution/stop", dependencies=auth)
-    @app.post("/stop_expert_distribution_record", dependencies=auth)
-    async def expert_record_stop() -> dict[str, Any]:
-        return {"ok": True, "ranks": (await expert_record("expert_record_stop"))["ranks"]}
-
-    @app.post("/expert_distribution/dump", dependencies=auth)
-    @app.post("/dump_expert_distribution_record", dependencies=auth)
-    async def expert_record_dump(request: Request) -> dict[str, Any]:
-        """Sum every rank's counts into one dump file (for `python -m moeserve.eplb report`)."""
-        from moeserve.eplb.recorder import merge_rank_dumps
-
-        body = await request.json() if await request.body() else {}
-        path = body.get("path") if isinstance(body, dict) else None
-        path = path or os.path.join(tempfile.gettempdir(),
-                                    f"moeserve-experts-{int(time.time())}.pt")
-        replies = (await expert_record("expert_record_dump"))["replies"]
-        dump = merge_rank_dumps([r.data for r in replies], {"model": manager.model_path})
-        dump.save(path)
-        return {"ok": True, "path": path, "steps": dump.metadata["steps"],
-                "tokens": int(dump.physical_counts.sum())}
-
-    @app.post("/expert_distribution/rebalance", dependencies=auth)
-    @app.post("/rebalance_experts", dependencies=auth)
-    async def rebalance_experts() -> dict[str, Any]:
-        """Live EPLB rebalance from the recorded load: all ranks move expert weights at the same
-        step; requests keep running."""
-        replies = (await expert_record("rebalance"))["replies"]
-        return {"ok": True, "ranks": [r.data for r in replies]}
-
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=Response, responses={200: {"content": {
+        "text/plain": {"schema": {"type": "string"}}}}, **errors()})
     async def metrics() -> Response:
+        """Prometheus' text format."""
         return Response(manager.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)

@@ -20,6 +20,8 @@ from typing import Any
 
 import uvicorn
 
+from moeserve.server.http2_probe import quiet_http2_probes
+
 logger = logging.getLogger("moeserve.server")
 
 _BODY_METHODS = {"POST", "PUT", "PATCH"}
@@ -120,6 +122,7 @@ class DrainingServer(uvicorn.Server):
 
     def __init__(self, config: uvicorn.Config, gate: RequestGate, manager: Any,
                  shutdown_timeout_s: float):
+        quiet_http2_probes(config)  # a router's HTTP/2 probe is no warning (http2_probe.py)
         super().__init__(config)
         self.gate, self.manager, self.shutdown_timeout_s = gate, manager, shutdown_timeout_s
         self._loop: asyncio.AbstractEventLoop | None = None

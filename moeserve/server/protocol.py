@@ -1,19 +1,13 @@
-"""OpenAI-compatible request/response schemas (pydantic) and the OpenAI error body.
-
-Requests accept the fields the official clients send; unknown fields are ignored like other
-OpenAI-compatible servers do, but fields that would silently change the meaning of a request and
-that this server does not implement are refused with a message naming exactly those fields.
-"""
+"""OpenAI-compatible response schemas (pydantic) and the OpenAI error body; the request schemas
+live in request_models.py and are re-exported here."""
 
 from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal, Union
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
-
-MAX_TOP_LOGPROBS = 20
+from pydantic import BaseModel, Field
 
 
 class APIError(Exception):
@@ -29,6 +23,19 @@ class APIError(Exception):
         return error_body(self.message, self.type, self.param, self.code)
 
 
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | int | None
+
+
+class ErrorResponse(BaseModel):
+    """Every 4xx/5xx body (OpenAI's format)."""
+
+    error: ErrorDetail
+
+
 def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,
                code: str | int | None = None) -> dict[str, Any]:
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
@@ -38,127 +45,12 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-# ---- requests ------------------------------------------------------------------------------------
-class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
-
-class StreamOptions(_Request):
-    include_usage: bool = False
-
-
-class _SamplingRequest(_Request):
-    """Fields shared by completions and chat completions."""
-
-    model: str | None = None
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    n: int = 1
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    seed: int | None = None
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    ignore_eos: bool = False
-    user: str | None = None
-    presence_penalty: float | None = 0.0
-    frequency_penalty: float | None = 0.0
-    repetition_penalty: float | None = 1.0  # SGLang/vLLM extra
-    logit_bias: dict[str, float] | None = None
-    response_format: dict[str, Any] | None = None  # text | json_object | json_schema
-    regex: str | None = None  # SGLang extras: constrain the output to a regex or an EBNF grammar
-    ebnf: str | None = None
-
-    def unsupported(self) -> list[str]:
-        """Names of fields set to values this server cannot honour."""
-        return []
-
-    @property
-    def include_usage(self) -> bool:
-        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
-
-
-class CompletionRequest(_SamplingRequest):
-    prompt: Union[str, list[int], list[str], list[list[int]]]
-    logprobs: int | None = None
-    echo: bool = False
-    suffix: str | None = None
-    best_of: int | None = None
-
-    def unsupported(self) -> list[str]:
-        bad = super().unsupported() + (["suffix"] if self.suffix else [])
-        return bad + (["best_of"] if self.best_of not in (None, 1, self.n) else [])
-
-
-class ChatMessage(_Request):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[dict[str, Any]] | None = None
-    name: str | None = None
-    tool_calls: list[dict[str, Any]] | None = None  # assistant turns that called tools
-    tool_call_id: str | None = None  # role "tool": the call this result answers
-    reasoning_content: str | None = None
-
-
-class FunctionDefinition(_Request):
-    name: str = Field(min_length=1, max_length=64)
-    description: str | None = None
-    parameters: dict[str, Any] | None = None
-    strict: bool | None = None
-
-
-class Tool(_Request):
-    type: Literal["function"] = "function"
-    function: FunctionDefinition
-
-
-class NamedFunction(_Request):
-    name: str
-
-
-class NamedToolChoice(_Request):
-    type: Literal["function"] = "function"
-    function: NamedFunction
-
-
-class ChatCompletionRequest(_SamplingRequest):
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = None
-    logprobs: bool = False
-    top_logprobs: int | None = None
-    tools: list[Tool] | None = None
-    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
-    parallel_tool_calls: bool = True
-    chat_template_kwargs: dict[str, Any] | None = None  # e.g. {"enable_thinking": false}
-    separate_reasoning: bool = True  # SGLang extra: false keeps <think>…</think> in content
-
-
-class GenerateRequest(_Request):
-    """The native /generate request: text or token ids, SGLang-style sampling_params."""
-
-    text: str | list[str] | None = None
-    input_ids: list[int] | list[list[int]] | None = None
-    sampling_params: dict[str, Any] = Field(default_factory=dict)
-    stream: bool = False
-    return_logprob: bool = False
-    top_logprobs_num: int = 0
-
-
-class TokenizeRequest(_Request):
-    """vLLM's /tokenize: a prompt, or chat messages rendered through the chat template."""
-
-    model: str | None = None
-    prompt: str | None = None
-    messages: list[ChatMessage] | None = None
-    add_special_tokens: bool = True
-    add_generation_prompt: bool = True
-
-
-class DetokenizeRequest(_Request):
-    model: str | None = None
-    tokens: list[int]
+# ---- requests: request_models.py (re-exported here) ---------------------------------------------
+from moeserve.server.request_models import (  # noqa: E402,F401
+    MAX_TOP_LOGPROBS, ChatCompletionRequest, ChatMessage, CompletionRequest, DetokenizeRequest,
+    FunctionDefinition, GenerateRequest, NamedFunction, NamedToolChoice, NativeSamplingParams,
+    StreamOptions, TextPart, TokenizeRequest, Tool, ToolCallFunctionIn, ToolCallIn,
+    _SamplingRequest)
 
 
 # ---- responses -----------------------------------------------------------------------------------
@@ -206,10 +98,19 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int] = Field(default_factory=list)
 
 
+class PromptLogprob(BaseModel):
+    """vLLM's prompt logprob entry (rank 1: the most likely token)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None  # vLLM extra
     finish_reason: str | None = None
     stop_reason: int | str | None = None  # the stop token id or string that matched (vLLM field)
 
@@ -277,6 +178,7 @@ class ChatCompletionResponse(_Response):
     model: str
     choices: list[ChatChoice]
     usage: Usage | None = None
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None  # vLLM extra
 
 
 class DeltaMessage(BaseModel):

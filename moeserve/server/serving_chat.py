@@ -9,6 +9,7 @@ from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any
 
+from moeserve.server.chat_messages import message_dict
 from moeserve.server.chat_output import ChatOutputSpec, ChatParts
 from moeserve.server.protocol import (APIError, AssistantMessage, ChatChoice, ChatCompletionChunk,
                                       ChatCompletionRequest, ChatCompletionResponse, ChatLogprobs,
@@ -16,7 +17,8 @@ from moeserve.server.protocol import (APIError, AssistantMessage, ChatChoice, Ch
                                       NamedToolChoice, ToolCallOut, new_id)
 from moeserve.server.reasoning import STYLES
 from moeserve.server.serving_common import (ChoiceState, chat_logprobs, check_request,
-                                            check_top_logprobs, collect, sampling_params, usage)
+                                            check_top_logprobs, collect, response_model,
+                                            sampling_params, usage, vllm_prompt_logprobs)
 from moeserve.server.tokenizer_manager import GenInput, TokenizerManager, expand_n
 from moeserve.server.tool_choice import forced_calls
 from moeserve.server.tool_parsers import make_parser
@@ -31,24 +33,6 @@ class ChatJob:
     id: str
     model: str
     output: ChatOutputSpec
-
-
-def message_dict(m: Any) -> dict[str, Any]:
-    """Flatten content parts to text; the server has no multimodal input."""
-    content = m.content
-    if isinstance(content, list):
-        texts = []
-        for part in content:
-            if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise APIError(f"unsupported content part of type {part.get('type')!r}",
-                               param="messages")
-            texts.append(part["text"])
-        content = "".join(texts)
-    keep_none = m.role == "assistant" and m.tool_calls  # templates test `content is none`
-    out = {"role": m.role, "content": content if keep_none else content or ""}
-    extra = {"name": m.name, "tool_calls": m.tool_calls, "tool_call_id": m.tool_call_id,
-             "reasoning_content": m.reasoning_content}
-    return out | {k: v for k, v in extra.items() if v is not None}
 
 
 def _tools(manager: TokenizerManager, req: ChatCompletionRequest
@@ -67,7 +51,7 @@ def _tools(manager: TokenizerManager, req: ChatCompletionRequest
         tools = [t for t in tools if t.function.name == choice.function.name]
         if not tools:
             raise APIError(f"tool_choice names {choice.function.name!r}, which is not in tools",
-                           param="tool_choice")
+                           status_code=404, param="tool_choice", code="tool_not_found")
     parser = make_parser(manager.cfg.server.tool_parser, manager.tokenizer.chat_template)
     names, offered = frozenset(t.function.name for t in tools), [
         t.model_dump(exclude_none=True) for t in tools]
@@ -106,14 +90,18 @@ def prepare_chat(manager: TokenizerManager, req: ChatCompletionRequest) -> ChatJ
     tools, spec, tool_grammar = _tools(manager, req)
     template_tools = tools if "tools" in (manager.tokenizer.chat_template or "") else None
     ids = manager.apply_chat_template(_messages(manager, req, tools, spec), template_tools,
-                                      req.chat_template_kwargs)
+                                      req.chat_template_kwargs, parser=spec.tools)
     manager.check_ids(ids, "messages")
+    if req.max_tokens is not None:  # checked even when max_completion_tokens wins
+        manager.resolve_max_tokens(len(ids), req.max_tokens, "messages")
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None \
         else req.max_tokens
     max_new = manager.resolve_max_tokens(len(ids), max_tokens, "messages")
-    base = GenInput(ids, sampling_params(manager, req, max_new, tool_grammar), req.logprobs, top)
-    return ChatJob(req, expand_n([base], req.n), new_id("chatcmpl"), req.model or
-                   manager.served_model_name, spec)
+    prompt_top = check_top_logprobs(req.prompt_logprobs, "prompt_logprobs")
+    base = GenInput(ids, sampling_params(manager, req, max_new, tool_grammar), req.logprobs, top,
+                    -1 if req.prompt_logprobs is None else 0, prompt_top)
+    return ChatJob(req, expand_n([base], req.n), new_id("chatcmpl"), response_model(manager, req),
+                   spec)
 
 
 def _finish_reason(reason: str | None, called: bool) -> str | None:
@@ -152,8 +140,10 @@ async def chat_response(manager: TokenizerManager, job: ChatJob) -> ChatCompleti
             index=i, message=message, finish_reason=_finish_reason(s.finish_reason, called),
             logprobs=_logprobs(manager, job, s.ids, s.logprobs, s.top_logprobs),
             stop_reason=s.matched))
+    prompt_lps = None if job.req.prompt_logprobs is None else vllm_prompt_logprobs(
+        manager, job.inputs[0].input_ids, states[0], job.req.prompt_logprobs)
     return ChatCompletionResponse(id=job.id, model=job.model, choices=choices,
-                                  usage=usage(states, job.req.n))
+                                  usage=usage(states, job.req.n), prompt_logprobs=prompt_lps)
 
 
 async def chat_stream(manager: TokenizerManager, job: ChatJob

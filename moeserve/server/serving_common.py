@@ -15,8 +15,9 @@ from starlette.requests import Request
 
 from moeserve.core import SamplingParams
 from moeserve.ipc.messages import TextOutput
-from moeserve.server.protocol import (MAX_TOP_LOGPROBS, APIError, TokenLogprob, TopLogprob, Usage,
-                                      _SamplingRequest)
+from moeserve.server.protocol import (MAX_TOP_LOGPROBS, APIError, PromptLogprob, TokenLogprob,
+                                      TopLogprob, Usage, _SamplingRequest)
+from moeserve.server.request_models import JsonObjectFormat, JsonSchemaResponseFormat
 from moeserve.server.tokenizer_manager import SHUTDOWN_ERROR, TokenizerManager
 
 T = TypeVar("T")
@@ -26,18 +27,31 @@ class ClientGone(Exception):
     """The HTTP client disconnected before the response was ready."""
 
 
+# sglang-router's `model` for requests that name none; each worker serves one model, so it means
+# this one (SGLang's own server ignores the field)
+ROUTER_DEFAULT_MODEL = "unknown"
+
+
+def model_names(manager: TokenizerManager) -> list[str | None]:
+    """What a request's `model` may be: this server's model by name or path, or none."""
+    return [manager.served_model_name, manager.model_path, ROUTER_DEFAULT_MODEL, "", None]
+
+
 def check_request(manager: TokenizerManager, req: _SamplingRequest) -> None:
-    """Model name, n and refused fields (before any tokenization work)."""
-    if req.model not in (None, "", manager.served_model_name, manager.model_path):
+    """Model name, n and token ids (before any tokenization work)."""
+    if req.model not in model_names(manager):
         raise APIError(f"The model `{req.model}` does not exist.", status_code=404,
                        param="model", code="model_not_found")
-    bad = req.unsupported()
-    if bad:
-        raise APIError(f"unsupported parameter(s): {', '.join(bad)} (this server does not "
-                       f"implement them)", param=bad[0], code="unsupported_parameter")
     manager.check_n(req.n)
     if req.stop_token_ids:
         manager.check_ids(req.stop_token_ids, "stop_token_ids")
+
+
+def response_model(manager: TokenizerManager, req: _SamplingRequest) -> str:
+    """The `model` a response names: the request's, or the served model's when it named none
+    (or the router's placeholder)."""
+    return req.model if req.model not in (None, "", ROUTER_DEFAULT_MODEL) else \
+        manager.served_model_name
 
 
 def check_top_logprobs(k: int | None, param: str) -> int:
@@ -68,21 +82,12 @@ def grammar_spec(manager: TokenizerManager, req: _SamplingRequest,
     """response_format / regex / ebnf → (kind, source), compiled here once so a bad one is a 400.
     `tool_grammar` (already compiled) is what tool_choice required or named forces; the request
     may not constrain its output a second way."""
-    fmt = dict(req.response_format or {"type": "text"})
-    kind = fmt.get("type", "text")
+    fmt = req.response_format
     specs: list[tuple[str, str, str]] = []  # (param, kind, source)
-    if kind == "json_object":
-        specs.append(("response_format", kind, ""))
-    elif kind == "json_schema":
-        body = fmt.get("json_schema")
-        schema = body.get("schema") if isinstance(body, dict) else None
-        if not isinstance(schema, (dict, bool)):
-            raise APIError("response_format json_schema needs json_schema.schema (an object)",
-                           param="response_format")
-        specs.append(("response_format", kind, json.dumps(schema)))
-    elif kind != "text":
-        raise APIError(f"response_format type must be text, json_object or json_schema, got "
-                       f"{kind!r}", param="response_format")
+    if isinstance(fmt, JsonObjectFormat):
+        specs.append(("response_format", fmt.type, ""))
+    elif isinstance(fmt, JsonSchemaResponseFormat):
+        specs.append(("response_format", fmt.type, json.dumps(fmt.json_schema.schema_)))
     specs += [(k, k, v) for k, v in (("regex", req.regex), ("ebnf", req.ebnf)) if v is not None]
     if tool_grammar is not None:
         if specs:
@@ -138,6 +143,9 @@ class ChoiceState:
     completion_tokens: int = 0
     cached_tokens: int = 0
     spec: tuple[int, int, int] = (0, 0, 0)  # verify steps, draft tokens, accepted tokens
+    input_logprobs: list[float | None] | None = None  # prompt logprobs, when asked for
+    input_top_logprobs: list[list[tuple[int, float]] | None] | None = None
+    input_ranks: list[int | None] | None = None
 
     def update(self, out: TextOutput) -> None:
         if out.error:
@@ -154,6 +162,9 @@ class ChoiceState:
         self.cached_tokens = out.cached_tokens or self.cached_tokens
         if out.spec_verify_steps:
             self.spec = (out.spec_verify_steps, out.spec_draft_tokens, out.spec_accepted_tokens)
+        if out.input_logprobs is not None:
+            self.input_logprobs, self.input_ranks = out.input_logprobs, out.input_ranks
+            self.input_top_logprobs = out.input_top_logprobs
 
 
 async def collect(stream: AsyncIterator[tuple[int, TextOutput]], num: int) -> list[ChoiceState]:
@@ -175,20 +186,40 @@ def usage(states: list[ChoiceState], n: int) -> Usage:
 
 
 def token_text(manager: TokenizerManager, token_id: int) -> str:
-    return manager.tokenizer.decode([token_id])
+    """The token's own bytes as text (server/token_bytes.py): partial UTF-8 as \\xHH escapes."""
+    return manager.token_bytes.text_of(token_id)
 
 
 def chat_logprobs(manager: TokenizerManager, ids: list[int], logprobs: list[float],
                   top: list[list[tuple[int, float]]]) -> list[TokenLogprob]:
     def entry(cls: type, tid: int, lp: float, **kw: Any) -> Any:
-        text = token_text(manager, tid)
-        return cls(token=text, logprob=lp, bytes=list(text.encode()), **kw)
+        return cls(token=token_text(manager, tid), logprob=lp,
+                   bytes=list(manager.token_bytes.bytes_of(tid)), **kw)
 
     def tops(k: int) -> list[TopLogprob]:
         return [entry(TopLogprob, t, v) for t, v in (top[k] if k < len(top) else [])]
 
     return [entry(TokenLogprob, tid, lp, top_logprobs=tops(k))
             for k, (tid, lp) in enumerate(zip(ids, logprobs))]
+
+
+def vllm_prompt_logprobs(manager: TokenizerManager, ids: list[int], s: ChoiceState, top: int
+                         ) -> list[dict[str, PromptLogprob] | None]:
+    """vLLM's `prompt_logprobs`: per prompt position None (position 0) or {token id: {logprob,
+    rank, decoded_token}} holding the prompt's token and the `top` most likely ones."""
+    out: list[dict[str, PromptLogprob] | None] = []
+    for j, lp in enumerate(s.input_logprobs or []):
+        if lp is None:
+            out.append(None)
+            continue
+        alts = (s.input_top_logprobs or [])[j] if s.input_top_logprobs else []
+        entry = {str(t): PromptLogprob(logprob=v, rank=r + 1, decoded_token=token_text(manager, t))
+                 for r, (t, v) in enumerate((alts or [])[:top])}
+        rank = (s.input_ranks or [None] * (j + 1))[j]
+        entry[str(ids[j])] = PromptLogprob(logprob=lp, rank=rank,
+                                           decoded_token=token_text(manager, ids[j]))
+        out.append(entry)
+    return out
 
 
 def sse(event: BaseModel | dict) -> str:

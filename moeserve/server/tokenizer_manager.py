@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import itertools
 import json
 import logging
@@ -28,7 +29,10 @@ from moeserve.ipc.messages import (AbortReq, ControlReply, ControlReq, GenerateR
 from moeserve.ipc.queues import AsyncPullQueue, Endpoints, PushQueue
 from moeserve.runtime.grammar import GrammarCompiler
 from moeserve.server.metrics import Metrics, RequestTimer
+from moeserve.server.chat_messages import TemplateCaps, probe_template, render_first
 from moeserve.server.protocol import APIError
+from moeserve.server.token_bytes import TokenBytes
+from moeserve.server.tool_parsers import ToolParser
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +47,8 @@ class GenInput:
     sampling: SamplingParams
     return_logprob: bool = False
     top_logprobs_num: int = 0
+    logprob_start_len: int = -1  # prompt logprobs from this position on (-1: none)
+    input_top_logprobs_num: int = 0
 
 
 def expand_n(inputs: list[GenInput], n: int) -> list[GenInput]:
@@ -68,6 +74,7 @@ class TokenizerManager:
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.vocab_size = _vocab_size(model_path, len(self.tokenizer))
         self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size)  # 400s for bad schemas
+        self.token_bytes = TokenBytes(self.tokenizer)  # logprobs' token text and bytes
         self.metrics = metrics or Metrics()
         self._push = PushQueue(zmq.Context.instance(), endpoints.scheduler_in)
         self._pull: AsyncPullQueue = AsyncPullQueue(zmq.asyncio.Context.instance(),
@@ -162,16 +169,27 @@ class TokenizerManager:
     def tokenize(self, text: str) -> list[int]:
         return list(self.tokenizer(text)["input_ids"])
 
+    @functools.cached_property
+    def template_caps(self) -> TemplateCaps:
+        """What the chat template renders of tool calls and results (chat_messages.py)."""
+        return probe_template(lambda m: self.tokenizer.apply_chat_template(m, tokenize=False))
+
     def apply_chat_template(self, messages: list[dict[str, Any]],
                             tools: list[dict[str, Any]] | None = None,
                             template_kwargs: dict[str, Any] | None = None,
-                            add_generation_prompt: bool = True) -> list[int]:
+                            add_generation_prompt: bool = True,
+                            parser: ToolParser | None = None) -> list[int]:
         """Ids of a chat prompt ending with the assistant turn's opening (as the Engine does);
-        `template_kwargs` (e.g. enable_thinking) are variables the template reads."""
+        `template_kwargs` (e.g. enable_thinking) are variables the template reads. Messages as
+        clients send them (tool calls, tool results) are rendered in the first form the template
+        accepts (chat_messages.py); `parser` writes tool calls as text where it cannot."""
+        def render(form: list[dict[str, Any]]) -> Any:
+            return self.tokenizer.apply_chat_template(
+                form, tools=tools, add_generation_prompt=add_generation_prompt, tokenize=True,
+                **(template_kwargs or {}))
+
         try:
-            out = self.tokenizer.apply_chat_template(
-                messages, tools=tools, add_generation_prompt=add_generation_prompt,
-                tokenize=True, **(template_kwargs or {}))
+            out = render_first(render, messages, self.template_caps, parser)
         except Exception as e:  # jinja errors on unexpected roles/orders
             raise APIError(f"could not apply the chat template: {e}", param="messages") from e
         return list(out["input_ids"] if hasattr(out, "keys") else out)
@@ -184,19 +202,49 @@ class TokenizerManager:
             raise APIError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})",
                            param=param)
 
-    def resolve_max_tokens(self, prompt_len: int, max_tokens: int | None, param: str) -> int:
-        """Validate prompt + completion length against the context; None → the rest of it."""
+    @property
+    def max_completion_tokens(self) -> int:
+        """The largest max_tokens accepted: server.max_completion_tokens, at most the context
+        minus one (the prompt needs a token)."""
+        cap = self.cfg.server.max_completion_tokens
+        return self.max_req_len - 1 if cap is None else min(cap, self.max_req_len - 1)
+
+    def resolve_max_tokens(self, prompt_len: int, max_tokens: int | None, param: str,
+                           minimum: int = 1) -> int:
+        """max_tokens is a cap: generation also ends where the context does (finish_reason
+        "length"), so a request whose prompt fits is served with any max_tokens up to
+        `max_completion_tokens` (above it: 400; a prompt that fills the context: 400).
+        None → the rest of the context, within max_completion_tokens. `minimum`: 0 where
+        scoring a prompt alone is allowed."""
         limit = self.max_req_len
-        if max_tokens is not None and max_tokens < 1:
-            raise APIError(f"max_tokens must be at least 1, got {max_tokens}", param="max_tokens")
-        if prompt_len >= limit or (max_tokens is not None and prompt_len + max_tokens > limit):
+        if max_tokens is not None and max_tokens < minimum:
+            raise APIError(f"max_tokens must be at least {minimum}, got {max_tokens}",
+                           param="max_tokens")
+        cap = self.cfg.server.max_completion_tokens
+        if cap is not None and (max_tokens or 0) > cap:
+            raise APIError(f"max_tokens must be at most {cap} (server.max_completion_tokens), "
+                           f"got {max_tokens}", param="max_tokens")
+        if prompt_len >= limit or (max_tokens or 0) >= limit:
             asked = prompt_len + (max_tokens or 0)
             raise APIError(
                 f"This model's maximum context length is {limit} tokens. However, you requested "
                 f"{asked} tokens ({prompt_len} in the {param}, {max_tokens or 0} in the "
                 f"completion). Please reduce the length of the {param} or completion.",
-                param=param, code="context_length_exceeded")
-        return max_tokens if max_tokens is not None else limit - prompt_len
+                param=param if prompt_len >= limit else "max_tokens",
+                code="context_length_exceeded")
+        room = limit - prompt_len if cap is None else min(limit - prompt_len, cap)
+        return room if max_tokens is None else min(max_tokens, room)
+
+    def model_info(self) -> dict[str, Any]:
+        """What /model_info answers: SGLang's fields, plus the limits requests are checked
+        against."""
+        arch = _config_value(self.model_path, "architectures") or []
+        return {"model_path": self.model_path, "tokenizer_path": self.model_path,
+                "served_model_name": self.served_model_name, "is_generation": True,
+                "model_type": _config_value(self.model_path, "model_type"),
+                "architectures": arch, "has_image_understanding": False,
+                "has_audio_understanding": False, "preferred_sampling_params": None,
+                "max_req_len": self.max_req_len, "vocab_size": self.vocab_size}
 
     def check_n(self, n: int) -> None:
         if not 1 <= n <= self.cfg.server.max_n:
@@ -213,7 +261,9 @@ class TokenizerManager:
             self._routes[rid] = (queue, i)
             self._push.put(GenerateReq(rid=rid, input_ids=x.input_ids, sampling=x.sampling,
                                        stream=stream, return_logprob=x.return_logprob,
-                                       top_logprobs_num=x.top_logprobs_num))
+                                       top_logprobs_num=x.top_logprobs_num,
+                                       logprob_start_len=x.logprob_start_len,
+                                       input_top_logprobs_num=x.input_top_logprobs_num))
         pending = set(range(len(inputs)))
         try:
             while pending:
@@ -271,10 +321,18 @@ class TokenizerManager:
         return {k: sum(getattr(r, k) for r in self.loads.values()) for k in keys}
 
 
+def _config_value(model_path: str, key: str) -> Any:
+    """A field of the model's config.json (None without one)."""
+    try:
+        with open(os.path.join(model_path, "config.json")) as f:
+            return json.load(f).get(key)
+    except (OSError, ValueError):
+        return None
+
+
 def _vocab_size(model_path: str, fallback: int) -> int:
     """The model's vocabulary (ids the embedding accepts), from config.json when present."""
     try:
-        with open(os.path.join(model_path, "config.json")) as f:
-            return int(json.load(f).get("vocab_size") or fallback)
-    except (OSError, ValueError):
+        return int(_config_value(model_path, "vocab_size") or fallback)
+    except (TypeError, ValueError):
         return fallback

@@ -54,6 +54,16 @@ class ToolParser(ABC):
 
     example = ""
 
+    def format_calls(self, calls: list[tuple[str, Any]]) -> str:
+        """(name, arguments) calls written as a reply in this format (earlier turns of a chat
+        whose template cannot render tool calls)."""
+        return "".join(f'<tool_call>{json.dumps({"name": n, "arguments": a})}</tool_call>'
+                       for n, a in calls)
+
+    def format_result(self, content: str) -> str:
+        """A tool's result as the text of a user turn (templates without a tool role)."""
+        return f"<tool_response>\n{content}\n</tool_response>"
+
 
 def _held(text: str, marker: str) -> int:
     """Length of the longest suffix of `text` that is a proper prefix of `marker`."""
@@ -102,6 +112,14 @@ class DeepSeekV3Parser(ToolParser):
     def hold(self, text: str) -> int:
         return _held(text, self.BEGIN)
 
+    def format_calls(self, calls: list[tuple[str, Any]]) -> str:
+        return self.BEGIN + "".join(
+            f"{self.CALL}function{self.SEP}{n}\n```json\n{json.dumps(a)}\n```{self.CALL_END}"
+            for n, a in calls) + self.END
+
+    def format_result(self, content: str) -> str:
+        return f"<｜tool▁output▁begin｜>{content}<｜tool▁output▁end｜>"
+
     def calls(self, tool_text: str, final: bool) -> list[tuple[str, Any]] | None:
         body = tool_text[len(self.BEGIN):].split(self.END)[0]
         out = []
@@ -137,6 +155,12 @@ class Llama3Parser(ToolParser):
 
     def hold(self, text: str) -> int:
         return len(text) if not text.strip() or self.TAG.startswith(text.lstrip()) else 0
+
+    def format_calls(self, calls: list[tuple[str, Any]]) -> str:
+        return "; ".join(json.dumps({"name": n, "parameters": a}) for n, a in calls)
+
+    def format_result(self, content: str) -> str:
+        return content
 
     def calls(self, tool_text: str, final: bool) -> list[tuple[str, Any]] | None:
         text, pos, out = tool_text.strip().removeprefix(self.TAG), 0, []

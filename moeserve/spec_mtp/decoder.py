@@ -25,6 +25,7 @@ import torch
 from moeserve.core import ForwardMode
 from moeserve.forward_batch import ForwardBatch
 from moeserve.runtime.grammar_steps import VerifyMask
+from moeserve.runtime.prompt_logprobs import score_spans
 from moeserve.runtime.sampler import greedy, logprobs_of
 from moeserve.runtime.step import ForwardInput, ForwardOutput
 from moeserve.spec_mtp.accept import greedy_accept, rejection_accept
@@ -225,6 +226,8 @@ class SpecDecoder:
         if not fi.greedy_only() or fi.return_all_logits:
             logits = logits.float()
         out = self.worker.sample_step(fi, fb, logits)
+        if fi.prompt_spans:  # EXTEND: hidden holds every position
+            out.prompt_scores = score_spans(runner.model.compute_logits, hidden, fi.prompt_spans)
         next_ids = torch.tensor(out.next_token_ids, dtype=torch.int64, device=hidden.device)
         if not extend:
             return out, fb, hidden, next_ids, torch.arange(len(fi.rows), device=hidden.device)

@@ -140,7 +140,9 @@ def to_text_output(detok: IncrementalDetokenizer, out: TokenOutput) -> TextOutpu
                       top_logprobs=out.top_logprobs, error=out.error,
                       spec_verify_steps=out.spec_verify_steps,
                       spec_draft_tokens=out.spec_draft_tokens,
-                      spec_accepted_tokens=out.spec_accepted_tokens)
+                      spec_accepted_tokens=out.spec_accepted_tokens,
+                      input_logprobs=out.input_logprobs,
+                      input_top_logprobs=out.input_top_logprobs, input_ranks=out.input_ranks)
 
 
 # ---- the detokenizer process -------------------------------------------------------------------

@@ -1,6 +1,8 @@
 """Fuzz a live server's HTTP API from its OpenAPI document (schemathesis, valid and invalid
 requests for every route), bounded in examples and time; every response must be a 2xx, or a 4xx
 in OpenAI's error format — never a 5xx, a hang (per-request timeout) or a dead server.
+`schemathesis_cli` runs schemathesis' own `run --checks all` (the document is the contract: valid
+requests served, invalid ones refused, statuses, bodies and content types as documented).
 
     python -m moeserve.tools.fuzz_api --url http://127.0.0.1:30000 --examples 5000 --minutes 30
 
@@ -14,7 +16,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import subprocess
 import sys
+import tempfile
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -131,6 +136,37 @@ def _body_of(case: Any) -> str:
         return json.dumps(case.body)[:300]
     except (TypeError, ValueError):
         return repr(case.body)[:300]
+
+
+@dataclass
+class CliRun:
+    returncode: int
+    output: str
+
+    @property
+    def summary(self) -> str:
+        """The run's last lines: cases generated and passed, failures, time."""
+        tail = [line.strip() for line in self.output.splitlines() if line.strip()]
+        keep = [line for line in tail if any(w in line for w in (
+            "generated", "failures", "No issues", "Failures", "ST1", "ST2", "ST3"))]
+        return "; ".join(keep[-8:])
+
+
+def schemathesis_cli(url: str, seconds: float, seed: int = 0, max_examples: int = 30,
+                     headers: dict[str, str] | None = None, timeout_s: float = 30.0) -> CliRun:
+    """`schemathesis run URL/openapi.json --checks all` (every phase, every check, including the
+    10 s response time limit) for about `seconds`, deterministic for a seed; returncode 0 means no
+    failure and no error."""
+    cmd = [sys.executable, "-c", "import sys; from schemathesis.cli import schemathesis; "
+           "sys.exit(schemathesis())", "run", url + "/openapi.json", "--checks", "all",
+           "-n", str(max_examples), "--seed", str(seed), "--max-time", str(int(seconds)),
+           "--request-timeout", str(timeout_s), "--generation-database", "none"]
+    for name, value in (headers or {}).items():
+        cmd += ["-H", f"{name}: {value}"]
+    with tempfile.TemporaryDirectory() as cwd:  # the CLI keeps its state in ./.schemathesis
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=seconds + 300,
+                              env={**os.environ, "NO_COLOR": "1"}, cwd=cwd)
+    return CliRun(done.returncode, done.stdout + done.stderr)
 
 
 def check_baseline(url: str, headers: dict[str, str] | None = None,

@@ -82,7 +82,9 @@ def test_invalid_json(http, body):
 
 @pytest.mark.parametrize("body", [{}, {"prompt": []}, {"prompt": [[]]}, {"prompt": 5},
                                   {"prompt": [10**9]}, {"prompt": "x", "logprobs": -1},
-                                  {"prompt": "x", "echo": True, "logprobs": 1}])
+                                  {"prompt": "x", "logprobs": 21}, {"prompt": ""},
+                                  {"prompt": "x", "best_of": 2}, {"prompt": "x", "suffix": "y"},
+                                  {"prompt": "x", "max_tokens": "3"}, {"prompt": "x", "n": 1.5}])
 def test_bad_completion_bodies(http, body):
     assert_error(http.post("/v1/completions", json=body))
 

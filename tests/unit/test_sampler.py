@@ -90,3 +90,16 @@ def test_greedy_equals_torch_argmax_with_ties_and_nan(vocab):
         x = logits.to(dtype)
         assert greedy(x).tolist() == x.argmax(-1).tolist(), dtype
         assert greedy(x).tolist() == x.float().argmax(-1).tolist(), dtype  # the runner's upcast
+
+
+@pytest.mark.parametrize("temperature", [5e-324, 1e-45, 1e-30])
+def test_vanishing_temperature_samples_the_argmax(temperature):
+    """logits / T overflowing to inf made softmax NaN and multinomial raise, which killed the
+    scheduler (one request with temperature 5e-324 took the server down): the T -> 0 limit is the
+    argmax."""
+    logits = torch.tensor([[0.5, 3.0, -1.0, 2.9], [1.0, 1.0, 7.0, -2.0]])
+    params = [SamplingParams(temperature=temperature, seed=1)] * 2
+    gens = [make_generator(p, logits.device) for p in params]
+    assert sample(logits, params, gens).tolist() == [1, 2]
+    assert sample(torch.tensor([[float("inf"), 0.0, float("-inf")]]), params[:1],
+                  gens[:1]).tolist() == [0]
