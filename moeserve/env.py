@@ -8,6 +8,13 @@ import os
 from dataclasses import dataclass
 
 
+# The variables that force one CPU fast path off (see Env): tests of the fast paths themselves
+# clear them, so that the suite passes whichever of them a run sets.
+FAST_PATH_FLAGS = ("MOESERVE_DISABLE_CPU_KERNELS", "MOESERVE_DISABLE_MARCH_NATIVE",
+                   "MOESERVE_DISABLE_BF16_HEAD", "MOESERVE_DISABLE_ONEDNN_BF16",
+                   "MOESERVE_DISABLE_CPU_LINEAR")
+
+
 @dataclass(frozen=True)
 class Env:
     cache_dir: str  # MOESERVE_CACHE_DIR: converted embedded model, compiled kernels, other caches

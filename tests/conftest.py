@@ -22,6 +22,20 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+def unforce_fast_paths(mp: pytest.MonkeyPatch) -> None:
+    """Clear every MOESERVE_DISABLE_* variable: for the tests of the fast paths themselves, which
+    must test them even in a run that forces them off everywhere else."""
+    from moeserve.env import FAST_PATH_FLAGS
+
+    for var in FAST_PATH_FLAGS:
+        mp.delenv(var, raising=False)
+
+
+@pytest.fixture
+def fast_paths_unforced(monkeypatch):
+    unforce_fast_paths(monkeypatch)
+
+
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory):
     """tiny_model(arch, **overrides) -> path of a tiny random HF checkpoint (cached per session)."""

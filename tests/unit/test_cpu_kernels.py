@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from moeserve.env import FAST_PATH_FLAGS
 from moeserve.kernels.cpu.build import AVX2, NATIVE, _x86_tiers, build_and_probe, load_cpu_kernels
 from moeserve.layers.moe import MoEExperts
 from moeserve.layers.norm import RMSNorm, rms_norm_heads
@@ -20,6 +21,7 @@ BF16, F32 = torch.bfloat16, torch.float32
 
 # Every build the loader may pick: -march=native, AVX2 + FMA (x86-64), the portable fallback, and
 # clang's (the tests below run on each, so the fallback builds are checked on any machine).
+pytestmark = pytest.mark.usefixtures("fast_paths_unforced")
 BUILDS = {"gcc-native": ("gcc", NATIVE), "gcc-avx2": ("gcc", AVX2), "gcc-portable": ("gcc", []),
           "clang-native": ("clang", NATIVE), "clang-portable": ("clang", [])}
 
@@ -32,11 +34,15 @@ def kernels(request, tmp_path_factory):
     compiler = shutil.which(cc) or (shutil.which("cc") if cc == "gcc" else None)
     if compiler is None:
         pytest.skip(f"no {cc} here")
-    k = build_and_probe(str(tmp_path_factory.mktemp("kernel_cache")), [compiler], arch)
-    if k is None and arch:
-        pytest.skip(f"{request.param}: the build failed its probe on this CPU (fallback tested)")
-    assert k is not None, f"the portable {cc} build must build and pass its probe"
-    return k
+    with pytest.MonkeyPatch.context() as mp:  # the kernels under test, whatever the run forces off
+        for var in FAST_PATH_FLAGS:
+            mp.delenv(var, raising=False)
+        k = build_and_probe(str(tmp_path_factory.mktemp("kernel_cache")), [compiler], arch)
+        if k is None and arch:
+            pytest.skip(f"{request.param}: the build failed its probe on this CPU "
+                        "(fallback tested)")
+        assert k is not None, f"the portable {cc} build must build and pass its probe"
+        yield k
 
 
 def assert_bf16_same_rounding(a: torch.Tensor, b: torch.Tensor,
