@@ -300,7 +300,7 @@ class LWSConfig:
     env: dict[str, str] = field(default_factory=dict)  # extra environment of every container
     models_pvc: str | None = None  # a PersistentVolumeClaim mounted read-only at models_mount
     models_mount: str = "/models"
-    pod_run_dir: str = "/tmp/moeserve"  # hydra.run.dir inside the pods (config, logs)
+    pod_run_dir: str = "/var/log/moeserve"  # hydra.run.dir inside the pods (config, logs)
     folder: str = "lws"  # where the manifests are written, relative to the Hydra run dir
     # pd: each side's groups and overrides; rendered as disaggregation.* overrides in the pods
     prefill: LWSRoleConfig = field(default_factory=LWSRoleConfig)

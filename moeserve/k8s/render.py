@@ -16,10 +16,25 @@ import os
 
 from moeserve.config import ConfigError, MoeserveConfig, with_overrides
 from moeserve.k8s.commands import (
-    NODE_COMMAND, ROUTER_COMMAND, node_args, pd_overrides, pod_overrides, router_args)
+    NODE_COMMAND,
+    ROUTER_COMMAND,
+    node_args,
+    pd_overrides,
+    pod_overrides,
+    router_args,
+)
 from moeserve.k8s.objects import (
-    LWS_NAME_LABEL, LWS_WORKER_INDEX_LABEL, Obj, PodShape, container, deployment,
-    leader_worker_set, metadata, pod_template, service)
+    LWS_NAME_LABEL,
+    LWS_WORKER_INDEX_LABEL,
+    Obj,
+    PodShape,
+    container,
+    deployment,
+    leader_worker_set,
+    metadata,
+    pod_template,
+    service,
+)
 
 APP, INSTANCE, COMPONENT = ("app.kubernetes.io/name", "app.kubernetes.io/instance",
                             "app.kubernetes.io/component")

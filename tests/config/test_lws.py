@@ -21,6 +21,7 @@ from moeserve.config import ConfigError, compose
 from moeserve.k8s.render import render
 from moeserve.procs.lws import lws_node_config
 from moeserve.procs.ranks import node_ranks
+from moeserve.server.multinode import lws_pod_main
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BASE = ["+cluster=lws", "+deploy=deepseek_v3_2x8", "model.path=/models/DSV3",
@@ -97,7 +98,8 @@ def test_colocated_pods(colocated):
         assert volumes[mounts["/models"]].persistent_volume_claim.claim_name == "models"
     (lc,), (wc,) = leader.spec.containers, worker.spec.containers
     assert [(p.name, p.container_port) for p in lc.ports] == [("http", 30000)]
-    assert lc.readiness_probe.http_get.path == "/health" and lc.readiness_probe.http_get.port == "http"
+    probe = lc.readiness_probe.http_get
+    assert (probe.path, probe.port) == ("/health", "http")
     assert wc.ports is None and wc.readiness_probe is None
     assert lc.args == wc.args  # the node rank comes from LWS_WORKER_INDEX, not the command
 
@@ -119,7 +121,8 @@ def test_colocated_pods_run_their_ranks(colocated):
         env = {"LWS_LEADER_ADDRESS": "moeserve-0.moeserve.default", "LWS_WORKER_INDEX": str(w),
                "LWS_GROUP_SIZE": "2"}
         node, ep = lws_node_config(cfg, env)
-        assert node.parallel.node_rank == w and list(node_ranks(node)) == list(range(8 * w, 8 * w + 8))
+        assert node.parallel.node_rank == w
+        assert list(node_ranks(node)) == list(range(8 * w, 8 * w + 8))
         assert node.parallel.dist_init_addr == "moeserve-0.moeserve.default:29500"
         assert ep.scheduler_in == "tcp://moeserve-0.moeserve.default:29600"
         assert ep.rank_in[7] == "tcp://moeserve-0.moeserve.default:29611"
@@ -130,6 +133,15 @@ def test_colocated_pods_run_their_ranks(colocated):
         lws_node_config(cfg, {"LWS_LEADER_ADDRESS": "a", "LWS_GROUP_SIZE": "2"})
 
 
+def test_pod_outside_lws_says_what_is_missing(colocated, monkeypatch):
+    """A pod command run where no LWS controller set the environment stops before any rank."""
+    cfg = pod_config(templates(colocated[0])[1].spec.containers[0].args)
+    for key in ("LWS_LEADER_ADDRESS", "LWS_WORKER_INDEX", "LWS_GROUP_SIZE"):
+        monkeypatch.delenv(key, raising=False)
+    with pytest.raises(RuntimeError, match="LWS_LEADER_ADDRESS, LWS_WORKER_INDEX, LWS_GROUP_SIZE"):
+        lws_pod_main(cfg, None)
+
+
 # ---- PD: prefill 1 pod x 8 GPUs, decode 2 groups of 2 pods x 8, SGLang's router ----------------
 @pytest.fixture(scope="module")
 def pd(tmp_path_factory):
@@ -138,7 +150,7 @@ def pd(tmp_path_factory):
 
 
 def test_pd_sets(pd):
-    prefill, decode, router, svc = pd
+    prefill, decode = pd[:2]
     assert [d["metadata"]["name"] for d in pd] == [
         "moeserve-prefill", "moeserve-decode", "moeserve-router", "moeserve-router"]
     sizes = {"prefill": (1, 1), "decode": (2, 2)}  # (replicas, pods per group)
