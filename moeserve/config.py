@@ -7,6 +7,7 @@ compose time with Hydra's message; `validate()` then refuses impossible combinat
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
@@ -16,7 +17,8 @@ from moeserve.config_schema import (  # noqa: F401 (re-exported: callers import 
     SCHEDULE_POLICIES, A2A_BACKENDS, DEEPEP_MODES, DP_POLICIES, RECORD_MODES, CLUSTER_KINDS,
     TOOL_PARSERS, REASONING_PARSERS, SPEC_ALGORITHMS, ConfigError, ModelConfig, CacheConfig,
     SchedulerConfig, ServerConfig, ParallelConfig, EPLBConfig, AttentionConfig, MoEConfig,
-    CudaGraphConfig, TBOConfig, SPEC_STEP_ASIDE, SpecConfig, ClusterConfig, MoeserveConfig)
+    CudaGraphConfig, TBOConfig, SPEC_STEP_ASIDE, SpecConfig, LWS_MODES, TRANSFER_BACKENDS,
+    ROUTER_POLICIES, LWSRoleConfig, LWSConfig, ClusterConfig, MoeserveConfig)
 
 
 def register_configs() -> None:
@@ -190,9 +192,54 @@ def _validate_cluster(c: ClusterConfig, p: ParallelConfig) -> None:
                           "(dp_size = tp_size)")
     _check_positive("cluster.time_min", c.time_min, False)
     for key in ("dist_port", "zmq_base_port"):
-        port = getattr(c, key)
-        if port is not None and not 0 < port < 65536:
-            raise ConfigError(f"cluster.{key}", f"{port} is not a TCP port")
+        _check_port(f"cluster.{key}", getattr(c, key))
+    if c.kind == "lws" and not c.lws.in_pod:  # a pod runs its node; the manifests are made
+        _validate_lws(c.lws)
+
+
+def _check_port(key: str, port: int | None) -> None:
+    if port is not None and not 0 < port < 65536:
+        raise ConfigError(key, f"{port} is not a TCP port")
+
+
+# Kubernetes' own formats: a DNS-1123 label, a resource quantity, an environment variable name.
+_DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
+_QUANTITY = re.compile(r"[0-9]+(\.[0-9]+)?([eE][0-9]+|m|k|M|G|T|P|E|Ki|Mi|Gi|Ti|Pi|Ei)?")
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_LWS_NAME_MAX = 40  # room for '-prefill-<group>-<worker>' and the StatefulSet hash in 63
+
+
+def _validate_lws(w: LWSConfig) -> None:
+    _check_choice("cluster.lws.mode", w.mode, LWS_MODES)
+    if not w.image:
+        raise ConfigError("cluster.lws.image", "cluster.kind=lws needs the pods' image "
+                          "(one with moeserve installed): cluster.lws.image=REGISTRY/NAME:TAG")
+    for key in ("name", "namespace"):
+        value = getattr(w, key)
+        if not _DNS_LABEL.fullmatch(value) or len(value) > _LWS_NAME_MAX:
+            raise ConfigError(f"cluster.lws.{key}", f"{value!r} is not a DNS label (lower-case "
+                              f"letters, digits, '-', at most {_LWS_NAME_MAX} characters)")
+    for key in ("cpu", "memory", "shm_size"):
+        value = getattr(w, key)
+        if value is not None and not _QUANTITY.fullmatch(str(value)):
+            raise ConfigError(f"cluster.lws.{key}", f"{value!r} is not a Kubernetes quantity "
+                              "(e.g. 16, 500m, 64Gi)")
+    for name in w.env:
+        if not _ENV_NAME.fullmatch(name):
+            raise ConfigError("cluster.lws.env", f"{name!r} is not an environment variable name")
+    if not w.gpu_resource:
+        raise ConfigError("cluster.lws.gpu_resource", "must name the GPU resource "
+                          "(e.g. nvidia.com/gpu)")
+    _check_positive("cluster.lws.replicas", w.replicas, False)
+    for key in ("bootstrap_port", "router_port"):
+        _check_port(f"cluster.lws.{key}", getattr(w, key))
+    _check_choice("cluster.lws.transfer_backend", w.transfer_backend, TRANSFER_BACKENDS)
+    _check_choice("cluster.lws.router_policy", w.router_policy, ROUTER_POLICIES)
+    for role in ("prefill", "decode"):
+        _check_positive(f"cluster.lws.{role}.replicas", getattr(w, role).replicas, False)
+        for o in getattr(w, role).overrides:
+            if "=" not in o or o.split("=", 1)[0].startswith(("+", "~")):
+                raise ConfigError(f"cluster.lws.{role}.overrides", f"{o!r} is not key=value")
 
 
 def _validate_parallel(p: ParallelConfig) -> None:
@@ -243,3 +290,19 @@ def to_config(raw: Any) -> MoeserveConfig:
     if not isinstance(obj, MoeserveConfig):  # composed without the schema
         raise ConfigError("<root>", "config was not composed against moeserve_schema")
     return validate(obj)
+
+
+def with_overrides(cfg: MoeserveConfig, overrides: list[str] | tuple[str, ...]) -> MoeserveConfig:
+    """cfg with `key=value` overrides of config values applied and validated (a new config: cfg
+    is frozen). Group choices (`parallel=dp8_ep8`) need Hydra's composition, not this."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    node = OmegaConf.structured(cfg)
+    _clear_readonly(node)
+    try:
+        merged = OmegaConf.merge(node, OmegaConf.from_dotlist(list(overrides)))
+    except OmegaConfBaseException as e:
+        raise ConfigError(str(getattr(e, "full_key", None) or "<override>"),
+                          str(e).splitlines()[0]) from None
+    return to_config(merged)

@@ -17,7 +17,10 @@ A2A_BACKENDS = ("a2a", "allgather", "p2p", "deepep")
 DEEPEP_MODES = ("auto", "normal", "low_latency")
 DP_POLICIES = ("round_robin", "shortest_queue", "prefix_aware")
 RECORD_MODES = ("off", "stat", "per_pass")
-CLUSTER_KINDS = ("local", "local_2node", "slurm")
+CLUSTER_KINDS = ("local", "local_2node", "slurm", "lws")
+LWS_MODES = ("colocated", "pd")
+TRANSFER_BACKENDS = ("mooncake", "nixl")
+ROUTER_POLICIES = ("random", "round_robin", "cache_aware", "power_of_two")
 TOOL_PARSERS = ("auto", "none", "deepseek_v3", "hermes", "llama3")
 REASONING_PARSERS = (None, "deepseek_r1", "qwen3")
 SPEC_ALGORITHMS = ("none", "nextn")
@@ -271,11 +274,53 @@ class SpecConfig:
 
 
 @dataclass(frozen=True)
+class LWSRoleConfig:
+    """One side of a PD deployment on Kubernetes (docs/deploy_k8s.md)."""
+
+    replicas: int = 1  # LeaderWorkerSet groups, each a whole prefill (or decode) server
+    # Hydra overrides (key=value of config values, not group choices) this role adds to the
+    # base config, e.g. its parallel layout: ["parallel.nnodes=2", "parallel.tp_size=16", ...]
+    overrides: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class LWSConfig:
+    """Kubernetes LeaderWorkerSet manifests (`cluster.kind=lws`, docs/deploy_k8s.md): one LWS group
+    per server, a pod per node (leader = node 0), GPUs per pod = tp_size / nnodes."""
+
+    mode: str = "colocated"  # colocated: one dp x ep server per group | pd: prefill, decode, router
+    name: str = "moeserve"  # prefix of every object's name (a DNS label)
+    namespace: str = "default"
+    image: str | None = None  # an image with moeserve installed (and sglang-router, for pd)
+    replicas: int = 1  # colocated: LWS groups behind one Service
+    gpu_resource: str = "nvidia.com/gpu"  # the GPU limit's resource name (none with device=cpu)
+    cpu: str | None = None  # Kubernetes quantities for each pod's requests = limits; None: unset
+    memory: str | None = None
+    shm_size: str = "16Gi"  # /dev/shm (a memory-backed emptyDir): NCCL and torch need more than 64M
+    env: dict[str, str] = field(default_factory=dict)  # extra environment of every container
+    models_pvc: str | None = None  # a PersistentVolumeClaim mounted read-only at models_mount
+    models_mount: str = "/models"
+    pod_run_dir: str = "/var/log/moeserve"  # hydra.run.dir inside the pods (config, logs)
+    folder: str = "lws"  # where the manifests are written, relative to the Hydra run dir
+    # pd: each side's groups and overrides; rendered as disaggregation.* overrides in the pods
+    prefill: LWSRoleConfig = field(default_factory=LWSRoleConfig)
+    decode: LWSRoleConfig = field(default_factory=LWSRoleConfig)
+    bootstrap_port: int = 8998  # the prefill side's bootstrap server (SGLang's protocol)
+    transfer_backend: str = "mooncake"  # mooncake | nixl
+    router_image: str | None = None  # None: image
+    router_port: int = 8000
+    router_policy: str = "cache_aware"
+    # set in the pods' commands: run this pod's node from the LWS_* environment (procs/lws.py)
+    in_pod: bool = False
+
+
+@dataclass(frozen=True)
 class ClusterConfig:
     """Where the ranks run (`launch.multinode`). The node count is `parallel.nnodes`; each node
     runs tp_size / nnodes ranks (one per GPU)."""
 
-    kind: str = "local"  # local: one host | local_2node: two simulated nodes on one host | slurm
+    # local: one host | local_2node: two simulated nodes on one host | slurm | lws (Kubernetes)
+    kind: str = "local"
     gpus_per_node: int | None = None  # None: tp_size / nnodes; when set it must equal that
     node_addr: str = "127.0.0.1"  # local_2node: host of every node (node 0 on slurm: from Slurm)
     dist_port: int | None = None  # torch.distributed rendezvous port on node 0; None: a free one
@@ -289,6 +334,7 @@ class ClusterConfig:
     setup: list[str] = field(default_factory=list)  # shell lines before srun (module load, venv)
     folder: str = "submitit"  # submitit's job folder, relative to the Hydra run dir
     dry_run: bool = False  # print what would be submitted (slurm: the sbatch script) and exit 0
+    lws: LWSConfig = field(default_factory=LWSConfig)
 
 
 @dataclass(frozen=True)

@@ -10,9 +10,12 @@
 - slurm: submitit, one task per node; each task reads SLURM_NODEID and SLURM_JOB_NODELIST (first
   host = node 0: rendezvous and ZMQ endpoints) and runs node-local ranks. dry_run prints the sbatch
   script submitit would submit.
+- lws: Kubernetes. Here, the LeaderWorkerSet manifests are written (moeserve/k8s/, nothing is
+  applied); in a pod (cluster.lws.in_pod=true, set by those manifests) the pod runs its node,
+  node rank and node 0's address from the LWS_* environment.
 
-The addresses and the Slurm environment are read by procs/rendezvous.py and procs/slurm.py; this
-module decides what each node runs.
+The addresses and the Slurm and LWS environments are read by procs/rendezvous.py, procs/slurm.py
+and procs/lws.py; this module decides what each node runs.
 """
 
 from __future__ import annotations
@@ -22,9 +25,11 @@ import os
 import shlex
 import sys
 
-from moeserve.config import MoeserveConfig
+from moeserve.config import ConfigError, MoeserveConfig
 from moeserve.ipc.queues import Endpoints
+from moeserve.k8s.render import render, write
 from moeserve.procs.children import ProcessGroup
+from moeserve.procs.lws import lws_node_config
 from moeserve.procs.rendezvous import free_port_block, free_tcp_port, with_node
 from moeserve.procs.slurm import render_sbatch, slurm_node_config, slurm_parameters
 from moeserve.server.launch import serve, serve_node
@@ -38,7 +43,7 @@ _NODE_KEYS = ("parallel.node_rank", "parallel.dist_init_addr", "cluster.zmq_base
 
 def run(cfg: MoeserveConfig, run_dir: str, log_file: str | None, task_overrides: list[str]) -> int:
     kind = cfg.cluster.kind
-    if cfg.cluster.dry_run and kind != "slurm":
+    if cfg.cluster.dry_run and kind not in ("slurm", "lws"):
         p = cfg.parallel
         print(f"# cluster.dry_run: would start {kind}: {p.nnodes} node(s) x "
               f"{p.tp_size // p.nnodes} rank(s), dp {p.dp_size}, ep {p.ep}; nothing started",
@@ -50,6 +55,10 @@ def run(cfg: MoeserveConfig, run_dir: str, log_file: str | None, task_overrides:
         return run_local_2node(cfg, run_dir, log_file, task_overrides)
     if kind == "slurm":
         return submit_slurm(cfg, run_dir)
+    if kind == "lws":
+        if cfg.cluster.lws.in_pod:
+            return lws_pod_main(cfg, log_file)
+        return write_lws(cfg, run_dir, task_overrides)
     raise ValueError(f"unknown cluster.kind {kind!r}")  # validate() refuses it first
 
 
@@ -107,6 +116,34 @@ def slurm_node_main(cfg: MoeserveConfig, run_dir: str) -> int:
     """The submitit task on each node."""
     cfg, endpoints = slurm_node_config(cfg, dict(os.environ))
     log_file = os.path.join(run_dir, f"moeserve-node{cfg.parallel.node_rank}.log")
+    if cfg.parallel.node_rank == 0:
+        return serve(cfg, log_file=log_file, endpoints=endpoints)
+    return serve_node(cfg, endpoints, log_file)
+
+
+# ---- lws ----------------------------------------------------------------------------------------
+def write_lws(cfg: MoeserveConfig, run_dir: str, task_overrides: list[str]) -> int:
+    """Render and write the manifests (always a dry run); the file's path is the last line."""
+    w = cfg.cluster.lws
+    try:
+        docs = render(cfg, task_overrides)
+    except ConfigError as e:
+        print(f"moeserve: {e}", file=sys.stderr, flush=True)
+        return 2
+    path = write(docs, os.path.join(run_dir, w.folder), w.name)
+    print(f"# cluster.kind=lws: {len(docs)} manifests written, nothing applied "
+          f"(kubectl apply -f {path}):", flush=True)
+    for doc in docs:
+        print(f"#   {doc['kind']} {doc['metadata']['namespace']}/{doc['metadata']['name']}")
+    print(path, flush=True)
+    return 0
+
+
+def lws_pod_main(cfg: MoeserveConfig, log_file: str | None) -> int:
+    """A pod of an LWS group: the whole server when the group is one pod, else its node."""
+    if cfg.parallel.nnodes == 1:
+        return serve(cfg, log_file=log_file)
+    cfg, endpoints = lws_node_config(cfg, dict(os.environ))
     if cfg.parallel.node_rank == 0:
         return serve(cfg, log_file=log_file, endpoints=endpoints)
     return serve_node(cfg, endpoints, log_file)

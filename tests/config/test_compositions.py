@@ -98,6 +98,8 @@ def test_every_group_has_a_schema_and_its_options_compose():
                 overrides.append("+cluster=local_2node" if opt.endswith("2node") else "+cluster=slurm")
             if group == "cluster" and opt != "local":
                 overrides.append("parallel=dp2_ep2_2node")
+            if group == "cluster" and opt == "lws":
+                overrides.append("cluster.lws.image=registry.example/moeserve:1")  # required
             compose(overrides)
 
 
