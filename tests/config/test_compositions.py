@@ -86,6 +86,9 @@ def test_defaults_reproduce_the_schema_defaults():
 def test_every_group_has_a_schema_and_its_options_compose():
     from hydra.core.config_store import ConfigStore
 
+    from moeserve.config import register_configs
+
+    register_configs()  # as compose() does, so the test also passes when run alone
     repo = ConfigStore.instance().repo
     extra = {"model": ["model.path=/m"], "eplb": ["eplb.init_placement=/p.json"]}
     for group in ("model", "parallel", "scheduler", "server", "eplb", "tbo", "spec", "cluster"):
