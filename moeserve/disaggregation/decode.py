@@ -200,7 +200,8 @@ class DecodeRole:
             else:
                 self.host.free_kv(p.row, p.slots)
             p.row, p.slots = None, []
-        self.link.call(self._asked.pop, p.room, None)
+        if not quarantine:  # a quarantined room stays watched: a dead prefill frees it
+            self.link.call(self._asked.pop, p.room, None)
 
     # ---- link thread ----------------------------------------------------------------------------
     def _ask(self, bootstrap: tuple[str, int], dest: KVDestination) -> None:
