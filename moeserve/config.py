@@ -139,15 +139,16 @@ def _validate_disaggregation(cfg: MoeserveConfig) -> None:
     for key in ("bootstrap_timeout_s", "waiting_timeout_s", "heartbeat_interval_s",
                 "heartbeat_max_failures"):
         _check_positive(f"disaggregation.{key}", getattr(d, key), False)
+    _check_positive("disaggregation.prefill_servers", d.prefill_servers, False)
+    _check_positive("disaggregation.decode_servers", d.decode_servers, False)
+    if d.deployment and d.mode is not None:
+        raise ConfigError("disaggregation.deployment", "a deployment starts both roles itself: "
+                          "set the roles' keys in prefill_overrides / decode_overrides, not mode")
     if d.mode is None:
         return
     if d.mode == "prefill" and d.bootstrap_port == cfg.server.port:
         raise ConfigError("disaggregation.bootstrap_port", "the bootstrap server needs a port of "
                           f"its own (server.port is {cfg.server.port} too)")
-    if cfg.parallel.attn_tp_size != 1:
-        raise ConfigError("disaggregation.mode", "PD servers need one rank per attention group "
-                          f"(parallel.dp_size = tp_size); got tp_size={cfg.parallel.tp_size}, "
-                          f"dp_size={cfg.parallel.dp_size}")
 
 
 MAX_TREE_TOPK = 4

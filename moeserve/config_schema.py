@@ -318,6 +318,21 @@ class DisaggregationConfig:
     # probes in a row fail those requests at once
     heartbeat_interval_s: float = 1.0
     heartbeat_max_failures: int = 2
+    # `launch.multinode +cluster=local` with deployment=true starts a whole PD deployment on this
+    # host instead of one server: prefill and decode servers (`python -m launch.server` with the
+    # same overrides plus their own below) and sglang-router in front (moeserve/server/
+    # pd_deployment.py). cpus: `taskset -c` lists pinning each role (None: not pinned)
+    deployment: bool = False
+    prefill_servers: int = 1
+    decode_servers: int = 1
+    prefill_overrides: list[str] = field(default_factory=list)
+    decode_overrides: list[str] = field(default_factory=list)
+    prefill_cpus: str | None = None
+    decode_cpus: str | None = None
+    # CUDA_VISIBLE_DEVICES of each role's servers (e.g. "0,1,2,3"); None: inherited
+    prefill_gpus: str | None = None
+    decode_gpus: str | None = None
+    router_port: int = 8000
 
 
 @dataclass(frozen=True)
