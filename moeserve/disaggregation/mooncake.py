@@ -16,6 +16,8 @@ from moeserve.disaggregation.transfer import KVTransfer, TransferBackendMissing,
 
 logger = logging.getLogger(__name__)
 
+BATCH_RANGES = 1024  # byte ranges per batched write
+
 INSTALL_HINT = ("disaggregation.transfer_backend=mooncake needs the Mooncake transfer engine: "
                 "`pip install mooncake-transfer-engine` (CUDA) or "
                 "`pip install mooncake-transfer-engine-non-cuda` (CPU), and Debian's libibverbs1 "
@@ -63,9 +65,11 @@ class MooncakeTransfer(KVTransfer):
         return self._address
 
     def write(self, peer: str, src: list[int], dst: list[int], lengths: list[int]) -> None:
-        if not src:
-            return
-        rc = self.engine.batch_transfer_sync_write(peer, src, dst, lengths)
-        if rc != 0:
-            raise TransferError(f"Mooncake write of {sum(lengths)} bytes to {peer} failed "
-                                f"(code {rc})")
+        # NOTE: one batch of thousands of ranges overflows the TCP transport's lane queue (the
+        # write then fails with -1: 61 layers x 128 runs did); batches of BATCH_RANGES do not
+        for i in range(0, len(src), BATCH_RANGES):
+            j = i + BATCH_RANGES
+            rc = self.engine.batch_transfer_sync_write(peer, src[i:j], dst[i:j], lengths[i:j])
+            if rc != 0:
+                raise TransferError(f"Mooncake write of {sum(lengths[i:j])} bytes to {peer} "
+                                    f"failed (code {rc})")
