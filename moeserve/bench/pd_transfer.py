@@ -63,11 +63,11 @@ def main() -> None:
         d_slots = list(range(1, n + 1))
         ranges = regions.byte_ranges(s_slots, dst_ptrs, d_slots)
         nbytes = sum(ranges[2])
-        raw = ([t.data_ptr() + args.slot_bytes for t in src], [p + args.slot_bytes for p in dst_ptrs],
-               [n * args.slot_bytes] * args.layers)
-        pd = timed(lambda: a.write(b.address, *regions.byte_ranges(s_slots, dst_ptrs, d_slots)),
-                   args.repeat)
-        ref = timed(lambda: a.write(b.address, *raw), args.repeat)
+        raw = ([t.data_ptr() + args.slot_bytes for t in src],
+               [p + args.slot_bytes for p in dst_ptrs], [n * args.slot_bytes] * args.layers)
+        pd = timed(lambda s=s_slots, d=d_slots: a.write(
+            b.address, *regions.byte_ranges(s, dst_ptrs, d)), args.repeat)
+        ref = timed(lambda r=raw: a.write(b.address, *r), args.repeat)
         assert torch.equal(dst[0][1 : n + 1], src[0][torch.tensor(s_slots)])
         print(f"{n:>7} {nbytes / 1e6:>8.1f} {len(ranges[0]):>7} {nbytes / pd / 1e9:>8.2f} "
               f"{nbytes / ref / 1e9:>9.2f} {ref / pd:>7.0%}")

@@ -19,7 +19,6 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 from live_server import LiveServer, free_port
-
 from pd_support import require_mooncake
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
