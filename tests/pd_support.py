@@ -14,18 +14,19 @@ def _engine_loads() -> str | None:
     """None when mooncake.engine imports (in a child: a failed import of the .so is cached)."""
     import sys
 
-    r = subprocess.run([sys.executable, "-c", "import mooncake.engine"], capture_output=True, check=False,
-                       text=True, timeout=120)
+    r = subprocess.run([sys.executable, "-c", "import mooncake.engine"], capture_output=True,
+                       check=False, text=True, timeout=120)
     return None if r.returncode == 0 else (r.stderr.strip().splitlines() or ["?"])[-1]
 
 
 def require_mooncake() -> None:
     error = _engine_loads()
     if error is not None and "libibverbs" in error and os.geteuid() == 0:
-        subprocess.run(["apt-get", "install", "-y", "-q", "libibverbs1"], capture_output=True, check=False,
-                       timeout=600)
+        subprocess.run(["apt-get", "install", "-y", "-q", "libibverbs1"], capture_output=True,
+                       check=False, timeout=600)
         if _engine_loads() is not None:  # a stale package list: refresh it once
-            subprocess.run(["apt-get", "update", "-q"], capture_output=True, check=False, timeout=600)
+            subprocess.run(["apt-get", "update", "-q"], capture_output=True, check=False,
+                           timeout=600)
             subprocess.run(["apt-get", "install", "-y", "-q", "libibverbs1"],
                            capture_output=True, check=False, timeout=600)
         error = _engine_loads()
