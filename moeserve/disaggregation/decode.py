@@ -124,7 +124,7 @@ class DecodeRole:
         self.link.close()
         self.transfer.close()
 
-    # ---- loop-thread helpers ----------------------------------------------------------------------
+    # ---- loop-thread helpers ---------------------------------------------------------------
     def _reserve(self, now: float) -> None:
         """Rows and slots for queued requests, in arrival order, while they fit."""
         while self._queue:
