@@ -15,7 +15,8 @@ from hydra.core.config_store import ConfigStore
 from moeserve.config_schema import (  # noqa: F401 (re-exported: callers import them from here)
     DTYPES, FP8_GEMMS, LOAD_FORMATS, QUANTIZATIONS, ATTENTION_BACKENDS, MOE_BACKENDS, DEVICES,
     SCHEDULE_POLICIES, A2A_BACKENDS, DEEPEP_MODES, DP_POLICIES, RECORD_MODES, CLUSTER_KINDS,
-    TOOL_PARSERS, REASONING_PARSERS, SPEC_ALGORITHMS, ConfigError, ModelConfig, CacheConfig,
+    TOOL_PARSERS, REASONING_PARSERS, SPEC_ALGORITHMS, DISAGG_MODES, TRANSFER_BACKENDS,
+    TRANSFER_PROTOCOLS, DisaggregationConfig, ConfigError, ModelConfig, CacheConfig,
     SchedulerConfig, ServerConfig, ParallelConfig, EPLBConfig, AttentionConfig, MoEConfig,
     CudaGraphConfig, TBOConfig, SPEC_STEP_ASIDE, SpecConfig, LWS_MODES, TRANSFER_BACKENDS,
     ROUTER_POLICIES, LWSRoleConfig, LWSConfig, ClusterConfig, MoeserveConfig)
@@ -33,7 +34,7 @@ def register_configs() -> None:
 GROUP_SCHEMAS: dict[str, type] = {
     "model": ModelConfig, "parallel": ParallelConfig,
     "scheduler": SchedulerConfig, "server": ServerConfig, "eplb": EPLBConfig, "tbo": TBOConfig,
-    "spec": SpecConfig, "cluster": ClusterConfig}
+    "spec": SpecConfig, "cluster": ClusterConfig, "disaggregation": DisaggregationConfig}
 
 
 def _schema_node(cls: type) -> Any:
@@ -126,7 +127,30 @@ def validate(cfg: MoeserveConfig) -> MoeserveConfig:
         raise ConfigError("cache.mem_fraction_static", "must be in (0, 1]")
     _validate_spec(cfg)
     _validate_cluster(cfg.cluster, cfg.parallel)
+    _validate_disaggregation(cfg)
     return cfg
+
+
+def _validate_disaggregation(cfg: MoeserveConfig) -> None:
+    d = cfg.disaggregation
+    _check_choice("disaggregation.mode", d.mode, DISAGG_MODES)
+    _check_choice("disaggregation.transfer_backend", d.transfer_backend, TRANSFER_BACKENDS)
+    _check_choice("disaggregation.protocol", d.protocol, TRANSFER_PROTOCOLS)
+    if not 0 < d.bootstrap_port < 65536:
+        raise ConfigError("disaggregation.bootstrap_port", f"{d.bootstrap_port} is not a TCP port")
+    for key in ("bootstrap_timeout_s", "waiting_timeout_s", "heartbeat_interval_s",
+                "heartbeat_max_failures"):
+        _check_positive(f"disaggregation.{key}", getattr(d, key), False)
+    _check_positive("disaggregation.prefill_servers", d.prefill_servers, False)
+    _check_positive("disaggregation.decode_servers", d.decode_servers, False)
+    if d.deployment and d.mode is not None:
+        raise ConfigError("disaggregation.deployment", "a deployment starts both roles itself: "
+                          "set the roles' keys in prefill_overrides / decode_overrides, not mode")
+    if d.mode is None:
+        return
+    if d.mode == "prefill" and d.bootstrap_port == cfg.server.port:
+        raise ConfigError("disaggregation.bootstrap_port", "the bootstrap server needs a port of "
+                          f"its own (server.port is {cfg.server.port} too)")
 
 
 MAX_TREE_TOPK = 4

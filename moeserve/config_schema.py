@@ -24,6 +24,9 @@ ROUTER_POLICIES = ("random", "round_robin", "cache_aware", "power_of_two")
 TOOL_PARSERS = ("auto", "none", "deepseek_v3", "hermes", "llama3")
 REASONING_PARSERS = (None, "deepseek_r1", "qwen3")
 SPEC_ALGORITHMS = ("none", "nextn")
+DISAGG_MODES = (None, "prefill", "decode")
+TRANSFER_BACKENDS = ("mooncake", "nixl")
+TRANSFER_PROTOCOLS = ("auto", "tcp", "rdma")
 
 
 class ConfigError(ValueError):
@@ -338,6 +341,47 @@ class ClusterConfig:
 
 
 @dataclass(frozen=True)
+class DisaggregationConfig:
+    """Prefill-decode disaggregation (moeserve/disaggregation/, docs/disaggregation.md): a prefill
+    server computes the prompt's KV and the first token and writes them into a decode server's KV
+    pool through a transfer engine; SGLang's router (`--pd-disaggregation`) fronts both."""
+
+    mode: str | None = None  # None: colocated | prefill | decode
+    transfer_backend: str = "mooncake"  # mooncake (Mooncake transfer engine) | nixl
+    # mooncake's transport: auto (rdma where an RDMA device is present, else tcp) | tcp | rdma
+    protocol: str = "auto"
+    ib_device: str | None = None  # rdma: the HCA(s), e.g. "mlx5_0"; None: the engine's discovery
+    bootstrap_port: int = 8998  # prefill: the bootstrap server (rooms -> this server's ranks)
+    # the address peers reach this server's transfer engine and control sockets at
+    host: str = "127.0.0.1"
+    # prefill: a prefilled request keeps its KV slots until its decode server asks for them and
+    # the write ends, at most this long (then they are freed and the request counts as failed)
+    bootstrap_timeout_s: float = 60.0
+    # decode: a request fails (with an error naming its prefill server) when its KV has not
+    # arrived this long after it did
+    waiting_timeout_s: float = 120.0
+    # decode: prefill servers with requests in flight are probed this often; this many missed
+    # probes in a row fail those requests at once
+    heartbeat_interval_s: float = 1.0
+    heartbeat_max_failures: int = 2
+    # `launch.multinode +cluster=local` with deployment=true starts a whole PD deployment on this
+    # host instead of one server: prefill and decode servers (`python -m launch.server` with the
+    # same overrides plus their own below) and sglang-router in front (moeserve/server/
+    # pd_deployment.py). cpus: `taskset -c` lists pinning each role (None: not pinned)
+    deployment: bool = False
+    prefill_servers: int = 1
+    decode_servers: int = 1
+    prefill_overrides: list[str] = field(default_factory=list)
+    decode_overrides: list[str] = field(default_factory=list)
+    prefill_cpus: str | None = None
+    decode_cpus: str | None = None
+    # CUDA_VISIBLE_DEVICES of each role's servers (e.g. "0,1,2,3"); None: inherited
+    prefill_gpus: str | None = None
+    decode_gpus: str | None = None
+    router_port: int = 8000
+
+
+@dataclass(frozen=True)
 class MoeserveConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
@@ -351,5 +395,6 @@ class MoeserveConfig:
     tbo: TBOConfig = field(default_factory=TBOConfig)
     spec: SpecConfig = field(default_factory=SpecConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    disaggregation: DisaggregationConfig = field(default_factory=DisaggregationConfig)
     device: str = "auto"
     seed: int = 0

@@ -21,6 +21,15 @@ class Msg(msgspec.Struct, tag=True, frozen=True, kw_only=True):
 
 
 # ---- tokenizer manager → scheduler -------------------------------------------------------------
+class Bootstrap(msgspec.Struct, frozen=True):
+    """PD disaggregation (SGLang's router adds it): the prefill server's bootstrap server and the
+    room that pairs this request's prefill with its decode (docs/disaggregation.md)."""
+
+    host: str
+    port: int
+    room: int
+
+
 class GenerateReq(Msg):
     rid: str
     input_ids: list[int]
@@ -32,6 +41,7 @@ class GenerateReq(Msg):
     # prompt logprobs from this prompt position on (-1: none), with this many alternatives each
     logprob_start_len: int = -1
     input_top_logprobs_num: int = 0
+    bootstrap: Bootstrap | None = None
 
 
 class AbortReq(Msg):
@@ -131,6 +141,7 @@ class LoadReport(Msg):
     cache_hit_tokens: int = 0  # cumulative prompt tokens served from the prefix cache
     prompt_tokens: int = 0  # cumulative prompt tokens admitted
     eplb_balancedness: float = -1.0  # after the last live rebalance (-1: none yet)
+    disagg: dict = {}  # PD role: cumulative KV transfer counters (disaggregation/role.py)
 
 
 SchedulerInput = Union[GenerateReq, AbortReq, ControlReq, Wake]

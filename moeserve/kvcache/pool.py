@@ -29,6 +29,10 @@ class KVPool(ABC):
     def value_buffer(self, layer_id: int) -> torch.Tensor:
         ...
 
+    @abstractmethod
+    def buffers(self) -> list[torch.Tensor]:
+        """Every per-layer tensor, [num_slots + 1, ...] each (what a KV transfer registers)."""
+
     @staticmethod
     def bytes_per_token(num_layers: int, width: int, dtype: torch.dtype) -> int:
         return num_layers * width * torch.empty((), dtype=dtype).element_size()
@@ -55,6 +59,9 @@ class MHAKVPool(KVPool):
     def value_buffer(self, layer_id):
         return self.v[layer_id]
 
+    def buffers(self):
+        return self.k + self.v
+
 
 class MLAKVPool(KVPool):
     """One latent per token per layer: [size + 1, 1, kv_lora_rank + rope_dim].
@@ -77,3 +84,6 @@ class MLAKVPool(KVPool):
 
     def value_buffer(self, layer_id):
         return self.kv[layer_id][..., : self.kv_lora_rank]
+
+    def buffers(self):
+        return list(self.kv)

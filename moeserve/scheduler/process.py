@@ -65,7 +65,7 @@ class ZmqSchedulerIO:
             rank=self.rank, running=load["running"], waiting=load["waiting"],
             used_tokens=load["used_tokens"], max_total_tokens=load["max_total_tokens"],
             cache_hit_tokens=load["cache_hit_tokens"], prompt_tokens=load["prompt_tokens"],
-            eplb_balancedness=load.get("eplb_balancedness", -1.0))
+            eplb_balancedness=load.get("eplb_balancedness", -1.0), disagg=load.get("disagg", {}))
         self.to_manager.put(report)
         if self.to_controller is not None:
             self.to_controller.put(report)
@@ -138,6 +138,8 @@ def run_scheduler_process(cfg: MoeserveConfig, model_path: str, endpoints: Endpo
             "max_req_len": scheduler.max_req_len,
             "max_running_requests": cfg.cache.max_running_requests,
             "weight_bytes": weight_bytes(scheduler.runner.model)}  # by part, this rank
+    if scheduler.pd is not None:
+        info["pd"] = scheduler.pd.info()  # the bootstrap server's route table reads it
     io.to_manager.put(ReadyMsg(role="scheduler", rank=rank, info=info))
     logger.info("scheduler %d ready: %s", rank, info)
     stop = StopRequest(scheduler)

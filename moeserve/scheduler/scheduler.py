@@ -25,6 +25,7 @@ from moeserve.scheduler.decode import NewTokenRatio, decodable, pick_retractions
 from moeserve.scheduler.grammar_intake import PARKED, GrammarIntake
 from moeserve.scheduler.loops import event_loop_normal, event_loop_overlap
 from moeserve.scheduler.ops import SchedulerOps
+from moeserve.scheduler.pd import make_pd
 from moeserve.scheduler.prefill import AddResult, PrefillAdder, prefill_may_wait
 from moeserve.scheduler.spec_steps import SpecPolicy
 from moeserve.scheduler.stats import StepLog
@@ -75,6 +76,7 @@ class Scheduler:
         self.max_req_len = runner.context_len
         self.step_log = StepLog(self.mesh.rank, sc.log_interval_s)
         self.decodes_since_prefill = 0  # decode steps since the last prefill (prefill_wait_steps)
+        self.pd = make_pd(self)  # PD disaggregation's role (None: colocated)
 
     # ---- intake -----------------------------------------------------------------------------
     def handle(self, msg: GenerateReq | AbortReq | ControlReq | Wake) -> None:
@@ -105,10 +107,12 @@ class Scheduler:
             self._reject(req, state)
             return
         self.reqs[req.rid] = req
-        if state is None:
-            self.waiting.append(req)
         if msg.sampling.stop:
             self.pending_stop_strings[req.rid] = list(msg.sampling.stop)
+        if self.pd is not None and self.pd.on_request(req, msg.bootstrap):
+            return  # a decode server: the role waits for the KV (disaggregation/decode.py)
+        if state is None:
+            self.waiting.append(req)
 
     def _reject(self, req: Req, error: str) -> None:
         self.io.send_outputs([TokenOutput(rid=req.rid, new_ids=[], finish_reason="abort",
@@ -118,7 +122,8 @@ class Scheduler:
         """Parked requests whose grammar compiled join the queue (a failed compile rejects)."""
         for req, error in self.grammars.ready(wait_s):
             if error is None:
-                self.waiting.append(req)
+                if self.pd is None or not self.pd.owns(req):
+                    self.waiting.append(req)
             else:
                 self.reqs.pop(req.rid, None)
                 self.pending_stop_strings.pop(req.rid, None)
@@ -142,7 +147,8 @@ class Scheduler:
                 "waiting": len(self.waiting) + len(self.grammars.parked),
                 "used_tokens": self.cache.used_tokens(),
                 "max_total_tokens": self.runner.memory.allocator.size, **self.stats,
-                **(self.spec.totals() if self.spec is not None else {})}
+                **(self.spec.totals() if self.spec is not None else {}),
+                **({"disagg": self.pd.counters.as_dict(self.pd.mode)} if self.pd else {})}
 
     # ---- scheduling -------------------------------------------------------------------------
     def get_next_batch(self) -> ScheduledBatch | None:
@@ -326,7 +332,8 @@ class Scheduler:
             self.chunked = None
         if req in self.waiting:
             self.waiting.remove(req)
-        if req.req_pool_idx is not None:
+        held = self.pd is not None and self.pd.on_finish(req)  # PD prefill: until sent
+        if req.req_pool_idx is not None and not held:
             self.cache.release(req)
         self.reqs.pop(req.rid, None)
 
@@ -360,7 +367,11 @@ class Scheduler:
 
     def _recv(self, may_block: bool) -> None:
         idle = may_block and self._global_idle and not self.has_work()
-        for msg in self.io.recv(50 if idle and not self.grammars.parked else 0):
+        wait_ms = 50 if idle and not self.grammars.parked else 0
+        if self.pd is not None:
+            self.pd.poll()
+            wait_ms = min(wait_ms, 2) if self.pd.busy() else wait_ms  # KV may land any moment
+        for msg in self.io.recv(wait_ms):
             self.handle(msg)
         if self.grammars.parked:  # idle: nothing to run until a compile ends
             self._take_compiled(wait_s=0.005 if idle else 0.0)

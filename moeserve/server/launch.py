@@ -109,6 +109,7 @@ async def _serve_http(cfg: MoeserveConfig, model_path: str, endpoints: Endpoints
                       procs: ProcessGroup, expected: set[tuple[str, int]]) -> None:
     import uvicorn
 
+    from moeserve.disaggregation.bootstrap import serve_bootstrap
     from moeserve.server.api import create_app
     from moeserve.server.guard import DrainingServer, RequestGate
     from moeserve.server.tokenizer_manager import TokenizerManager
@@ -118,6 +119,7 @@ async def _serve_http(cfg: MoeserveConfig, model_path: str, endpoints: Endpoints
     expected = expected | {("detokenizer", 0)}
     await manager.wait_ready(expected, cfg.server.startup_timeout_s, procs.check_alive)
     procs.start_watchdog(lambda child: exit_on_child_death(child, procs, endpoints))
+    bootstrap = serve_bootstrap(cfg, manager.ready)  # a PD prefill server's; else None
     gate = RequestGate(create_app(manager, cfg), cfg.server.max_request_bytes)
     server = DrainingServer(uvicorn.Config(
         gate, host=cfg.server.host, port=cfg.server.port,
@@ -129,6 +131,8 @@ async def _serve_http(cfg: MoeserveConfig, model_path: str, endpoints: Endpoints
     finally:
         announce.cancel()
         manager.close()
+        if bootstrap is not None:
+            bootstrap.close()
 
 
 async def _announce(server: Any, manager: Any, cfg: MoeserveConfig) -> None:

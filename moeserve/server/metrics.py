@@ -70,6 +70,7 @@ class Metrics:
                              buckets=_ITL_BUCKETS, registry=reg)
         self.e2e = Histogram(PREFIX + "e2e_request_latency_seconds", "Request latency",
                              buckets=_LATENCY_BUCKETS, registry=reg)
+        self.kv_transfer = KVTransferMetrics(reg)
 
     def observe_load(self, report: LoadReport) -> None:
         rank = str(report.rank)
@@ -80,9 +81,36 @@ class Metrics:
             self.cache_hit_rate.labels(rank).set(report.cache_hit_tokens / report.prompt_tokens)
         if report.eplb_balancedness >= 0:
             self.eplb_balancedness.labels(rank).set(report.eplb_balancedness)
+        if report.disagg:
+            self.kv_transfer.observe(rank, report.disagg)
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class KVTransferMetrics:
+    """PD disaggregation's KV transfers per rank and role, from the ranks' cumulative counts
+    (disaggregation/role.py: TransferCounters); the mean latency is seconds / transfers."""
+
+    KEYS = ("transfers", "bytes", "failures", "seconds")
+    HELP = {"transfers": "KV transfers completed", "bytes": "KV bytes transferred",
+            "failures": "Requests whose KV transfer failed or timed out",
+            "seconds": "Summed KV transfer latency (prefill: the write; decode: ask to arrival)"}
+
+    def __init__(self, reg: CollectorRegistry):
+        names = {"transfers": "kv_transfers", "bytes": "kv_transfer_bytes",
+                 "failures": "kv_transfer_failures", "seconds": "kv_transfer_seconds"}
+        self.counters = {k: Counter(PREFIX + names[k], self.HELP[k], ["rank", "role"],
+                                    registry=reg) for k in self.KEYS}
+        self.seen: dict[tuple[str, str], float] = {}
+
+    def observe(self, rank: str, counts: dict) -> None:
+        role = str(counts.get("role", ""))
+        for k in self.KEYS:
+            now, before = float(counts.get(k, 0)), self.seen.get((rank, k), 0.0)
+            if now > before:
+                self.counters[k].labels(rank, role).inc(now - before)
+                self.seen[(rank, k)] = now
 
 
 @dataclass

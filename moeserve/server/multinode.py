@@ -49,6 +49,10 @@ def run(cfg: MoeserveConfig, run_dir: str, log_file: str | None, task_overrides:
               f"{p.tp_size // p.nnodes} rank(s), dp {p.dp_size}, ep {p.ep}; nothing started",
               flush=True)
         return 0
+    if kind == "local" and cfg.disaggregation.deployment:
+        from moeserve.server.pd_deployment import run_pd_local
+
+        return run_pd_local(cfg, run_dir, task_overrides)
     if kind == "local":
         return serve(cfg, log_file=log_file)
     if kind == "local_2node":

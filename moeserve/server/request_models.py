@@ -37,6 +37,7 @@ TokenIds = Annotated[list[TokenId], Field(min_length=1)]
 Text = Annotated[str, Field(min_length=1)]
 TokenKey = Annotated[str, Field(pattern=r"^(0|[1-9][0-9]*)$",  # a token id written as a key
                                 json_schema_extra={"x-token-key": True})]
+Room = Annotated[int, Field(ge=0, lt=1 << 64), INTEGRAL]  # PD: pairs a prefill with a decode
 MaxTokens0 = Annotated[int, Field(ge=0, json_schema_extra={"x-max-tokens": True}), INTEGRAL]
 MaxTokens1 = Annotated[int, Field(ge=1, json_schema_extra={"x-max-tokens": True}), INTEGRAL]
 NumChoices = Annotated[int, Field(ge=1, json_schema_extra={"x-max-n": True}), INTEGRAL]
@@ -99,7 +100,17 @@ def at_most_one(*conditions: dict[str, Any]) -> list[dict[str, Any]]:
             for b in conditions[i + 1:]]
 
 
-class _SamplingRequest(_Request):
+class _Bootstrap(_Request):
+    """PD disaggregation: SGLang's router adds these to what it sends a prefill and a decode
+    server (docs/disaggregation.md); a colocated server ignores them. A list of rooms: one per
+    prompt of a batch."""
+
+    bootstrap_host: SkipJsonSchema[str | None] = None
+    bootstrap_port: SkipJsonSchema[Annotated[int, Field(gt=0, lt=65536)] | None] = None
+    bootstrap_room: SkipJsonSchema[Room | list[Room] | None] = None
+
+
+class _SamplingRequest(_Bootstrap):
     """Fields shared by completions and chat completions."""
 
     model: ModelName | None = None  # this server's model (or none); others are 404
@@ -260,7 +271,7 @@ def _exactly_one(a: str, b: str) -> dict[str, Any]:
     return {"oneOf": present}
 
 
-class GenerateRequest(_Request):
+class GenerateRequest(_Bootstrap):
     """The native /generate request: text or token ids, SGLang-style sampling_params."""
 
     model_config = ConfigDict(extra="ignore", strict=True,

@@ -17,7 +17,7 @@ from moeserve.server.protocol import (APIError, AssistantMessage, ChatChoice, Ch
                                       NamedToolChoice, ToolCallOut, new_id)
 from moeserve.server.reasoning import STYLES
 from moeserve.server.serving_common import (ChoiceState, chat_logprobs, check_request,
-                                            check_top_logprobs, collect, response_model,
+                                            check_top_logprobs, collect, pd_of, response_model,
                                             sampling_params, usage, vllm_prompt_logprobs)
 from moeserve.server.tokenizer_manager import GenInput, TokenizerManager, expand_n
 from moeserve.server.tool_choice import forced_calls
@@ -100,7 +100,7 @@ def prepare_chat(manager: TokenizerManager, req: ChatCompletionRequest) -> ChatJ
     prompt_top = check_top_logprobs(req.prompt_logprobs, "prompt_logprobs")
     base = GenInput(ids, sampling_params(manager, req, max_new, tool_grammar), req.logprobs, top,
                     -1 if req.prompt_logprobs is None else 0, prompt_top)
-    return ChatJob(req, expand_n([base], req.n), new_id("chatcmpl"), response_model(manager, req),
+    return ChatJob(req, expand_n([base], req.n, pd_of(req)), new_id("chatcmpl"), response_model(manager, req),
                    spec)
 
 

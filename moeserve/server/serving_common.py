@@ -54,6 +54,13 @@ def response_model(manager: TokenizerManager, req: _SamplingRequest) -> str:
         manager.served_model_name
 
 
+def pd_of(req: Any) -> tuple | None:
+    """(bootstrap host, port, room or rooms) when SGLang's PD router sent them all."""
+    if req.bootstrap_host is None or req.bootstrap_port is None or req.bootstrap_room is None:
+        return None
+    return req.bootstrap_host, req.bootstrap_port, req.bootstrap_room
+
+
 def check_top_logprobs(k: int | None, param: str) -> int:
     if k is not None and not 0 <= k <= MAX_TOP_LOGPROBS:
         raise APIError(f"{param} must be between 0 and {MAX_TOP_LOGPROBS}, got {k}", param=param)

@@ -11,7 +11,7 @@ from moeserve.server.protocol import (APIError, CompletionChoice, CompletionChun
                                       CompletionLogprobs, CompletionRequest, CompletionResponse,
                                       new_id)
 from moeserve.server.serving_common import (ChoiceState, check_request, check_top_logprobs,
-                                            collect, response_model, sampling_params, token_text,
+                                            collect, pd_of, response_model, sampling_params, token_text,
                                             usage, vllm_prompt_logprobs)
 from moeserve.server.tokenizer_manager import GenInput, TokenizerManager, expand_n
 
@@ -55,7 +55,7 @@ def prepare_completion(manager: TokenizerManager, req: CompletionRequest) -> Com
                                0 if scores else -1, max(top if echo_scores else 0, prompt_top)))
     echo = [manager.tokenizer.decode(x.input_ids, skip_special_tokens=True) if req.echo else ""
             for x in inputs for _ in range(req.n)]
-    return CompletionJob(req, expand_n(inputs, req.n), echo, new_id("cmpl"),
+    return CompletionJob(req, expand_n(inputs, req.n, pd_of(req)), echo, new_id("cmpl"),
                          response_model(manager, req))
 
 

@@ -10,7 +10,8 @@ from typing import Any
 
 from moeserve.core import SamplingParams, spec_meta
 from moeserve.server.protocol import APIError, GenerateRequest, NativeSamplingParams, new_id
-from moeserve.server.serving_common import ChoiceState, check_top_logprobs, collect, token_text
+from moeserve.server.serving_common import (ChoiceState, check_top_logprobs, collect, pd_of,
+                                            token_text)
 from moeserve.server.tokenizer_manager import GenInput, TokenizerManager, expand_n
 
 
@@ -86,7 +87,7 @@ def prepare_native(manager: TokenizerManager, req: GenerateRequest) -> NativeJob
                                              minimum=0)
         inputs.append(GenInput(ids, dataclasses.replace(sampling, max_new_tokens=max_new),
                                req.return_logprob, top, min(start, len(ids)), top))
-    return NativeJob(expand_n(inputs, n), batched or n > 1, new_id("gen"),
+    return NativeJob(expand_n(inputs, n, pd_of(req)), batched or n > 1, new_id("gen"),
                      req.return_text_in_logprobs)
 
 

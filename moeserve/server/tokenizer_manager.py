@@ -24,8 +24,8 @@ import zmq.asyncio
 
 from moeserve.config import MoeserveConfig
 from moeserve.core import SamplingParams
-from moeserve.ipc.messages import (AbortReq, ControlReply, ControlReq, GenerateReq, LoadReport,
-                                   ManagerInput, ReadyMsg, TextOutput, TextOutputBatch)
+from moeserve.ipc.messages import (AbortReq, Bootstrap, ControlReply, ControlReq, GenerateReq,
+                                   LoadReport, ManagerInput, ReadyMsg, TextOutput, TextOutputBatch)
 from moeserve.ipc.queues import AsyncPullQueue, Endpoints, PushQueue
 from moeserve.runtime.grammar import GrammarCompiler
 from moeserve.server.metrics import Metrics, RequestTimer
@@ -49,17 +49,28 @@ class GenInput:
     top_logprobs_num: int = 0
     logprob_start_len: int = -1  # prompt logprobs from this position on (-1: none)
     input_top_logprobs_num: int = 0
+    bootstrap: Bootstrap | None = None  # PD disaggregation: this sub-request's own room
 
 
-def expand_n(inputs: list[GenInput], n: int) -> list[GenInput]:
+def expand_n(inputs: list[GenInput], n: int, pd: tuple | None = None) -> list[GenInput]:
     """n samples per input, prompt-major (choice index = prompt * n + j); seeds become seed + j so
-    the samples differ yet stay reproducible."""
+    the samples differ yet stay reproducible. `pd` (host, port, room or rooms per prompt): each
+    sub-request gets its own room, derived the same way on the prefill and the decode server."""
     out = []
-    for x in inputs:
+    for i, x in enumerate(inputs):
         for j in range(n):
             seed = None if x.sampling.seed is None else x.sampling.seed + j
-            out.append(dataclasses.replace(x, sampling=dataclasses.replace(x.sampling, seed=seed)))
+            out.append(dataclasses.replace(x, sampling=dataclasses.replace(x.sampling, seed=seed),
+                                           bootstrap=_room(pd, i, j, n)))
     return out
+
+
+def _room(pd: tuple | None, prompt: int, sample: int, n: int) -> Bootstrap | None:
+    if pd is None:
+        return None
+    host, port, room = pd
+    base = room[prompt] if isinstance(room, list) else room + prompt * n
+    return Bootstrap(host=host, port=port, room=(base + sample) % (1 << 64))
 
 
 class TokenizerManager:
@@ -263,7 +274,8 @@ class TokenizerManager:
                                        stream=stream, return_logprob=x.return_logprob,
                                        top_logprobs_num=x.top_logprobs_num,
                                        logprob_start_len=x.logprob_start_len,
-                                       input_top_logprobs_num=x.input_top_logprobs_num))
+                                       input_top_logprobs_num=x.input_top_logprobs_num,
+                                       bootstrap=x.bootstrap, dp_rank=self._pd_rank(x)))
         pending = set(range(len(inputs)))
         try:
             while pending:
@@ -277,6 +289,13 @@ class TokenizerManager:
                 yield i, out
         finally:
             self.abort([rids[i] for i in pending])
+
+    def _pd_rank(self, x: GenInput) -> int | None:
+        """A PD prefill server pins each room to DP rank room % dp_size: the rank the decode
+        server's bootstrap query names (disaggregation/bootstrap.py)."""
+        if x.bootstrap is None or self.cfg.disaggregation.mode != "prefill":
+            return None
+        return x.bootstrap.room % self.cfg.parallel.dp_size
 
     def abort(self, rids: list[str]) -> None:
         """Stop sub-requests nobody waits for any more (the scheduler frees their KV)."""

@@ -1,0 +1,79 @@
+"""What a PD role needs from its scheduler (RoleHost), its counters, and the role factory.
+
+The scheduler calls four hooks: `on_request` (a request with a bootstrap room arrives; True: the
+role owns it from now on), `on_finish` (True: the role keeps the request's KV slots for now),
+`poll` (each loop iteration: apply what the link thread finished) and `info`/`counters` (ready
+handshake, metrics).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from moeserve.config import MoeserveConfig
+from moeserve.core import Req
+from moeserve.ipc.messages import Bootstrap
+
+
+class RoleHost(Protocol):
+    """The scheduler as a role sees it (scheduler/pd.py implements it)."""
+
+    def kv_buffers(self) -> list[torch.Tensor]: ...
+
+    def room_left(self, num_tokens: int) -> bool: ...
+
+    def alloc_kv(self, num_tokens: int) -> tuple[int, list[int]] | None: ...
+
+    def free_kv(self, row: int, slots: list[int]) -> None: ...
+
+    def release(self, req: Req) -> None: ...
+
+    def activate(self, req: Req, row: int, slots: list[int], first_token: int,
+                 first_logprob: float | None) -> None: ...
+
+    def fail(self, req: Req, error: str) -> None: ...
+
+
+@dataclass
+class TransferCounters:
+    """Cumulative per rank; /metrics turns them into counters (server/metrics.py)."""
+
+    transfers: int = 0
+    bytes: int = 0
+    failures: int = 0
+    seconds: float = 0.0  # summed transfer latency (prefill: the write; decode: ask → KV in)
+
+    def ok(self, nbytes: int, seconds: float) -> None:
+        self.transfers += 1
+        self.bytes += nbytes
+        self.seconds += seconds
+
+    def as_dict(self, role: str) -> dict[str, Any]:
+        return {"role": role, "transfers": self.transfers, "bytes": self.bytes,
+                "failures": self.failures, "seconds": self.seconds}
+
+
+def make_role(cfg: MoeserveConfig, host: RoleHost, device_kind: str):
+    """The configured role (None for a colocated server). Starts the transfer engine: a missing
+    library raises TransferBackendMissing naming it, before the server reports ready."""
+    mode = cfg.disaggregation.mode
+    if mode is None:
+        return None
+    from moeserve.disaggregation.transfer import make_transfer
+
+    transfer = make_transfer(cfg.disaggregation, device_kind)
+    if mode == "prefill":
+        from moeserve.disaggregation.prefill import PrefillRole
+
+        return PrefillRole(cfg.disaggregation, host, transfer)
+    from moeserve.disaggregation.decode import DecodeRole
+
+    return DecodeRole(cfg.disaggregation, host, transfer, cfg.cache.max_running_requests)
+
+
+def wants_pd(req: Req, bootstrap: Bootstrap | None) -> bool:
+    """Requests go through PD when the router gave them a room and they generate at all."""
+    return bootstrap is not None and req.sampling.max_new_tokens > 0

@@ -1,0 +1,77 @@
+"""The scheduler's side of prefill-decode disaggregation: the RoleHost a PD role works through
+(moeserve/disaggregation/role.py), built on the scheduler's cache, table and outputs."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from moeserve.core import FinishReason, Req
+from moeserve.disaggregation.role import make_role
+
+if TYPE_CHECKING:
+    from moeserve.scheduler.scheduler import Scheduler
+
+
+class SchedulerRoleHost:
+    def __init__(self, sched: Scheduler):
+        self.sched = sched
+        self.memory = sched.runner.memory
+
+    def kv_buffers(self) -> list[torch.Tensor]:
+        return self.memory.pool.buffers()
+
+    def room_left(self, num_tokens: int) -> bool:
+        """Enough KV for the prompt while every running request can still take a token."""
+        return self.sched.cache.available() >= num_tokens + len(self.sched.running)
+
+    def alloc_kv(self, num_tokens: int) -> tuple[int, list[int]] | None:
+        rows = self.memory.req_to_token.alloc(1)
+        if rows is None:
+            return None
+        slots = self.sched.cache.alloc_slots(num_tokens)
+        if slots is None:
+            self.memory.req_to_token.free(rows)
+            return None
+        return rows[0], slots.tolist()
+
+    def free_kv(self, row: int, slots: list[int]) -> None:
+        self.memory.allocator.free(torch.tensor(slots, dtype=torch.int64))
+        self.memory.req_to_token.free(row)
+
+    def release(self, req: Req) -> None:
+        self.sched.cache.release(req)
+
+    def activate(self, req: Req, row: int, slots: list[int], first_token: int,
+                 first_logprob: float | None) -> None:
+        """The prompt's KV is in `slots`: the request continues as if prefilled here."""
+        s, n = self.sched, len(req.input_ids)
+        table = self.memory.req_to_token
+        dev = table.req_to_token.device
+        table.req_to_token[row, :n] = torch.tensor(slots, dtype=torch.int64).to(dev)
+        table.token_ids[row, :n] = torch.tensor(req.input_ids, dtype=torch.int64).to(dev)
+        table.token_ids[row, n] = first_token
+        req.req_pool_idx, req.kv_slots, req.kv_len, req.prefix_len = row, list(slots), n, 0
+        req.last_node = s.cache.tree.match_prefix([]).last_node  # the root: nothing locked
+        req.device_len = n + 1
+        s.stats["prompt_tokens"] += n
+        if req.grammar is not None:
+            req.grammar.accept(first_token)
+        lp = [first_logprob] if first_logprob is not None else None
+        finish = s._append(req, first_token, lp, [[]], 0)
+        if finish is not None:
+            s._finish(req, finish)
+        else:
+            s.running.append(req)
+        s.io.send_outputs([s._output(req)], s._take_stop_strings([req]))
+
+    def fail(self, req: Req, error: str) -> None:
+        self.sched._finish(req, FinishReason("abort"))
+        self.sched.pending_stop_strings.pop(req.rid, None)
+        self.sched._reject(req, error)
+
+
+def make_pd(sched: Scheduler):
+    """The scheduler's PD role (None when colocated)."""
+    return make_role(sched.cfg, SchedulerRoleHost(sched), sched.runner.device.type)
