@@ -26,12 +26,15 @@ import torch
 import torch.distributed as dist
 
 from moeserve.config import MoeserveConfig, loads_mtp_layer
+from moeserve.core import ForwardMode
 from moeserve.distributed import ParallelMesh
+from moeserve.dp_attention.sync import GlobalBatchInfo
 from moeserve.elastic.group import form_group, is_comm_failure, leave_group, set_timeout
 from moeserve.elastic.membership import Membership, MembershipStore, connect_store
 from moeserve.elastic.placement import target_placement
 from moeserve.elastic.requeue import requeue_all
 from moeserve.elastic.weights import apply_placement, gather_holdings, holdings_of
+from moeserve.env import env
 
 if TYPE_CHECKING:
     from moeserve.scheduler.scheduler import Scheduler
@@ -57,6 +60,7 @@ class ElasticRank:
         self.newcomer = rank not in self.membership.ranks  # relaunched after a death
         self.regroup_target = -1  # generation a Regroup message announced
         self._first_step_due = False
+        self.prefill_pause_s = env().test_prefill_pause_s
         self.sched: Scheduler | None = None
         threading.Thread(target=self._heartbeat, name="elastic-heartbeat", daemon=True).start()
 
@@ -94,6 +98,8 @@ class ElasticRank:
         else:
             self.original = torch.arange(self.num_logical).expand(self.num_layers, -1).clone()
         self.original_slots = self.original.shape[1] // w if self.num_logical else 0
+        sched.stats.update(elastic_generation=self.membership.generation,
+                           elastic_slots=self.original_slots, elastic_placement="original")
         if self.newcomer:
             self.store.mark_ready(self.rank)
             logger.info("elastic: relaunched rank %d loaded its weights; waiting to join",
@@ -129,16 +135,34 @@ class ElasticRank:
     def regroup_now(self) -> None:
         raise RegroupDue()
 
-    def after_sync(self) -> None:
+    def after_sync(self, info: GlobalBatchInfo) -> None:
         if self._first_step_due:
             self._first_step_due = False
             self.store.first_step(self.membership.generation, self.rank, time.time())
+        if self.prefill_pause_s > 0 and info.global_mode == ForwardMode.EXTEND:
+            self._test_prefill_pause()
+
+    def _test_prefill_pause(self) -> None:
+        """MOESERVE_TEST_PREFILL_PAUSE_S (env.py): the group's last rank stops in a prefill step
+        (its peers wait in the step's collectives), once per deployment."""
+        mesh = self.sched.mesh
+        if mesh.rank != mesh.world_size - 1 or self.store.store.add("elastic/test_pause", 1) > 1:
+            self.prefill_pause_s = 0.0
+            return
+        logger.warning("MOESERVE_TEST_PREFILL_PAUSE_S: rank %d pauses %.1f s in a prefill step",
+                       self.rank, self.prefill_pause_s)
+        time.sleep(self.prefill_pause_s)
+        self.prefill_pause_s = 0.0
 
     # ---- recovery -------------------------------------------------------------------------------
     def _recover(self, cause: str, failed: bool) -> None:
         sched, gen = self.sched, self.membership.generation
         sched.worker.drain()
         requeued = requeue_all(sched)
+        for msg in sched.ops.rebalance_requests:  # its peers changed: it cannot finish as asked
+            sched.io.send_control(msg, False, {"error": f"EPLB rebalance interrupted by a "
+                                               f"membership change ({cause}); ask again"})
+        sched.ops.rebalance_requests = []
         (logger.warning if failed else logger.info)(
             "elastic: rank %d leaves generation %d (%s); %d running request(s) requeued",
             self.rank, gen, cause, requeued)
@@ -213,6 +237,9 @@ class ElasticRank:
             runner.recorder = par.recorder
         par.dispatcher = make_dispatcher(self.cfg, mesh, phy2log.shape[1], runner.hf_config,
                                          runner.dtype)
+        self.sched.stats.update(elastic_generation=m.generation, elastic_slots=slots,
+                                elastic_placement="original" if torch.equal(
+                                    phy2log, self.original) else "eplb")
         return stats
 
     def _logical_load(self, mesh: ParallelMesh) -> torch.Tensor:

@@ -26,6 +26,7 @@ from moeserve.ipc.messages import GenerateReq, RequestsLost, TextOutput
 logger = logging.getLogger(__name__)
 
 MAX_RESUMES = 2
+RANK_LOST_ERROR = "Rank lost"  # errors that start so are 503s (server/serving_common.py)
 
 
 class RequestLedger:
@@ -68,8 +69,9 @@ class RequestLedger:
                 continue
             why = self.why_not(req)
             if why is not None:
-                failed.append((rid, f"rank {msg.rank} died ({msg.cause}) while serving this "
-                                    f"request, which cannot be resumed: {why}"))
+                failed.append((rid, f"{RANK_LOST_ERROR}: rank {msg.rank} died ({msg.cause}) "
+                                    f"while serving this request, which cannot be resumed: "
+                                    f"{why}"))
                 self.forget(rid)
                 continue
             self.resumes[rid] += 1

@@ -388,7 +388,7 @@ class Scheduler:
         self.watchdog.left_sync(info.rank_states(), self.has_work(),
                                 batch is not None)
         if self.elastic is not None:
-            self.elastic.after_sync()
+            self.elastic.after_sync(info)
         self._global_idle = not info.any_work
         self.ops.synced_steps += info.any_work
         if batch is None and info.any_work:
