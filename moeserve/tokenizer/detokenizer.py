@@ -143,7 +143,7 @@ def skip_replayed(detok: IncrementalDetokenizer, out: TokenOutput) -> TokenOutpu
     way, so both can carry the same positions (equal ids: greedy replays them)."""
     start = out.completion_tokens - len(out.new_ids)
     cut = min(detok.count(out.rid) - start, len(out.new_ids))
-    if not out.new_ids or cut <= 0:
+    if not out.new_ids or start < 0 or cut <= 0:  # start < 0: no position given
         return out
     return msgspec.structs.replace(
         out, new_ids=out.new_ids[cut:],
