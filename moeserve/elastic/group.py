@@ -14,6 +14,7 @@ from __future__ import annotations
 import datetime
 import logging
 
+import torch
 import torch.distributed as dist
 from torch.distributed import PrefixStore, TCPStore
 from torch.distributed.distributed_c10d import _set_pg_timeout
@@ -39,7 +40,12 @@ def form_group(mesh: ParallelMesh, store: TCPStore, m: Membership, rank: int,
     leave_group()
     n, me = len(m.ranks), m.index(rank)
     timeout = datetime.timedelta(seconds=timeout_s)
-    dist.init_process_group("gloo", store=PrefixStore(f"g{m.generation}", store), rank=me,
+    # NOTE (GPUs, untested here): the EP group is NCCL; a dead peer then surfaces only through
+    # NCCL's watchdog timeout (TORCH_NCCL_ASYNC_ERROR_HANDLING=2 raises instead of tearing down)
+    backend = "nccl" if mesh.device.type == "cuda" else "gloo"
+    if mesh.device.type == "cuda":
+        torch.cuda.set_device(mesh.device)
+    dist.init_process_group(backend, store=PrefixStore(f"g{m.generation}", store), rank=me,
                             world_size=n, timeout=timeout)
     world = dist.group.WORLD
     cpu = dist.new_group(backend="gloo", timeout=timeout)  # the DP sync's own (distributed.py)
