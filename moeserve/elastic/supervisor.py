@@ -25,7 +25,6 @@ import signal
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
 
 import zmq
 

@@ -18,8 +18,8 @@ import torch.distributed as dist
 from safetensors import safe_open
 from torch import nn
 
-from moeserve.ep.comm import all_gather_flat
 from moeserve.elastic.placement import CHECKPOINT, plan_moves
+from moeserve.ep.comm import all_gather_flat
 from moeserve.layers.moe import MoEExperts
 from moeserve.models.loader import checkpoint_files
 

@@ -24,13 +24,12 @@ import signal
 import threading
 import time
 
+import httpx
 import pytest
 from live_server import LiveServer
 from parity import FP32_CPU
 
 from moeserve import Engine
-
-import httpx
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
