@@ -128,6 +128,7 @@ def validate(cfg: MoeserveConfig) -> MoeserveConfig:
     _validate_spec(cfg)
     _validate_cluster(cfg.cluster, cfg.parallel)
     _validate_disaggregation(cfg)
+    _validate_elastic(cfg)
     return cfg
 
 
@@ -151,6 +152,43 @@ def _validate_disaggregation(cfg: MoeserveConfig) -> None:
     if d.mode == "prefill" and d.bootstrap_port == cfg.server.port:
         raise ConfigError("disaggregation.bootstrap_port", "the bootstrap server needs a port of "
                           f"its own (server.port is {cfg.server.port} too)")
+
+
+ELASTIC_A2A_BACKENDS = ("a2a", "allgather")  # torch.distributed groups that can be re-formed
+
+
+def _validate_elastic(cfg: MoeserveConfig) -> None:
+    """Elastic EP's keys against the others (docs/elastic_ep.md: what it supports)."""
+    p = cfg.parallel
+    if not p.elastic_ep:
+        if p.elastic_relaunch:
+            raise ConfigError("parallel.elastic_relaunch", "needs parallel.elastic_ep=true")
+        return
+    if p.elastic_timeout_s <= 0:
+        raise ConfigError("parallel.elastic_timeout_s", f"must be positive, got "
+                          f"{p.elastic_timeout_s}")
+    if p.dp_size < 2 or p.dp_size != p.tp_size:
+        raise ConfigError("parallel.elastic_ep", "needs data-parallel attention over several "
+                          f"ranks (dp_size = tp_size > 1), got tp_size {p.tp_size}, dp_size "
+                          f"{p.dp_size}")
+    if p.ep != p.tp_size:
+        raise ConfigError("parallel.elastic_ep", "needs experts over every rank (ep_size = "
+                          "tp_size)")
+    if p.nnodes != 1:
+        raise ConfigError("parallel.elastic_ep", "runs on one node for now (parallel.nnodes=1)")
+    if p.a2a_backend not in ELASTIC_A2A_BACKENDS:
+        raise ConfigError("parallel.a2a_backend", f"elastic EP re-forms torch.distributed "
+                          f"groups; use one of {list(ELASTIC_A2A_BACKENDS)}, got "
+                          f"{p.a2a_backend!r}")
+    if cfg.spec.algorithm != "none":
+        raise ConfigError("spec.algorithm", "speculative decoding is not supported with "
+                          "parallel.elastic_ep=true")
+    if cfg.cuda_graph.enabled:  # None is fine: elastic EP drops the graphs at a regroup
+        raise ConfigError("cuda_graph.enabled", "graphs capture the EP group and expert "
+                          "tables, which elastic EP replaces: set cuda_graph.enabled=false")
+    if p.elastic_timeout_s > p.lockstep_timeout_s > 0:
+        raise ConfigError("parallel.elastic_timeout_s", f"{p.elastic_timeout_s} exceeds "
+                          f"parallel.lockstep_timeout_s {p.lockstep_timeout_s}")
 
 
 MAX_TREE_TOPK = 4

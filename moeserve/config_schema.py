@@ -155,6 +155,12 @@ class ParallelConfig:
     # a rank waiting this long in the per-step DP sync, or holding work yet scheduling nothing
     # this long, logs every rank's last known state in one line (dp_attention/watchdog.py); 0: off
     lockstep_timeout_s: float = 60.0
+    # elastic EP (moeserve/elastic/, docs/elastic_ep.md): a dead rank is dropped and the others
+    # keep serving on a new group; a collective waits at most elastic_timeout_s for a peer, and a
+    # rank silent (no heartbeat) that long is declared dead; elastic_relaunch starts it again
+    elastic_ep: bool = False
+    elastic_timeout_s: float = 5.0
+    elastic_relaunch: bool = False
 
     @property
     def world_size(self) -> int:

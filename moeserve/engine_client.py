@@ -73,6 +73,11 @@ class MultiRankCore:
         from moeserve.procs.rendezvous import with_rendezvous
         from moeserve.scheduler.process import run_scheduler_process
 
+        if cfg.parallel.elastic_ep:
+            from moeserve.config import ConfigError
+
+            raise ConfigError("parallel.elastic_ep", "the offline Engine does not survive a "
+                              "rank's loss; serve with `python -m launch.server`")
         self.config = cfg = with_rendezvous(cfg)
         self.tokenizer = tokenizer
         endpoints = Endpoints.fresh(cfg.parallel.dp_size)

@@ -38,6 +38,11 @@ class Env:
     # EP rank logs a line and sleeps S seconds after the load all-reduce, before the weight moves
     # (its peers wait for it in their transfers), so a fault test can kill a rank mid-rebalance
     test_rebalance_pause_s: float
+    # MOESERVE_TEST_PREFILL_PAUSE_S=S (tests only, default 0): under elastic EP, the last rank of
+    # the group logs a line and sleeps S seconds right after the DP sync of a prefill step (its
+    # peers wait for it inside that step's collectives), once per deployment, so a fault test
+    # can kill a rank during a prefill step
+    test_prefill_pause_s: float
     # MOESERVE_TEST_ZIPF_ROUTER=S (tests and benchmarks only, default 0 = off): every MoE router
     # adds a fixed per-expert logit bias ln p, p a Zipf(S) popularity over a layer-seeded
     # permutation of the experts (layers/router_skew.py), to measure EPLB under a known skew
@@ -61,6 +66,8 @@ class Env:
                    disable_cpu_linear=_flag("MOESERVE_DISABLE_CPU_LINEAR"),
                    test_rebalance_pause_s=float(
                        os.environ.get("MOESERVE_TEST_REBALANCE_PAUSE_S") or 0),
+                   test_prefill_pause_s=float(
+                       os.environ.get("MOESERVE_TEST_PREFILL_PAUSE_S") or 0),
                    test_zipf_router=float(os.environ.get("MOESERVE_TEST_ZIPF_ROUTER") or 0),
                    test_sync_jitter=_jitter(os.environ.get("MOESERVE_TEST_SYNC_JITTER")))
 

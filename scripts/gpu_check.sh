@@ -32,6 +32,9 @@
 #   pdl: programmatic dependent launch: its kernel-chain test, one_batch Qwen3-30B-A3B with PDL
 #   against model.pdl=false in one run (PDL_BATCHES, default 1 64 256), then the PDL graph test
 #   of 7 architectures and the Triton kernels' CUDA tests.
+#   elastic: elastic EP on 2-4 GPUs (docs/elastic_ep.md): bench.elastic on a tiny DeepSeek-V3,
+#   dp x ep over every GPU (up to 4), elastic_ep false vs true side by side, then a kill -9 of
+#   one rank mid-load (ELASTIC_ARGS: more bench arguments). Not yet run on GPUs.
 #   deepep, tbo_ep, dpep_serving, eplb_skew: issue 17's multi-GPU runs (2-4 GPUs; with ep for the
 #   dispatch + combine table), in scripts/gpu_multi.sh, whose header says what each does. deepep
 #   needs DeepEP's source in .deepep/ (carried; scripts/build_deepep.sh builds it in the call).
@@ -54,6 +57,17 @@ case $what in
   deepep|tbo_ep|dpep_serving|eplb_skew) exec bash scripts/gpu_multi.sh "$what";;
 esac
 nvidia-smi --query-gpu=name,memory.total --format=csv | tee "$OUT/gpu.txt"
+
+if [[ $what == elastic ]]; then
+  n=$(nvidia-smi -L | wc -l); n=$(( n > 4 ? 4 : n ))
+  [ "$n" -ge 2 ] || { echo "elastic needs 2+ GPUs" | tee "$OUT/elastic.txt"; exit 1; }
+  python3 -m moeserve.tools.make_tiny --arch deepseek_v3 --out /tmp/elastic_dsv3 >/dev/null
+  export TORCH_NCCL_ASYNC_ERROR_HANDLING=2  # a timed-out NCCL collective raises (group.py)
+  python3 -m moeserve.bench.elastic --model /tmp/elastic_dsv3 --kill --set device=cuda \
+    --set cuda_graph.enabled=false --set parallel.tp_size=$n --set parallel.dp_size=$n \
+    --set model.dtype=bfloat16 ${ELASTIC_ARGS:-} 2>&1 | tee "$OUT/elastic.txt"
+  exit 0
+fi
 
 if [[ $what == tests || $what == all ]]; then
   python3 -m pytest ${GPU_TESTS:-tests/gpu tests/kernels} -q -s -p no:cacheprovider 2>&1 \

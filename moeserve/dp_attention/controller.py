@@ -7,7 +7,8 @@
 - prefix_aware: the rank whose approximate prefix index holds the longest leading run of the
   prompt's token blocks, unless its load exceeds the least-loaded rank's by more than `margin`
   (then, and when no rank holds a prefix, the least-loaded rank).
-A request may pin `dp_rank`; out-of-range values are refused.
+A request may pin `dp_rank`; out-of-range values are refused. Under elastic EP a rank may be
+marked down (`set_alive`): no policy picks it, and a pin to it is refused.
 
 `DataParallelController` is the process around it: PULL SchedulerInput on scheduler_in and
 LoadReport on controller_in, PUSH to each rank's rank_in. A routed GenerateReq wakes every other
@@ -26,8 +27,9 @@ from typing import Any
 import zmq
 
 from moeserve.config import DP_POLICIES, MoeserveConfig
-from moeserve.ipc.messages import (AbortReq, ControlReq, GenerateReq, LoadReport, ReadyMsg,
-                                   SchedulerInput, TokenOutput, TokenOutputBatch, Wake)
+from moeserve.ipc.messages import (AbortReq, ControlReq, GenerateReq, LoadReport, RankDown,
+                                   RankUp, ReadyMsg, Regroup, RequestsLost, SchedulerInput,
+                                   TokenOutput, TokenOutputBatch, Wake)
 from moeserve.ipc.queues import Endpoints, PullQueue, PushQueue
 
 logger = logging.getLogger(__name__)
@@ -87,17 +89,29 @@ class Router:
         self.reported = [0] * dp_size  # running + waiting at the latest report
         self.routed_since = [0] * dp_size  # routed after that report
         self.indexes = [PrefixIndex(index_blocks) for _ in range(dp_size)]
-        self._turn = itertools.cycle(range(dp_size))
+        self.alive = [True] * dp_size  # elastic EP: False while a rank is down
+        self._turn = itertools.count()
         self._policies: dict[str, Callable[[Sequence[int]], int]] = {
-            "round_robin": lambda ids: next(self._turn),
+            "round_robin": lambda ids: self._next_turn(),
             "shortest_queue": lambda ids: self.least_loaded(),
             "prefix_aware": self._prefix_aware}
 
     def load(self, dp_rank: int) -> int:
         return self.reported[dp_rank] + self.routed_since[dp_rank]
 
+    def live_ranks(self) -> list[int]:
+        return [r for r in range(self.dp_size) if self.alive[r]]
+
+    def set_alive(self, dp_rank: int, alive: bool) -> None:
+        self.alive[dp_rank] = alive
+        self.reported[dp_rank] = self.routed_since[dp_rank] = 0
+
+    def _next_turn(self) -> int:
+        live = self.live_ranks()
+        return live[next(self._turn) % len(live)]
+
     def least_loaded(self) -> int:
-        return min(range(self.dp_size), key=self.load)  # ties: the lowest rank
+        return min(self.live_ranks(), key=self.load)  # ties: the lowest rank
 
     def on_report(self, dp_rank: int, running: int, waiting: int) -> None:
         self.reported[dp_rank] = running + waiting
@@ -107,6 +121,10 @@ class Router:
         """The rank for a prompt; raises ValueError for a pinned rank out of range."""
         if dp_rank is not None and not 0 <= dp_rank < self.dp_size:
             raise ValueError(f"dp_rank {dp_rank} is out of range [0, {self.dp_size})")
+        if dp_rank is not None and not self.alive[dp_rank]:
+            raise ValueError(f"dp_rank {dp_rank} is down (its process died)")
+        if not any(self.alive):
+            raise ValueError("no data-parallel rank is alive")
         rank = self._policies[self.policy](input_ids) if dp_rank is None else dp_rank
         self.routed_since[rank] += 1
         if self.policy == "prefix_aware":
@@ -116,7 +134,7 @@ class Router:
     def _prefix_aware(self, input_ids: Sequence[int]) -> int:
         hashes = block_hashes(input_ids, self.block_tokens)
         matched = [index.match(hashes) for index in self.indexes]
-        best = max(range(self.dp_size), key=lambda r: (matched[r], -self.load(r)))
+        best = max(self.live_ranks(), key=lambda r: (matched[r], -self.load(r)))
         lightest = self.least_loaded()
         if matched[best] == 0 or self.load(best) - self.load(lightest) > self.margin:
             return lightest
@@ -138,6 +156,10 @@ class RidMap:
     def pop(self, rid: str) -> int | None:
         return self._map.pop(rid, None)
 
+    def rids_of(self, rank: int) -> list[str]:
+        """The remembered rids routed to `rank` (some may have finished)."""
+        return [rid for rid, r in self._map.items() if r == rank]
+
 
 class DataParallelController:
     def __init__(self, cfg: MoeserveConfig, endpoints: Endpoints):
@@ -145,6 +167,7 @@ class DataParallelController:
         self.ctx = zmq.Context()
         self.inbox: PullQueue = PullQueue(self.ctx, endpoints.scheduler_in, SchedulerInput)
         self.reports: PullQueue = PullQueue(self.ctx, endpoints.controller_in, LoadReport)
+        self.rank_addresses = endpoints.rank_in
         self.ranks = [PushQueue(self.ctx, addr) for addr in endpoints.rank_in]
         self.to_detok = PushQueue(self.ctx, endpoints.detokenizer_in)
         self.to_manager = PushQueue(self.ctx, endpoints.manager_in)
@@ -157,7 +180,8 @@ class DataParallelController:
         self.poller.register(self.reports.socket, zmq.POLLIN)
         self._handlers: dict[type, Callable[[Any], None]] = {
             GenerateReq: self.on_generate, AbortReq: self.on_abort, ControlReq: self.on_control,
-            Wake: lambda msg: None}
+            Wake: lambda msg: None, RankDown: self.on_rank_down, RankUp: self.on_rank_up,
+            Regroup: lambda msg: None}
 
     def on_generate(self, req: GenerateReq) -> None:
         try:
@@ -175,12 +199,30 @@ class DataParallelController:
         """To the rank that got the rid; to every rank when it is no longer remembered (ranks
         ignore rids they do not hold)."""
         rank = self.rids.pop(req.rid)
-        for q in self.ranks if rank is None else [self.ranks[rank]]:
-            q.put(req)
+        for r in self.router.live_ranks() if rank is None else [rank]:
+            if self.router.alive[r]:
+                self.ranks[r].put(req)
 
     def on_control(self, req: ControlReq) -> None:
-        for q in self.ranks:  # each rank replies to the tokenizer manager itself
-            q.put(req)
+        for r in self.router.live_ranks():  # each rank replies to the tokenizer manager itself
+            self.ranks[r].put(req)
+
+    def on_rank_down(self, msg: RankDown) -> None:
+        """Elastic EP: route around `msg.rank`; what was queued for it is dropped (a relaunched
+        process binds the same address), and its requests go back to the tokenizer manager."""
+        if not self.router.alive[msg.rank]:
+            return
+        self.router.set_alive(msg.rank, False)
+        self.ranks[msg.rank].close()
+        self.ranks[msg.rank] = PushQueue(self.ctx, self.rank_addresses[msg.rank])
+        rids = self.rids.rids_of(msg.rank)
+        logger.warning("DP rank %d is down (%s): routing around it; %d request(s) it held go "
+                       "back for a retry", msg.rank, msg.cause, len(rids))
+        self.to_manager.put(RequestsLost(rank=msg.rank, rids=rids, cause=msg.cause))
+
+    def on_rank_up(self, msg: RankUp) -> None:
+        self.router.set_alive(msg.rank, True)
+        logger.info("DP rank %d serves again", msg.rank)
 
     def on_report(self, report: LoadReport) -> None:
         self.router.on_report(report.rank // self.ranks_per_dp, report.running, report.waiting)
@@ -196,9 +238,9 @@ class DataParallelController:
         for msg in self.inbox.get_nowait_all():
             self._handlers[type(msg)](msg)
         if self._routed_to:
-            for rank, q in enumerate(self.ranks):
+            for rank in self.router.live_ranks():
                 if rank not in self._routed_to:
-                    q.put(Wake())
+                    self.ranks[rank].put(Wake())
 
     def serve_forever(self) -> None:
         while True:  # NOTE: with a timeout, so a stop request (children.py) is taken at once

@@ -28,6 +28,7 @@ from moeserve.tbo.strategy import decide
 
 NO_BATCH = 0  # mode slot when the rank has nothing to run
 OP_REBALANCE = 1  # an EPLB rebalance was requested
+OP_REGROUP = 2  # elastic EP: a new membership (a rank rejoining) is published
 
 
 @dataclass(frozen=True)

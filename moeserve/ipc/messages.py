@@ -42,6 +42,8 @@ class GenerateReq(Msg):
     logprob_start_len: int = -1
     input_top_logprobs_num: int = 0
     bootstrap: Bootstrap | None = None
+    # elastic EP: tokens a lost rank already streamed; the request continues after them
+    resume_ids: list[int] = []
 
 
 class AbortReq(Msg):
@@ -51,6 +53,26 @@ class AbortReq(Msg):
 class Wake(Msg):
     """Sent by the DP controller to the ranks that did not get a new request, so that every rank
     leaves its idle wait and joins the next lockstep step promptly."""
+
+
+class RankDown(Msg):
+    """Elastic EP, launcher → DP controller: stop routing to `rank` (it died: `cause`)."""
+
+    rank: int
+    cause: str = ""
+
+
+class RankUp(Msg):
+    """Elastic EP, launcher → DP controller: `rank` (relaunched) serves again."""
+
+    rank: int
+
+
+class Regroup(Msg):
+    """Elastic EP, launcher → every serving rank: membership `generation` (a rank rejoining)
+    is published; the ranks switch to it at a step they agree on."""
+
+    generation: int
 
 
 class ControlReq(Msg):
@@ -130,6 +152,15 @@ class ReadyMsg(Msg):
     info: dict = {}  # e.g. max_total_tokens, max_req_len
 
 
+class RequestsLost(Msg):
+    """Elastic EP, DP controller → tokenizer manager: `rids` were routed to `rank`, which died;
+    those still running are resumed on other ranks (elastic/retry.py)."""
+
+    rank: int
+    rids: list[str]
+    cause: str = ""
+
+
 class LoadReport(Msg):
     """Periodic scheduler load and counters (for /metrics and data-parallel routing)."""
 
@@ -144,6 +175,6 @@ class LoadReport(Msg):
     disagg: dict = {}  # PD role: cumulative KV transfer counters (disaggregation/role.py)
 
 
-SchedulerInput = Union[GenerateReq, AbortReq, ControlReq, Wake]
+SchedulerInput = Union[GenerateReq, AbortReq, ControlReq, Wake, RankDown, RankUp, Regroup]
 DetokenizerInput = Union[TokenOutputBatch, ControlReply]
-ManagerInput = Union[TextOutputBatch, ControlReply, ReadyMsg, LoadReport]
+ManagerInput = Union[TextOutputBatch, ControlReply, ReadyMsg, LoadReport, RequestsLost]

@@ -30,15 +30,23 @@ def build_moe_parallel(cfg: MoeserveConfig, mesh: ParallelMesh, hf_config, dtype
     par.location = expert_location(cfg, mesh, layers, num_logical)
     par.recorder = recorder or make_recorder(cfg, par, layers, num_logical, mesh.device)
     if mesh.ep_size > 1:
-        from moeserve.ep.dispatcher import create_dispatcher
-
-        par.dispatcher = create_dispatcher(
-            cfg.parallel.a2a_backend, mesh, par.num_physical(num_logical), hf_config.hidden_size,
-            dtype, deepep_mode=cfg.parallel.deepep_mode,
-            max_dispatch_tokens_per_rank=low_latency_max_tokens(cfg),
-            max_tokens_per_rank=max(cfg.scheduler.chunked_prefill_size,
-                                    cfg.cache.max_running_requests))
+        par.dispatcher = make_dispatcher(cfg, mesh, par.num_physical(num_logical), hf_config,
+                                         dtype)
     return par
+
+
+def make_dispatcher(cfg: MoeserveConfig, mesh: ParallelMesh, num_physical: int, hf_config,
+                    dtype: torch.dtype):
+    """The `parallel.a2a_backend` dispatcher over the mesh's EP group (also rebuilt by elastic EP
+    for a new group)."""
+    from moeserve.ep.dispatcher import create_dispatcher
+
+    return create_dispatcher(
+        cfg.parallel.a2a_backend, mesh, num_physical, hf_config.hidden_size, dtype,
+        deepep_mode=cfg.parallel.deepep_mode,
+        max_dispatch_tokens_per_rank=low_latency_max_tokens(cfg),
+        max_tokens_per_rank=max(cfg.scheduler.chunked_prefill_size,
+                                cfg.cache.max_running_requests))
 
 
 def low_latency_max_tokens(cfg: MoeserveConfig) -> int:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from moeserve.dp_attention.sync import OP_REBALANCE, GlobalBatchInfo
+from moeserve.dp_attention.sync import OP_REBALANCE, OP_REGROUP, GlobalBatchInfo
 from moeserve.ipc.messages import ControlReq
 
 if TYPE_CHECKING:
@@ -85,18 +85,23 @@ class SchedulerOps:
     # ---- lockstep operations ----------------------------------------------------------------
     def pending(self) -> int:
         """Bitmask for the DP sync: the lockstep ops this rank has been asked to run."""
-        return OP_REBALANCE if self.rebalance_requests else 0
+        elastic = self.sched.elastic
+        regroup = OP_REGROUP if elastic is not None and elastic.regroup_pending else 0
+        return (OP_REBALANCE if self.rebalance_requests else 0) | regroup
 
     def lockstep_due(self, info: GlobalBatchInfo) -> bool:
         interval = self.sched.cfg.eplb.rebalance_interval
         periodic = (interval > 0 and info.any_work and self.synced_steps % interval == 0
                     and self.sched.runner.moe_parallel.location is not None)
-        return info.all_have(OP_REBALANCE) or periodic
+        return info.all_have(OP_REBALANCE) or info.all_have(OP_REGROUP) or periodic
 
     def run_lockstep(self, info: GlobalBatchInfo) -> None:
-        """Every rank decides from the same sync result, so all rebalance at the same step."""
+        """Every rank decides from the same sync result, so all rebalance at the same step
+        (and, under elastic EP, all leave for a new membership at the same step)."""
         if not self.lockstep_due(info):
             return
+        if info.all_have(OP_REGROUP):
+            self.sched.elastic.regroup_now()  # raises: the loop ends, nothing in flight
         from moeserve.eplb.rebalancer import rebalance
 
         s = self.sched

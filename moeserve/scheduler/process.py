@@ -127,10 +127,19 @@ def run_scheduler_process(cfg: MoeserveConfig, model_path: str, endpoints: Endpo
     device = rank_device(cfg.device, rank)
     if device.type == "cpu":
         torch.set_num_threads(cpu_share(cfg))  # ranks share the cores: no oversubscription
-    mesh = init_mesh(cfg.parallel, rank, device)
-    io = ZmqSchedulerIO(endpoints, rank, mesh.dp_rank)
     cfg = replace(cfg, model=replace(cfg.model, path=model_path))
+    elastic = None
+    if cfg.parallel.elastic_ep:  # groups re-formed when a rank dies (moeserve/elastic/)
+        from moeserve.elastic.rank import ElasticRank
+
+        elastic = ElasticRank(cfg, rank, device)
+        mesh = elastic.initial_mesh()
+    else:
+        mesh = init_mesh(cfg.parallel, rank, device)
+    io = ZmqSchedulerIO(endpoints, rank, mesh.dp_rank)
     scheduler, _ = build_scheduler(cfg, io, mesh)
+    if elastic is not None:
+        elastic.attach(scheduler)
     if device.type == "cpu":
         torch.set_num_threads(cpu_forward_threads(cfg, scheduler.runner.model))
     io.load_fn = scheduler.load
@@ -140,11 +149,16 @@ def run_scheduler_process(cfg: MoeserveConfig, model_path: str, endpoints: Endpo
             "weight_bytes": weight_bytes(scheduler.runner.model)}  # by part, this rank
     if scheduler.pd is not None:
         info["pd"] = scheduler.pd.info()  # the bootstrap server's route table reads it
+    if elastic is not None:  # which process a rank is (the fault tests' role_pids assumes none)
+        info["elastic_pid"] = os.getpid()
     io.to_manager.put(ReadyMsg(role="scheduler", rank=rank, info=info))
     logger.info("scheduler %d ready: %s", rank, info)
     stop = StopRequest(scheduler)
     stop.install(STOP_SIGNAL)  # from now on the ranks stop together (scheduler/shutdown.py)
-    scheduler.run_forever(should_stop=stop)
+    if elastic is not None:
+        elastic.run(should_stop=stop)
+    else:
+        scheduler.run_forever(should_stop=stop)
     release_rank(scheduler)
     io.close()
     exit_process(0)

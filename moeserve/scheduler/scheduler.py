@@ -15,7 +15,7 @@ from moeserve.core import FinishReason, ForwardMode, PromptLogprobs, Req
 from moeserve.distributed import ParallelMesh, single_rank_mesh
 from moeserve.dp_attention.sync import GlobalBatchInfo, dp_sync
 from moeserve.dp_attention.watchdog import LockstepWatchdog, RankState, SyncJitter
-from moeserve.ipc.messages import AbortReq, ControlReq, GenerateReq, TokenOutput, Wake
+from moeserve.ipc.messages import AbortReq, ControlReq, GenerateReq, Regroup, TokenOutput, Wake
 from moeserve.runtime.grammar import GrammarCompiler
 from moeserve.runtime.model_runner import ModelRunner
 from moeserve.runtime.sampler import make_generator
@@ -77,6 +77,7 @@ class Scheduler:
         self.step_log = StepLog(self.mesh.rank, sc.log_interval_s)
         self.decodes_since_prefill = 0  # decode steps since the last prefill (prefill_wait_steps)
         self.pd = make_pd(self)  # PD disaggregation's role (None: colocated)
+        self.elastic = None  # elastic/rank.py's ElasticRank when parallel.elastic_ep is on
 
     # ---- intake -----------------------------------------------------------------------------
     def handle(self, msg: GenerateReq | AbortReq | ControlReq | Wake) -> None:
@@ -86,6 +87,8 @@ class Scheduler:
             self.abort(msg.rid)
         elif isinstance(msg, ControlReq):
             self.control(msg)
+        elif isinstance(msg, Regroup) and self.elastic is not None:
+            self.elastic.on_regroup(msg.generation)
         # Wake: receiving it was the point
 
     def add_request(self, msg: GenerateReq) -> None:
@@ -94,7 +97,10 @@ class Scheduler:
         if 0 <= msg.logprob_start_len <= len(req.input_ids):  # == len: no prompt entries
             req.prompt_logprobs = PromptLogprobs(msg.logprob_start_len, len(req.input_ids),
                                                  msg.input_top_logprobs_num)
-        req.device_len = len(req.input_ids)
+        if msg.resume_ids:  # elastic EP: the stream so far came from a rank that died
+            req.output_ids, req.sent_len = list(msg.resume_ids), len(msg.resume_ids)
+            req.logprobs, req.top_logprobs = [0.0] * req.sent_len, [[]] * req.sent_len
+        req.device_len = len(req.fill_ids)
         req.generator = make_generator(msg.sampling, self.runner.device)
         total = len(req.input_ids) + msg.sampling.max_new_tokens
         state = None if req.input_ids and total <= self.max_req_len else (
@@ -392,6 +398,8 @@ class Scheduler:
                        tbo_vote(self.cfg.tbo, self.runner.tbo_active, mode, n), load)
         self.watchdog.left_sync(info.rank_states(), self.has_work(),
                                 batch is not None)
+        if self.elastic is not None:
+            self.elastic.after_sync(info)
         self._global_idle = not info.any_work
         self.ops.synced_steps += info.any_work
         if batch is None and info.any_work:

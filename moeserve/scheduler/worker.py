@@ -63,6 +63,12 @@ class ForwardWorker:
         fut.set_result(self.run(fi))
         return SubmittedStep(fut)
 
+    def drain(self) -> None:
+        """Wait until every submitted step ended, however it ended (elastic EP: a step whose
+        collective failed must be over before its process groups are destroyed)."""
+        if self._pool is not None:
+            self._pool.submit(lambda: None).result()
+
     def shutdown(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=True)

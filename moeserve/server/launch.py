@@ -58,12 +58,18 @@ def serve(cfg: MoeserveConfig, scheduler_target: Callable[..., None] | None = No
     endpoints = endpoints or Endpoints.fresh(cfg.parallel.dp_size)
     procs = ProcessGroup(cfg.server.log_level, log_file)
     interrupt_on_signals()
+    store = None  # elastic EP: the launcher hosts the membership store (outlives any rank)
     try:
+        if cfg.parallel.elastic_ep:
+            from moeserve.elastic.supervisor import host_store
+
+            store = host_store(cfg)
         if start_first is not None:
             start_first(procs)
         procs.start("detokenizer", run_detokenizer_process, (model_path, endpoints))
         expected = _start_ranks(procs, cfg, model_path, endpoints, scheduler_target)
-        asyncio.run(_serve_http(cfg, model_path, endpoints, procs, expected))
+        rank_target = scheduler_target or _scheduler_process
+        asyncio.run(_serve_http(cfg, model_path, endpoints, procs, expected, rank_target))
         return 0
     except KeyboardInterrupt as e:
         logger.info("received %s; shutting down", e or "interrupt")
@@ -74,6 +80,7 @@ def serve(cfg: MoeserveConfig, scheduler_target: Callable[..., None] | None = No
     finally:
         procs.stop()
         remove_ipc_files(endpoints)
+        del store  # elastic EP's membership store ends with the children
         logger.info("all child processes stopped")
 
 
@@ -105,8 +112,15 @@ def serve_node(cfg: MoeserveConfig, endpoints: Endpoints, log_file: str | None =
         logger.info("node %d: all child processes stopped", cfg.parallel.node_rank)
 
 
+def _scheduler_process(*args: Any) -> None:
+    from moeserve.scheduler.process import run_scheduler_process
+
+    run_scheduler_process(*args)
+
+
 async def _serve_http(cfg: MoeserveConfig, model_path: str, endpoints: Endpoints,
-                      procs: ProcessGroup, expected: set[tuple[str, int]]) -> None:
+                      procs: ProcessGroup, expected: set[tuple[str, int]],
+                      rank_target: Callable[..., None] = _scheduler_process) -> None:
     import uvicorn
 
     from moeserve.disaggregation.bootstrap import serve_bootstrap
@@ -118,7 +132,10 @@ async def _serve_http(cfg: MoeserveConfig, model_path: str, endpoints: Endpoints
     manager.start()
     expected = expected | {("detokenizer", 0)}
     await manager.wait_ready(expected, cfg.server.startup_timeout_s, procs.check_alive)
-    procs.start_watchdog(lambda child: exit_on_child_death(child, procs, endpoints))
+    if cfg.parallel.elastic_ep:  # a rank's death is survived (moeserve/elastic/)
+        _start_elastic(cfg, model_path, endpoints, procs, manager, rank_target)
+    else:
+        procs.start_watchdog(lambda child: exit_on_child_death(child, procs, endpoints))
     bootstrap = serve_bootstrap(cfg, manager.ready)  # a PD prefill server's; else None
     gate = RequestGate(create_app(manager, cfg), cfg.server.max_request_bytes)
     server = DrainingServer(uvicorn.Config(
@@ -133,6 +150,27 @@ async def _serve_http(cfg: MoeserveConfig, model_path: str, endpoints: Endpoints
         manager.close()
         if bootstrap is not None:
             bootstrap.close()
+
+
+def _start_elastic(cfg: MoeserveConfig, model_path: str, endpoints: Endpoints,
+                   procs: ProcessGroup, manager: Any, rank_target: Callable[..., None]) -> None:
+    """The supervisor (a thread) and the manager's request ledger; relaunches run on the
+    event loop's thread, the main one (PDEATHSIG follows the thread that forks)."""
+    from moeserve.elastic.metrics import ElasticMetrics
+    from moeserve.elastic.retry import RequestLedger
+    from moeserve.elastic.supervisor import ElasticSupervisor
+
+    loop = asyncio.get_running_loop()
+    metrics = ElasticMetrics(manager.metrics.registry, cfg.parallel.world_size)
+    manager.ledger = RequestLedger(manager.send, metrics)
+
+    def relaunch(rank: int) -> None:
+        loop.call_soon_threadsafe(procs.start, f"scheduler-{rank}", rank_target,
+                                  (cfg, model_path, endpoints, rank))
+
+    ElasticSupervisor(cfg, procs, endpoints, metrics,
+                      lambda child: exit_on_child_death(child, procs, endpoints), relaunch,
+                      lambda n: loop.call_soon_threadsafe(manager.set_num_ranks, n)).start()
 
 
 async def _announce(server: Any, manager: Any, cfg: MoeserveConfig) -> None:

@@ -14,6 +14,7 @@ from pydantic import BaseModel
 from starlette.requests import Request
 
 from moeserve.core import SamplingParams
+from moeserve.elastic.retry import RANK_LOST_ERROR
 from moeserve.ipc.messages import TextOutput
 from moeserve.server.protocol import (MAX_TOP_LOGPROBS, APIError, PromptLogprob, TokenLogprob,
                                       TopLogprob, Usage, _SamplingRequest)
@@ -156,7 +157,7 @@ class ChoiceState:
 
     def update(self, out: TextOutput) -> None:
         if out.error:
-            unavailable = out.error.startswith(SHUTDOWN_ERROR)
+            unavailable = out.error.startswith((SHUTDOWN_ERROR, RANK_LOST_ERROR))
             raise APIError(out.error, status_code=503 if unavailable else 400,
                            type="server_error" if unavailable else "invalid_request_error")
         self.text += out.text_delta

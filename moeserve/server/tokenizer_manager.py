@@ -25,7 +25,8 @@ import zmq.asyncio
 from moeserve.config import MoeserveConfig
 from moeserve.core import SamplingParams
 from moeserve.ipc.messages import (AbortReq, Bootstrap, ControlReply, ControlReq, GenerateReq,
-                                   LoadReport, ManagerInput, ReadyMsg, TextOutput, TextOutputBatch)
+                                   LoadReport, ManagerInput, ReadyMsg, RequestsLost, TextOutput,
+                                   TextOutputBatch)
 from moeserve.ipc.queues import AsyncPullQueue, Endpoints, PushQueue
 from moeserve.runtime.grammar import GrammarCompiler
 from moeserve.server.metrics import Metrics, RequestTimer
@@ -97,9 +98,10 @@ class TokenizerManager:
         self._replies: dict[int, tuple[list[ControlReply], asyncio.Future]] = {}
         self._cid = itertools.count()
         self._reader: asyncio.Task | None = None
+        self.ledger: Any = None  # elastic/retry.py's RequestLedger (parallel.elastic_ep)
         self._handlers: dict[type, Callable[[Any], None]] = {
             TextOutputBatch: self._on_text, ControlReply: self._on_reply,
-            ReadyMsg: self._on_ready, LoadReport: self.on_load}
+            ReadyMsg: self._on_ready, LoadReport: self.on_load, RequestsLost: self._on_lost}
 
     # ---- lifecycle ------------------------------------------------------------------------------
     def start(self) -> None:
@@ -155,6 +157,8 @@ class TokenizerManager:
             route = self._routes.get(out.rid)
             if route is None:
                 continue  # aborted or unknown: nobody waits for it
+            if self.ledger is not None:
+                self.ledger.on_output(out)
             if out.finish_reason is not None:
                 del self._routes[out.rid]
             route[0].put_nowait((route[1], out))
@@ -166,6 +170,27 @@ class TokenizerManager:
         entry[0].append(reply)
         if len(entry[0]) >= self.num_ranks and not entry[1].done():
             entry[1].set_result(sorted(entry[0], key=lambda r: r.rank))
+
+    def _on_lost(self, msg: RequestsLost) -> None:
+        """Elastic EP: a rank died; its requests resume elsewhere or end with the error."""
+        if self.ledger is None:
+            return
+        for rid, error in self.ledger.on_lost(msg, self._routes):
+            queue, index = self._routes.pop(rid)
+            queue.put_nowait((index, TextOutput(rid=rid, text_delta="", new_ids=[],
+                                                finish_reason="abort", error=error)))
+
+    def send(self, msg: GenerateReq) -> None:
+        """A request to the schedulers as it is (elastic EP's resumed requests)."""
+        self._push.put(msg)
+
+    def set_num_ranks(self, n: int) -> None:
+        """Elastic EP: how many ranks answer control requests now; waits already answered by
+        that many complete."""
+        self.num_ranks = n
+        for replies, future in self._replies.values():
+            if len(replies) >= n and not future.done():
+                future.set_result(sorted(replies, key=lambda r: r.rank))
 
     def _on_ready(self, msg: ReadyMsg) -> None:
         logger.info("%s %d ready %s", msg.role, msg.rank, msg.info or "")
@@ -270,12 +295,15 @@ class TokenizerManager:
         timers = [RequestTimer(self.metrics) for _ in inputs]
         for i, (rid, x) in enumerate(zip(rids, inputs)):
             self._routes[rid] = (queue, i)
-            self._push.put(GenerateReq(rid=rid, input_ids=x.input_ids, sampling=x.sampling,
-                                       stream=stream, return_logprob=x.return_logprob,
-                                       top_logprobs_num=x.top_logprobs_num,
-                                       logprob_start_len=x.logprob_start_len,
-                                       input_top_logprobs_num=x.input_top_logprobs_num,
-                                       bootstrap=x.bootstrap, dp_rank=self._pd_rank(x)))
+            req = GenerateReq(rid=rid, input_ids=x.input_ids, sampling=x.sampling,
+                              stream=stream, return_logprob=x.return_logprob,
+                              top_logprobs_num=x.top_logprobs_num,
+                              logprob_start_len=x.logprob_start_len,
+                              input_top_logprobs_num=x.input_top_logprobs_num,
+                              bootstrap=x.bootstrap, dp_rank=self._pd_rank(x))
+            if self.ledger is not None:
+                self.ledger.sent(req)
+            self._push.put(req)
         pending = set(range(len(inputs)))
         try:
             while pending:
@@ -300,6 +328,8 @@ class TokenizerManager:
     def abort(self, rids: list[str]) -> None:
         """Stop sub-requests nobody waits for any more (the scheduler frees their KV)."""
         for rid in rids:
+            if self.ledger is not None:
+                self.ledger.forget(rid)
             if self._routes.pop(rid, None) is not None:
                 self._push.put(AbortReq(rid=rid))
                 self.metrics.aborted.inc()

@@ -19,6 +19,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+import msgspec
+
 from moeserve.ipc.messages import TextOutput, TokenOutput
 
 logger = logging.getLogger(__name__)
@@ -36,6 +38,7 @@ class _DecodeState:
     read: int = 0
     text: str = ""  # all decoded text so far (untrimmed)
     sent: int = 0  # characters of `text` already returned to the caller
+    count: int = 0  # ids fed so far (stream positions)
 
 
 class IncrementalDetokenizer:
@@ -60,6 +63,11 @@ class IncrementalDetokenizer:
     def free(self, rid: str) -> None:
         self._states.pop(rid, None)
 
+    def count(self, rid: str) -> int:
+        """Token ids fed for `rid` so far (0 when unknown)."""
+        st = self._states.get(rid)
+        return 0 if st is None else st.count
+
     def step(self, rid: str, new_ids: Sequence[int], finished: bool = False,
              stop_token: int | None = None) -> str:
         """Feed new ids; returns the text that may be shown now. `finished` flushes everything
@@ -68,6 +76,7 @@ class IncrementalDetokenizer:
         self.add(rid)
         st = self._states[rid]
         ids = list(new_ids)
+        st.count += len(ids)
         if finished and stop_token is not None and ids and ids[-1] == stop_token:
             ids.pop()
         st.ids.extend(ids)
@@ -128,8 +137,23 @@ def _overlap(text: str, stop: str) -> int:
     return 0
 
 
+def skip_replayed(detok: IncrementalDetokenizer, out: TokenOutput) -> TokenOutput:
+    """`out` without the ids at stream positions already fed: elastic EP resumes a request
+    from the tokens the manager had seen while outputs of the dead rank may still be on their
+    way, so both can carry the same positions (equal ids: greedy replays them)."""
+    start = out.completion_tokens - len(out.new_ids)
+    cut = min(detok.count(out.rid) - start, len(out.new_ids))
+    if not out.new_ids or start < 0 or cut <= 0:  # start < 0: no position given
+        return out
+    return msgspec.structs.replace(
+        out, new_ids=out.new_ids[cut:],
+        logprobs=None if out.logprobs is None else out.logprobs[cut:],
+        top_logprobs=None if out.top_logprobs is None else out.top_logprobs[cut:])
+
+
 def to_text_output(detok: IncrementalDetokenizer, out: TokenOutput) -> TextOutput:
     """TokenOutput → TextOutput; frees the request's state when the output is final."""
+    out = skip_replayed(detok, out)
     finished = out.finish_reason is not None
     stop_token = out.finish_matched if isinstance(out.finish_matched, int) else None
     delta = detok.step(out.rid, out.new_ids, finished, stop_token)
