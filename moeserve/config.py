@@ -12,7 +12,7 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 
 from moeserve.config_schema import (  # noqa: F401 (re-exported: callers import them from here)
-    DTYPES, FP8_GEMMS, LOAD_FORMATS, QUANTIZATIONS, ATTENTION_BACKENDS, MOE_BACKENDS, DEVICES,
+    DTYPES, MLA_FORMS, FP8_GEMMS, LOAD_FORMATS, QUANTIZATIONS, ATTENTION_BACKENDS, MOE_BACKENDS, DEVICES,
     SCHEDULE_POLICIES, A2A_BACKENDS, DEEPEP_MODES, DP_POLICIES, RECORD_MODES, CLUSTER_KINDS,
     TOOL_PARSERS, REASONING_PARSERS, SPEC_ALGORITHMS, ConfigError, ModelConfig, CacheConfig,
     SchedulerConfig, ServerConfig, ParallelConfig, EPLBConfig, AttentionConfig, MoEConfig,
@@ -77,6 +77,9 @@ def validate(cfg: MoeserveConfig) -> MoeserveConfig:
     if cfg.attention.backend == "cpu" and (cfg.device == "cuda" or not cfg.model.cpu_kernels):
         raise ConfigError("attention.backend", "the cpu backend needs device=cpu (or auto "
                           "without CUDA) and model.cpu_kernels=true")
+    _check_choice("attention.mla_form", cfg.attention.mla_form, MLA_FORMS)
+    _check_positive("attention.mla_mha_min_tokens", cfg.attention.mla_mha_min_tokens, False)
+    _check_positive("attention.mla_mha_chunk_tokens", cfg.attention.mla_mha_chunk_tokens, False)
     _check_choice("device", cfg.device, DEVICES)
     _check_choice("moe.backend", cfg.moe.backend, MOE_BACKENDS)
     _check_positive("cuda_graph.max_bs", cfg.cuda_graph.max_bs, False)
