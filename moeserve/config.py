@@ -93,6 +93,10 @@ def validate(cfg: MoeserveConfig) -> MoeserveConfig:
         raise ConfigError("model.pdl", "programmatic dependent launch needs a CUDA device (sm90+)")
     if cfg.cuda_graph.enabled and cfg.device == "cpu":
         raise ConfigError("cuda_graph.enabled", "CUDA graphs need a CUDA device (device=cpu)")
+    if cfg.cuda_graph.enabled and cfg.attention.backend in ("torch", "cpu"):
+        raise ConfigError("cuda_graph.enabled", f"CUDA graphs cannot capture attention.backend="
+                          f"{cfg.attention.backend}: it syncs with the host in decode (use "
+                          "attention.backend=triton or auto)")
     _check_positive("model.context_length", cfg.model.context_length)
     _check_positive("cache.max_total_tokens", cfg.cache.max_total_tokens)
     _check_positive("cache.max_running_requests", cfg.cache.max_running_requests, False)

@@ -3,7 +3,9 @@ on CUDA (issue 44), on tiny MoE models: Qwen3-MoE and a DeepSeek-V3 with DeepSee
 dims (kv_lora_rank 512, qk nope/rope 128/64, v 128: the tiles that overflowed shared memory in
 float32). Each combination serves greedy requests through the Engine; where transformers' float32
 model prefers its first token by a clear margin, ours must pick it; the identical-prefix lengths
-against transformers are printed. MLA runs its MHA form for the prefill (mla_form=mha)."""
+against transformers are printed. MLA runs its MHA form for the prefill (mla_form=mha). The torch
+attention backend cannot be captured (it reads lengths on the host): with cuda_graph.enabled=true
+it is refused when the config is composed."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import torch
 from parity import prompts_of_lengths
 
 from moeserve import Engine
+from moeserve.config import ConfigError, compose
 
 pytestmark = pytest.mark.gpu
 
@@ -59,6 +62,10 @@ def test_every_accepted_combination_runs(reference, model, dtype, attn, moe, gra
             f"moe.backend={moe}", f"cuda_graph.enabled={str(graphs).lower()}",
             "cuda_graph.max_bs=8", "cuda_graph.max_extend_tokens=64",
             "cache.max_total_tokens=4096", "attention.mla_form=mha"]
+    if graphs and attn == "torch":  # refused when composed, naming the key
+        with pytest.raises(ConfigError, match="cuda_graph.enabled"):
+            compose(over)
+        return
     with Engine(path, overrides=over) as eng:
         outs = eng.generate(input_ids=PROMPTS, sampling_params={
             "temperature": 0, "max_new_tokens": NEW, "ignore_eos": True})
