@@ -77,3 +77,15 @@ def test_every_accepted_combination_runs(reference, model, dtype, attn, moe, gra
         assert len(o["output_ids"]) == NEW
         if c:
             assert o["output_ids"][0] == r[0]
+
+
+def test_cache_that_cannot_fit_fails_at_start_with_the_numbers(tiny_model):
+    from moeserve.runtime.model_runner import ModelRunner
+
+    path = tiny_model(*MODELS["deepseek_v3_mla"][:1], **MODELS["deepseek_v3_mla"][1])
+    free = torch.cuda.mem_get_info()[0]
+    with pytest.raises(ConfigError, match="cache.max_total_tokens") as e:
+        ModelRunner(compose(["device=cuda", "model.dtype=bfloat16",
+                             f"cache.max_total_tokens={free // 1000}"]), path)
+    print(f"\n[matrix] oversized cache refused: {e.value}")
+    assert "GiB free after the weights" in str(e.value)
