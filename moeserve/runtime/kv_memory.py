@@ -70,7 +70,15 @@ def kv_tokens(cfg: MoeserveConfig, layout: dict, dtype: torch.dtype, device: tor
                 f"most {max(int((free - reserve) // per_token), 0)} tokens fit"))
         return asked
     budget = free - total * (1.0 - cfg.cache.mem_fraction_static) - reserve
-    if budget < MIN_CUDA_KV_TOKENS * per_token:
+    floor = MIN_CUDA_KV_TOKENS * per_token
+    if budget < floor and free - reserve >= floor:
+        # NOTE: other users of this GPU (a test process's earlier models) hold what the fraction
+        # counts on; the smallest pool still fits beside the reserve
+        logger.warning("KV pool: %s free is under what cache.mem_fraction_static=%s keeps back; "
+                       "using the minimum %d tokens", _gib(free), cfg.cache.mem_fraction_static,
+                       MIN_CUDA_KV_TOKENS)
+        return MIN_CUDA_KV_TOKENS
+    if budget < floor:
         raise ConfigError("cache.mem_fraction_static", (
             f"{_gib(free)} free after the weights, less {_gib(total * (1 - cfg.cache.mem_fraction_static))} "
             f"kept back and {_gib(reserve)} for the largest step's activations, leaves "

@@ -46,7 +46,9 @@ def test_derived_size_leaves_the_reserve(free_gib):
     per = kv_bytes_per_token(MLA, torch.bfloat16)
     assert kv_tokens(cfg, MLA, torch.bfloat16, CUDA, reserve=3 * GIB) == int(
         (20 * GIB - 8 * GIB - 3 * GIB) // per)
-    free_gib(9)  # 9 - 8 kept back - 3 reserved < 0
+    free_gib(9)  # 9 - 8 kept back - 3 reserved < 0, but the smallest pool fits in 9 - 3
+    assert kv_tokens(cfg, MLA, torch.bfloat16, CUDA, reserve=3 * GIB) == 1024
+    free_gib(3)  # not even beside the reserve
     with pytest.raises(ConfigError, match="mem_fraction_static"):
         kv_tokens(cfg, MLA, torch.bfloat16, CUDA, reserve=3 * GIB)
 
