@@ -13,7 +13,7 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 
 from moeserve.config_schema import (  # noqa: F401 (re-exported: callers import them from here)
-    DTYPES, FP8_GEMMS, LOAD_FORMATS, QUANTIZATIONS, ATTENTION_BACKENDS, MOE_BACKENDS, DEVICES,
+    DTYPES, MLA_FORMS, FP8_GEMMS, LOAD_FORMATS, QUANTIZATIONS, ATTENTION_BACKENDS, MOE_BACKENDS, DEVICES,
     SCHEDULE_POLICIES, A2A_BACKENDS, DEEPEP_MODES, DP_POLICIES, RECORD_MODES, CLUSTER_KINDS,
     TOOL_PARSERS, REASONING_PARSERS, SPEC_ALGORITHMS, DISAGG_MODES, TRANSFER_BACKENDS,
     TRANSFER_PROTOCOLS, DisaggregationConfig, ConfigError, ModelConfig, CacheConfig,
@@ -80,6 +80,9 @@ def validate(cfg: MoeserveConfig) -> MoeserveConfig:
     if cfg.attention.backend == "cpu" and (cfg.device == "cuda" or not cfg.model.cpu_kernels):
         raise ConfigError("attention.backend", "the cpu backend needs device=cpu (or auto "
                           "without CUDA) and model.cpu_kernels=true")
+    _check_choice("attention.mla_form", cfg.attention.mla_form, MLA_FORMS)
+    _check_positive("attention.mla_mha_min_tokens", cfg.attention.mla_mha_min_tokens, False)
+    _check_positive("attention.mla_mha_chunk_tokens", cfg.attention.mla_mha_chunk_tokens, False)
     _check_choice("device", cfg.device, DEVICES)
     _check_choice("moe.backend", cfg.moe.backend, MOE_BACKENDS)
     _check_positive("cuda_graph.max_bs", cfg.cuda_graph.max_bs, False)
@@ -93,6 +96,10 @@ def validate(cfg: MoeserveConfig) -> MoeserveConfig:
         raise ConfigError("model.pdl", "programmatic dependent launch needs a CUDA device (sm90+)")
     if cfg.cuda_graph.enabled and cfg.device == "cpu":
         raise ConfigError("cuda_graph.enabled", "CUDA graphs need a CUDA device (device=cpu)")
+    if cfg.cuda_graph.enabled and cfg.attention.backend in ("torch", "cpu"):
+        raise ConfigError("cuda_graph.enabled", f"CUDA graphs cannot capture attention.backend="
+                          f"{cfg.attention.backend}: it syncs with the host in decode (use "
+                          "attention.backend=triton or auto)")
     _check_positive("model.context_length", cfg.model.context_length)
     _check_positive("cache.max_total_tokens", cfg.cache.max_total_tokens)
     _check_positive("cache.max_running_requests", cfg.cache.max_running_requests, False)

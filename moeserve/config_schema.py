@@ -10,6 +10,7 @@ LOAD_FORMATS = ("safetensors", "dummy")
 QUANTIZATIONS = ("auto", "none", "fp8")
 FP8_GEMMS = ("triton", "deep_gemm")
 ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")
+MLA_FORMS = ("auto", "absorbed", "mha")
 MOE_BACKENDS = ("auto", "torch", "triton")
 DEVICES = ("auto", "cpu", "cuda")
 SCHEDULE_POLICIES = ("lpm", "fcfs")
@@ -192,6 +193,16 @@ class AttentionConfig:
     # auto: triton on CUDA; on CPU the cpu backend where model.cpu_kernels built, else torch.
     # triton also runs on CPU under TRITON_INTERPRET=1 (float32; for tests)
     backend: str = "auto"
+    # DeepSeek MLA: the form attention runs in (docs/mla.md). absorbed: every step over the
+    # latent (MQA over [R + r] channels; decode's form) | mha: prefill/extend steps decompress
+    # K/V from the latent cache by chunks and attend per head (prefill's form); decode steps
+    # stay absorbed | auto: mha for steps of at least mla_mha_min_tokens new tokens where its
+    # FLOP count is the lower
+    mla_form: str = "auto"
+    mla_mha_min_tokens: int = 256  # auto's crossover in tokens per step (bench.mla_forms)
+    # KV positions decompressed at once by the MHA form (all requests of the step together):
+    # bounds its K/V buffer, [chunk, heads, nope + v], whatever the prompt length
+    mla_mha_chunk_tokens: int = 8192
 
 
 @dataclass(frozen=True)

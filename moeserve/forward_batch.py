@@ -47,6 +47,10 @@ class ForwardBatch:
     # row of its run (0 starts one). A speculative verify's rows of one request share the prefix;
     # the CPU decode kernel then reads it once per run (GPU backends ignore it).
     shared_prefix: torch.Tensor | None = None
+    # MLA: > 0 runs attention in the MHA form, decompressing this many KV positions at once
+    # (attention/mla_mha.py; chosen by the runner from attention.mla_form); 0: absorbed
+    mla_mha_chunk: int = 0
+    mla_plan: object = field(default=None, repr=False)  # the MHA form's plan, built once a step
 
     @property
     def batch_size(self) -> int:

@@ -29,6 +29,9 @@
 #   Qwen3-30B-A3B shapes cut to 5 layers (dummy bf16 weights), with the loopback-dispatcher rows
 #   and a profiler trace of the side stream ($OUT/tbo_trace_*.json). TBO_ARGS: more bench args;
 #   TBO_MODELS / TBO_TESTS=0 narrow it.
+#   issue44 / issue44_bench: issue 44's GPU test matrix + MLA-chunk kernel tests / the MLA form
+#   tables (absorbed vs MHA by step tokens and prompt length) and one_batch prefill against the
+#   measured matmul peak; on an H200 either first writes $OUT/h200.json (bench.op_costs).
 #   pdl: programmatic dependent launch: its kernel-chain test, one_batch Qwen3-30B-A3B with PDL
 #   against model.pdl=false in one run (PDL_BATCHES, default 1 64 256), then the PDL graph test
 #   of 7 architectures and the Triton kernels' CUDA tests.
@@ -67,6 +70,38 @@ if [[ $what == elastic ]]; then
     --set cuda_graph.enabled=false --set parallel.tp_size=$n --set parallel.dp_size=$n \
     --set model.dtype=bfloat16 ${ELASTIC_ARGS:-} 2>&1 | tee "$OUT/elastic.txt"
   exit 0
+fi
+if [[ $what == issue44 || $what == issue44_bench ]]; then
+  # issue 44: on an H200 first the planner's op-cost table (issue 43) into $OUT/h200.json;
+  # then (issue44) the GPU config matrix and the MLA-chunk kernel tests, or (issue44_bench) the
+  # MLA form tables and one_batch prefill against the measured matmul peak. I44_* narrow it.
+  if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 && [ "${I44_OPCOSTS:-1}" = 1 ]; then
+    timeout ${I44_OPCOSTS_TIMEOUT:-200} python3 -m moeserve.bench.op_costs --out "$OUT/h200.json" \
+      2>&1 | grep -v -E "Warning|warn" | tail -5
+  fi
+fi
+if [[ $what == issue44 ]]; then
+  timeout ${I44_TEST_TIMEOUT:-420} python3 -m pytest ${I44_TESTS:-tests/kernels/test_mla_chunk.py \
+    tests/gpu/test_config_matrix.py} -q -s -p no:cacheprovider 2>&1 \
+    | grep -v -E "Warning|warn" | tee "$OUT/i44_tests.log" \
+    | grep -E "passed|failed|Error|^FAILED|^E |\[matrix|\[mla" | tail -80
+fi
+if [[ $what == issue44_bench ]]; then
+  python3 -m moeserve.tools.make_random --shape deepseek_v3 --layers 5 --config-only \
+    --out /tmp/dsv3_l5 >/dev/null  # 3 dense + 2 MoE layers
+  python3 -m moeserve.tools.make_random --shape qwen3_30b_a3b --config-only \
+    --out /tmp/q3moe_full >/dev/null
+  common="-o model.load_format=dummy -o device=cuda -o scheduler.chunked_prefill_size=4096"
+  timeout ${I44_FORMS_TIMEOUT:-240} python3 -m moeserve.bench.mla_forms --model /tmp/dsv3_l5 \
+    --lengths ${I44_LENGTHS:-512 4096 32768} $common -o cache.max_total_tokens=40000 \
+    -o cuda_graph.max_extend_tokens=0 ${I44_FORMS_ARGS:-} 2>&1 | grep -v -E "Warning|warn" \
+    | tee "$OUT/mla_forms.log"
+  for m in ${I44_ONE_BATCH:-q3moe_full dsv3_l5}; do
+    timeout ${I44_OB_TIMEOUT:-150} python3 -m moeserve.bench.one_batch --model /tmp/$m \
+      --batch ${I44_BATCHES:-1 4} --input-len 4096 --output-len 4 --warmup 1 $common \
+      -o cache.max_total_tokens=20000 -o cuda_graph.max_bs=4 2>&1 \
+      | grep -v -E "Warning|warn|capturing" | tee -a "$OUT/i44_one_batch.log"
+  done
 fi
 
 if [[ $what == tests || $what == all ]]; then

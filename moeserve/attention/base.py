@@ -8,6 +8,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from moeserve.attention import mla_mha
+
 if TYPE_CHECKING:
     from moeserve.kernels.triton.attention import KVStoreTarget
     from moeserve.runtime.forward_batch import ForwardBatch
@@ -58,3 +60,23 @@ class AttentionBackend(ABC):
                 spec: AttentionSpec, fb: ForwardBatch, kv_stored: bool = False) -> torch.Tensor:
         """q: [T, H, D], k: [T, Hkv, D], v: [T, Hkv, Dv] (None for MLA) → [T, H, Dv].
         kv_stored: k and v are already in the pool at fb.out_cache_loc (`kv_store_target`)."""
+
+    # ---- MLA's MHA form (attention/mla_mha.py) ------------------------------------------------
+    mla_block_m: int = 64  # query rows per block of the MHA form's plan
+
+    def forward_mla_mha(self, q: torch.Tensor, latent: torch.Tensor, spec: AttentionSpec,
+                        fb: ForwardBatch, kv_b_proj, shape: mla_mha.MlaShape,
+                        kv_stored: bool = False) -> torch.Tensor:
+        """MLA prefill/extend in the MHA form: stores the new latents, then attends each piece
+        of decompressed K/V (`attend_mla_piece`). q: [T, H, nope + r] → [T, H, v]."""
+        if not kv_stored:
+            fb.kv_pool.set_kv(spec.layer_id, fb.out_cache_loc, latent, None)
+        if fb.mla_plan is None:
+            fb.mla_plan = mla_mha.build_plan(fb, fb.mla_mha_chunk, self.mla_block_m)
+        return mla_mha.run_pieces(q, fb.kv_pool.key_buffer(spec.layer_id), kv_b_proj, shape,
+                                  spec.scaling, fb.mla_plan, self.attend_mla_piece)
+
+    def attend_mla_piece(self, *args) -> None:
+        """One piece into the running result (mla_mha.run_pieces' `attend`): the torch
+        reference here; the Triton backend runs its kernel."""
+        mla_mha.attend_piece_torch(*args)

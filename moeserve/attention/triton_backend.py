@@ -12,6 +12,7 @@ from moeserve.host_copy import to_device
 from moeserve.kernels.triton.attention import KVStoreTarget, decode_attention, store_kv
 from moeserve.kernels.triton.attention_extend import (extend_attention, extend_block_m,
                                                       extend_blocks)
+from moeserve.kernels.triton.attention_mla_chunk import MLA_CHUNK_BLOCK_M, mla_chunk_attention
 from moeserve.kvcache.pool import KVPool, MLAKVPool
 
 
@@ -76,6 +77,13 @@ class TritonAttentionBackend(AttentionBackend):
         nb = len(reqs)
         fb.attn_metadata = ExtendMetadata(dev[: b + 1], dev[b + 1: 2 * b + 1],
                                           dev[2 * b + 1: 2 * b + 1 + nb], dev[2 * b + 1 + nb:])
+
+    mla_block_m = MLA_CHUNK_BLOCK_M
+
+    def attend_mla_piece(self, q, kv, k_pe, piece, plan, out, lse, scale, single) -> None:
+        """MLA's MHA form: one piece of decompressed K/V (kernels/triton/attention_mla_chunk)."""
+        mla_chunk_attention(q, kv, k_pe, piece.meta, len(piece.seg_req), piece.num_blocks,
+                            plan.qo_start, plan.prefix_lens, out, lse, scale, single)
 
     def kv_store_target(self, spec: AttentionSpec, fb: ForwardBatch,
                         dtype: torch.dtype) -> KVStoreTarget | None:

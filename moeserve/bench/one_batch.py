@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from moeserve.bench.prefill_flops import measure_matmul_peak, prefill_flops
 from moeserve.bench.profiling import profile_table
 from moeserve.config import compose
 from moeserve.bench.roofline import measure_copy_bandwidth, step_bytes, touched_experts
@@ -22,6 +23,7 @@ from moeserve.forward_batch import ForwardBatch
 from moeserve.host_copy import PendingHost
 from moeserve.models.weight_bytes import weight_bytes
 from moeserve.runtime.model_runner import ModelRunner
+from moeserve.scheduler.prefill import static_prefill_steps
 
 
 def _sync(device: torch.device) -> None:
@@ -59,14 +61,9 @@ def bench_moeserve(runner: ModelRunner, batch: int, input_len: int, output_len: 
     per_req = slots.view(batch, input_len + output_len).to(dev)
     for row, s in zip(rows, per_req):
         mem.req_to_token.write(row, 0, s)
-    lens = [input_len] * batch
-    fb = runner.make_batch(ForwardMode.EXTEND, [t for x in ids for t in x],
-                           list(range(input_len)) * batch, per_req[:, :input_len].flatten(), rows,
-                           [0] * batch, lens)
     _sync(dev)
     t0 = time.perf_counter()
-    next_ids = runner.forward_greedy(fb)
-    next_ids.tolist()
+    next_ids = prefill_chunked(runner, ids, rows, per_req)
     _sync(dev)
     prefill = time.perf_counter() - t0
     rows_dev = torch.tensor(rows, dtype=torch.int64, device=dev)
@@ -102,6 +99,34 @@ def bench_moeserve(runner: ModelRunner, batch: int, input_len: int, output_len: 
     steps = max(output_len - 1, 1)
     return DecodeRun(batch * input_len / prefill, batch * (output_len - 1) / max(decode, 1e-9),
                      decode / steps, input_len + 1 + (output_len - 2) / 2, touched)
+
+
+def prefill_chunked(runner: ModelRunner, ids: list[list[int]], rows: list[int],
+                    per_req: torch.Tensor) -> torch.Tensor:
+    """Prefill the prompts `ids` (KV slots per_req [B, >= len]) in the steps the server's
+    scheduler would run (scheduler.chunked_prefill_size, static_prefill_steps); → each
+    request's first generated token [B] (device)."""
+    cfg = runner.cfg
+    steps = static_prefill_steps([len(x) for x in ids], cfg.scheduler.chunked_prefill_size,
+                                 cfg.cache.page_size)
+    first: list[torch.Tensor | None] = [None] * len(ids)
+    for step in steps:
+        toks, pos, loc, step_rows, prefix, ext = [], [], [], [], [], []
+        for i, start, n in step:
+            toks += ids[i][start: start + n]
+            pos += range(start, start + n)
+            loc.append(per_req[i, start: start + n])
+            step_rows.append(rows[i])
+            prefix.append(start)
+            ext.append(n)
+        fb = runner.make_batch(ForwardMode.EXTEND, toks, pos, torch.cat(loc), step_rows,
+                               prefix, ext)
+        out = runner.forward_greedy(fb)
+        out.tolist()  # the server reads every step's tokens
+        for j, (i, start, n) in enumerate(step):
+            if start + n == len(ids[i]):
+                first[i] = out[j]
+    return torch.stack(first)
 
 
 @contextlib.contextmanager
@@ -208,7 +233,20 @@ def _bench_runner(runner: ModelRunner, args, bw: float | None, label: str
             if name == label:
                 decode[b] = run.decode_tps
             print(_row(name, b, run.prefill_tps, run.decode_tps, gb[b], bw), flush=True)
+            if name == label and args.peak:
+                print(prefill_peak_line(runner, b, args.input_len, run.prefill_tps, args.peak),
+                      flush=True)
     return gb, decode
+
+
+def prefill_peak_line(runner: ModelRunner, batch: int, input_len: int, tps: float,
+                      peak: float) -> str:
+    """Prefill's achieved FLOP/s (bench/prefill_flops.py's count) as a share of `peak`."""
+    flops = prefill_flops(runner, batch, input_len)
+    rate = flops / (batch * input_len / tps)
+    return (f"| prefill b={batch} x {input_len}: {flops / (batch * input_len) / 1e9:.2f} "
+            f"GFLOP/token, {rate / 1e12:.1f} TFLOP/s = {100 * rate / peak:.1f}% of the "
+            f"measured matmul peak ({peak / 1e12:.0f} TFLOP/s)")
 
 
 def _profiled_batch(args) -> int:
@@ -272,10 +310,14 @@ def main(argv: list[str] | None = None) -> None:
     runner = ModelRunner(cfg, path)
     dev, dtype = runner.device, runner.dtype
     bw = measure_copy_bandwidth(dev) if dev.type == "cuda" else None
+    # the bf16 dense matmul peak (8192^3) of this GPU, measured by this run
+    args.peak = measure_matmul_peak(dev) if dev.type == "cuda" else None
     print(f"model={path} device={dev} dtype={dtype} input={args.input_len} "
           f"output={args.output_len} attention={type(runner.attn_backend).__name__} "
           f"cuda_graphs={runner.graph_runner is not None}"
-          + (f" copy bandwidth={bw / 1e12:.2f} TB/s (read+write)" if bw else ""))
+          + (f" copy bandwidth={bw / 1e12:.2f} TB/s (read+write)" if bw else "")
+          + (f" bf16 matmul peak={args.peak / 1e12:.0f} TFLOP/s" if args.peak else "")
+          + f" prefill chunk={cfg.scheduler.chunked_prefill_size}")
     print(HEADER)
     print("|" + "|".join("-" * len(c) for c in HEADER.split("|")[1:-1]) + "|")
     label = "moeserve"

@@ -10,6 +10,7 @@ from torch import nn
 from moeserve.attention.base import AttentionSpec
 
 if TYPE_CHECKING:
+    from moeserve.attention.mla_mha import MlaShape
     from moeserve.forward_batch import ForwardBatch
     from moeserve.kernels.triton.attention import KVStoreTarget
 
@@ -27,6 +28,14 @@ class PagedAttention(nn.Module):
         """Where this layer's new K/V rows go if the caller writes them itself (then it passes
         `kv_stored=True` to forward); None: forward stores them."""
         return fb.attn_backend.kv_store_target(self.spec, fb, dtype)
+
+    def forward_mla_mha(self, q: torch.Tensor, latent: torch.Tensor, fb: ForwardBatch,
+                        kv_b_proj: nn.Module, shape: MlaShape,
+                        kv_stored: bool = False) -> torch.Tensor:
+        """MLA in the MHA form (attention/mla_mha.py): q [T, H, nope + r] roped, latent
+        [T, 1, R + r] (stored in the pool unless kv_stored) → [T, H, v]."""
+        return fb.attn_backend.forward_mla_mha(q, latent, self.spec, fb, kv_b_proj, shape,
+                                               kv_stored=kv_stored)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None,
                 fb: ForwardBatch, kv_stored: bool = False) -> torch.Tensor:

@@ -112,6 +112,10 @@ class MoEExperts(nn.Module):
             return self.forward_dense(x, topk_ids, topk_weights)
         if _HAS_GROUPED_MM and (x.device.type == "cpu" or x.dtype == torch.bfloat16):
             return self.forward_grouped(x, topk_ids, topk_weights)
+        if x.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            # NOTE: forward_loop reads the per-expert counts on the host, which a CUDA graph
+            # cannot capture (float32/float16: no grouped GEMM); the dense form has no host read
+            return self.forward_dense(x, topk_ids, topk_weights)
         return self.forward_loop(x, topk_ids, topk_weights)
 
     def forward_triton(self, x: torch.Tensor, topk_ids: torch.Tensor,

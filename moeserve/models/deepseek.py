@@ -1,11 +1,14 @@
 """DeepSeek-V2 / V3: multi-head latent attention (MLA) + grouped top-k MoE with shared experts.
 
-MLA runs weight-absorbed, as MQA over one latent per token (docs/architecture.md §5):
+Decode (and short extend) steps run MLA weight-absorbed, as MQA over one latent per token
+(docs/architecture.md §5):
   latent  = [kv_a_layernorm(c_kv) | rope(k_pe)]              [T, 1, R + r]  (the KV pool entry)
   q       = [q_nope @ W_UK (per head) | rope(q_pe)]          [T, H, R + r]
   out     = softmax(q · latent) · latent[:R] @ W_UV          [T, H, v_head_dim]
 where kv_b_proj.weight = [H, nope + v, R] holds W_UK (first `nope` rows per head) and W_UV.
 In exact arithmetic this equals the non-absorbed attention of the paper (and of transformers).
+Prefill and long extend steps (ForwardBatch.mla_mha_chunk > 0) run that MHA form instead, with
+K/V decompressed from the latent cache by chunks (attention/mla_mha.py, docs/mla.md).
 
 Checkpoints may carry one NextN (MTP) layer as `model.layers.{num_hidden_layers}.*`; with
 `load_mtp=True` it is built as the last entry of `model.layers` (so names match) but the main
@@ -22,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moeserve.attention.mla_mha import MlaShape
 from moeserve.forward_batch import ForwardBatch
 from moeserve.layers.attention import PagedAttention
 from moeserve.layers.linear import Linear, MergedLinear
@@ -91,6 +95,8 @@ class MLAttention(nn.Module):
                                is_neox_style=not interleaved)
         self.attn = PagedAttention(layer_id, self.num_heads, 1, self.kv_lora_rank + self.rope_dim,
                                    softmax_scale(cfg), v_head_dim=self.kv_lora_rank)
+        self.mla_shape = MlaShape(self.num_heads, self.nope_dim, self.rope_dim, self.v_dim,
+                                  self.kv_lora_rank)
 
     def _q_kv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """→ (q [T, H * (nope + r)], kv_a's output [T, R + r], rows possibly strided)."""
@@ -159,14 +165,24 @@ class MLAttention(nn.Module):
             c_kv, k_pe = kv.split([self.kv_lora_rank, self.rope_dim], dim=-1)
             q_pe, k_pe = self.rotary(positions, q_pe, k_pe[:, None])  # k_pe: [T, 1, r]
             latent = torch.cat([self.kv_a_layernorm(c_kv)[:, None], k_pe], dim=-1)  # [T, 1, R+r]
+        if fb is not None and fb.mla_mha_chunk:  # the MHA form: q stays per head
+            if ops is None:
+                q = torch.cat([q_nope, q_pe], dim=-1)  # [T, H, nope + r], roped
+            return q, latent, store is not None, True
         q_lat = self._absorbed(q_nope, 0)  # [T, H, R]
-        return torch.cat([q_lat, q_pe], dim=-1), latent, store is not None
+        return torch.cat([q_lat, q_pe], dim=-1), latent, store is not None, False
 
     def core(self, q_latent: tuple, fb: ForwardBatch) -> torch.Tensor:
-        q, latent, kv_stored = q_latent
+        """→ [T, H * R] (absorbed: the latent-space output) or [T, H, v] (MHA form)."""
+        q, latent, kv_stored, mha = q_latent
+        if mha:
+            return self.attn.forward_mla_mha(q, latent, fb, self.kv_b_proj, self.mla_shape,
+                                             kv_stored=kv_stored)
         return self.attn(q, latent, None, fb, kv_stored=kv_stored)  # [T, H * R]
 
     def output(self, out: torch.Tensor) -> torch.Tensor:
+        if out.dim() == 3:  # the MHA form's [T, H, v]
+            return self.o_proj(out.flatten(1))
         v = self._absorbed(out.view(-1, self.num_heads, self.kv_lora_rank), 1)  # [T, H, v]
         return self.o_proj(v.flatten(1))  # [T, hidden]
 

@@ -26,6 +26,8 @@ from moeserve.models.registry import model_class
 from moeserve.runtime.kernel_choice import (attention_backend_name, moe_backend_name, use_pdl,
                                             use_cuda_graphs)
 from moeserve.runtime.kv_memory import init_kv_memory, kv_layout
+from moeserve.runtime.step_memory import step_activation_bytes
+from moeserve.attention.mla_mha import MlaFormPolicy, MlaShape
 from moeserve.runtime.moe_setup import build_moe_parallel, num_logical_experts
 from moeserve.runtime.sampler import greedy
 from moeserve.tbo.operations import Timeline
@@ -109,10 +111,13 @@ class ModelRunner:
         self.model = self._build_model(model_path)
         self.context_len = cfg.model.context_length or self.hf_config.max_position_embeddings
         layout = kv_layout(self.model, self.hf_config, self.draft)
+        self.mla_policy = mla_form_policy(cfg, self.hf_config) if layout["kind"] == "mla" \
+            else None  # which form MLA attention runs in, per step (attention/mla_mha.py)
         # a verify step reads and writes its width of positions past a request's last token
         spare = cfg.spec.verify_width if self.draft is not None else 0
-        self.memory, self.context_len = init_kv_memory(cfg, layout, self.context_len, self.dtype,
-                                                       self.device, spare, self._tree_rows())
+        self.memory, self.context_len = init_kv_memory(
+            cfg, layout, self.context_len, self.dtype, self.device, spare, self._tree_rows(),
+            self._step_reserve())
         self.cpu_kernels = self._cpu_kernels()
         if self.cpu_kernels is not None:  # to the modules declaring `cpu_kernels`; bf16
             attach_ops(self.model, "cpu_kernels", self.cpu_kernels)  # linears without oneDNN's
@@ -160,6 +165,16 @@ class ModelRunner:
         if self.device.type == "cpu":
             pack_linears(model)  # after loading: the packed copies are taken from loaded weights
         return model.eval()
+
+    def _step_reserve(self) -> int:
+        """Bytes the KV pool leaves free on CUDA for the largest step's activations: a prefill
+        chunk, or a decode step of every running request (runtime/step_memory.py)."""
+        if self.device.type != "cuda":
+            return 0
+        c = self.cfg
+        tokens = max(c.scheduler.chunked_prefill_size, c.cache.max_running_requests)
+        return step_activation_bytes(self.hf_config, tokens, c.cache.max_running_requests,
+                                     self.dtype, c.attention.mla_mha_chunk_tokens)
 
     def _tree_rows(self) -> int:
         """Scratch table rows of a draft tree: one per node of every request a verify step may
@@ -347,8 +362,12 @@ class ModelRunner:
             hidden = forward_two_batches(self.model.model, fb, timeline if timeline is not None
                                          and timeline.recording else None)
         else:
+            if self.mla_policy is not None and fb.forward_mode in MHA_FORM_MODES and \
+                    self.mla_policy.use_mha(fb.extend_seq_lens_cpu, fb.extend_prefix_lens_cpu):
+                fb.mla_mha_chunk = self.mla_policy.chunk_tokens  # MHA steps run eager
             graphs = self.extend_graphs
-            bucket = graphs.bucket_of_step(fb) if graphs is not None else None
+            bucket = graphs.bucket_of_step(fb) if graphs is not None and not fb.mla_mha_chunk \
+                else None
             if bucket is not None:
                 hidden = graphs.run(fb, bucket)  # [T, H], a view of the graph's output
                 if fb.return_all_logits:
@@ -363,6 +382,18 @@ class ModelRunner:
         if not fb.return_all_logits:
             return hidden[fb.last_token_indices()]
         return hidden
+
+
+# steps MLA may run in the MHA form: prefill chunks and MIXED steps (decode and speculative
+# verify steps stay absorbed: one or a few queries per decompressed key)
+MHA_FORM_MODES = (ForwardMode.EXTEND, ForwardMode.MIXED)
+
+
+def mla_form_policy(cfg: MoeserveConfig, hf_config) -> MlaFormPolicy:
+    a, c = cfg.attention, hf_config
+    return MlaFormPolicy(a.mla_form, a.mla_mha_min_tokens, a.mla_mha_chunk_tokens,
+                         MlaShape(c.num_attention_heads, c.qk_nope_head_dim, c.qk_rope_head_dim,
+                                  c.v_head_dim, c.kv_lora_rank))
 
 
 @contextlib.contextmanager

@@ -34,6 +34,32 @@ def prefill_may_wait(waiting: list[Req], decoding: bool, decodes_since_prefill: 
     return True
 
 
+def chunk_take(rem_chunk: int, page_size: int) -> int:
+    """New tokens a request longer than the step's remaining chunk budget gets: whole pages."""
+    return rem_chunk // page_size * page_size or rem_chunk
+
+
+def static_prefill_steps(lens: list[int], chunk_budget: int,
+                         page_size: int = 1) -> list[list[tuple[int, int, int]]]:
+    """The prefill steps the scheduler runs for requests of these prompt lengths all waiting at
+    once with room in the KV pool: per step, (request, first position, tokens), the request
+    chunked in the last step first (PrefillAdder's order and chunk sizes). Benchmarks prefill a
+    static batch through it (bench.one_batch), so they chunk as the server does."""
+    steps, done, i = [], [0] * len(lens), 0
+    while i < len(lens):
+        rem, step = chunk_budget, []
+        while i < len(lens) and rem > 0:
+            extend = lens[i] - done[i]
+            take = extend if extend <= rem else chunk_take(rem, page_size)
+            step.append((i, done[i], take))
+            done[i] += take
+            rem -= take
+            if done[i] == lens[i]:
+                i += 1
+        steps.append(step)
+    return steps
+
+
 @dataclass
 class PrefillAdder:
     """Admits requests while (a) new prefill tokens fit in the chunk budget and (b) their prompt
@@ -76,8 +102,7 @@ class PrefillAdder:
         if self.rem_chunk <= 0 or extend + min(reserve, 1) > self.rem_total:
             return AddResult.NO_ROOM
         if extend > self.rem_chunk:
-            take = self.rem_chunk // self.page_size * self.page_size or self.rem_chunk
-            self._take(req, take)
+            self._take(req, chunk_take(self.rem_chunk, self.page_size))
             self.chunked = req
             return AddResult.CHUNKED
         if extend + reserve > self.rem_total and self.added:

@@ -47,6 +47,36 @@ def block_dim(n: int) -> int:
     return max(16, triton.next_power_of_2(n))
 
 
+# Shared memory a launch may plan for: under the H100/H200 opt-in limit (227 KB) with room for
+# the compiler's own scratch (layout conversions, reductions).
+SMEM_BUDGET = 180 * 1024
+
+
+def attention_smem(elem: int, rows: int, block_n: int, dq: int, dv: int, v_is_k: bool,
+                   stages: int) -> int:
+    """Bytes of shared memory an attention program's tiles take (an estimate that bounds
+    Triton's): the query rows [rows, dq], `stages` K (and V) tiles [block_n, dq (+ dv)] of
+    `elem`-byte elements, and the float32 probabilities [rows, block_n]."""
+    kv = block_n * (dq + (0 if v_is_k else dv)) * elem
+    return rows * dq * elem + max(stages, 1) * kv + rows * block_n * 4
+
+
+def fit_kv_tile(elem: int, rows: int, block_n: int, dq: int, dv: int, v_is_k: bool,
+                stages: int) -> tuple[int, int]:
+    """(block_n, stages) whose tiles fit SMEM_BUDGET: fewer pipeline stages first, then
+    narrower key blocks (down to 16, tl.dot's minimum). Why: the bf16-sized tiles of MLA's
+    512-channel latent in float32 asked for 240 KB, over the H100's 227 (issue 44)."""
+    while attention_smem(elem, rows, block_n, dq, dv, v_is_k, stages) > SMEM_BUDGET:
+        if stages > 1:
+            stages -= 1
+        elif block_n > 16:
+            block_n //= 2
+        else:
+            raise ValueError(f"attention tiles of {rows} rows x {dq} channels in {elem}-byte "
+                             f"elements do not fit {SMEM_BUDGET} bytes of shared memory")
+    return block_n, stages
+
+
 def store_kv(k: torch.Tensor, v: torch.Tensor | None, loc: torch.Tensor, k_buf: torch.Tensor,
              v_buf: torch.Tensor | None, pdl: bool = False) -> None:
     """k_buf[loc] = k and v_buf[loc] = v (cast to the pool dtype) in one launch.
@@ -115,6 +145,9 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor |
     fuse = (fuse_reduce and b * grid[1] <= REDUCE_GROUPS
             and heads_per_prog * block_dim(dv) <= FUSED_REDUCE_ROW)
     counters = split_counters(q.device) if fuse else seq_lens  # unread when not fused
+    block_n, stages = fit_kv_tile(q.element_size(), block_h, 32 if big else 64,
+                                  block_dim(dk) + (block_dim(dpe) if dpe > 0 else 0),
+                                  block_dim(dv), v_is_k, 2)
     _decode_split_kernel[grid](
         q, k_buf, v_buf, req_to_token, req_pool_indices, seq_lens, part_out, part_lse,
         out, counters, scale * LOG2E, q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1),
@@ -123,9 +156,9 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor |
         part_lse.stride(0), part_lse.stride(1), out.stride(0), out.stride(1),
         group, dk, dpe, dv,
         HEADS_PER_PROG=heads_per_prog, PROGS_PER_KV=progs_per_kv, NUM_SPLITS=splits,
-        BLOCK_H=block_h, BLOCK_N=32 if big else 64, BLOCK_D=block_dim(dk),
+        BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_D=block_dim(dk),
         BLOCK_DPE=block_dim(max(dpe, 1)), BLOCK_DV=block_dim(dv), HAS_PE=dpe > 0,
-        V_IS_K=v_is_k, FUSE_REDUCE=fuse, num_warps=4, num_stages=2, **launch_kwargs(pdl),
+        V_IS_K=v_is_k, FUSE_REDUCE=fuse, num_warps=4, num_stages=stages, **launch_kwargs(pdl),
     )
     if fuse:
         return

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from moeserve.kernels.triton.attention import LOG2E, block_dim, triton
+from moeserve.kernels.triton.attention import LOG2E, block_dim, fit_kv_tile, triton
 
 if triton is not None:
     import triton.language as tl
@@ -83,13 +83,16 @@ def extend_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor |
     v_buf = k_buf if v_is_k else v_buf
     block_m = extend_block_m(dk)
     block_n, warps = (32, 8) if block_m == 32 else (64, 4)
+    block_n, stages = fit_kv_tile(q.element_size(), block_m, block_n,
+                                  block_dim(dk) + (block_dim(dpe) if dpe > 0 else 0),
+                                  block_dim(dv), v_is_k, 2)
     _extend_kernel[(h, nb)](
         q, k_buf, v_buf, out, req_to_token, req_pool_indices, qo_start, prefix_lens,
         blk_req, blk_m, t, h, heads_per_packed_program(h // hkv, block_m), scale * LOG2E, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1),
         req_to_token.stride(0), h // hkv, dk, dpe, dv,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_dim(dk), BLOCK_DPE=block_dim(max(dpe, 1)),
-        BLOCK_DV=block_dim(dv), HAS_PE=dpe > 0, V_IS_K=v_is_k, num_warps=warps, num_stages=2,
+        BLOCK_DV=block_dim(dv), HAS_PE=dpe > 0, V_IS_K=v_is_k, num_warps=warps, num_stages=stages,
     )
 
 
