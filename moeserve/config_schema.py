@@ -305,11 +305,10 @@ class LWSConfig:
     models_mount: str = "/models"
     pod_run_dir: str = "/var/log/moeserve"  # hydra.run.dir inside the pods (config, logs)
     folder: str = "lws"  # where the manifests are written, relative to the Hydra run dir
-    # pd: each side's groups and overrides; rendered as disaggregation.* overrides in the pods
+    # pd: each side's groups and overrides (the pods get disaggregation.mode=<role>)
     prefill: LWSRoleConfig = field(default_factory=LWSRoleConfig)
     decode: LWSRoleConfig = field(default_factory=LWSRoleConfig)
-    bootstrap_port: int = 8998  # the prefill side's bootstrap server (SGLang's protocol)
-    transfer_backend: str = "mooncake"  # mooncake | nixl
+    # the bootstrap port and transfer backend are disaggregation.* (each role's config)
     router_image: str | None = None  # None: image
     router_port: int = 8000
     router_policy: str = "cache_aware"

@@ -32,6 +32,7 @@ class _Ready:
     slots: list[int]
     first_token: int
     first_logprob: float | None
+    first_top: list[tuple[int, float]] | None
     deadline: float
 
 
@@ -77,6 +78,15 @@ class PrefillRole:
     def owns(self, req: Req) -> bool:
         return False
 
+    def on_reject(self, req: Req, bootstrap: Bootstrap | None, error: str) -> None:
+        """Rejected before it ran (intake checks, a grammar that did not compile): the decode
+        server is told now, with the reason, instead of waiting for its KV until a timeout."""
+        room = self._rooms.pop(req.rid, None)
+        if room is None and wants_pd(req, bootstrap):
+            room = bootstrap.room
+        if room is not None:
+            self.link.call(self._fail_room, room, f"the prefill server rejected it: {error}")
+
     def on_finish(self, req: Req) -> bool:
         room = self._rooms.pop(req.rid, None)
         if room is None:
@@ -86,7 +96,8 @@ class PrefillRole:
             return False
         self._held[room] = req
         lp = req.logprobs[0] if req.return_logprob and req.logprobs else None
-        ready = _Ready(req.kv_slots[: len(req.input_ids)], req.output_ids[0], lp,
+        top = req.top_logprobs[0] if lp is not None and req.top_logprobs else None
+        ready = _Ready(req.kv_slots[: len(req.input_ids)], req.output_ids[0], lp, top,
                        time.monotonic() + self.cfg.bootstrap_timeout_s)
         self.link.call(self._on_ready, room, ready)
         return True
@@ -157,7 +168,8 @@ class PrefillRole:
         seconds = time.perf_counter() - t0
         self.link.send(dest.reply_to, KVDone(room=dest.room, ok=error is None, error=error,
                                              first_token=ready.first_token,
-                                             first_logprob=ready.first_logprob, nbytes=nbytes))
+                                             first_logprob=ready.first_logprob,
+                                             first_top_logprobs=ready.first_top, nbytes=nbytes))
         self._done.put(_Outcome(dest.room, error is None, nbytes, seconds, error))
 
     def _on_tick(self, now: float) -> None:

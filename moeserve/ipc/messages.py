@@ -42,6 +42,9 @@ class GenerateReq(Msg):
     logprob_start_len: int = -1
     input_top_logprobs_num: int = 0
     bootstrap: Bootstrap | None = None
+    # PD prefill: the HTTP layer refused the request (this reason); the rank only tells the decode
+    # server that waits for the room's KV (disaggregation/prefill.py), nothing runs
+    refused: str | None = None
 
 
 class AbortReq(Msg):
