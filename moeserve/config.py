@@ -141,6 +141,8 @@ def _validate_disaggregation(cfg: MoeserveConfig) -> None:
     for key in ("bootstrap_timeout_s", "waiting_timeout_s", "heartbeat_interval_s",
                 "heartbeat_max_failures"):
         _check_positive(f"disaggregation.{key}", getattr(d, key), False)
+    if d.staging_mb < 0:
+        raise ConfigError("disaggregation.staging_mb", f"must be >= 0, got {d.staging_mb}")
     _check_positive("disaggregation.prefill_servers", d.prefill_servers, False)
     _check_positive("disaggregation.decode_servers", d.decode_servers, False)
     if d.deployment and d.mode is not None:

@@ -363,6 +363,10 @@ class DisaggregationConfig:
     # probes in a row fail those requests at once
     heartbeat_interval_s: float = 1.0
     heartbeat_max_failures: int = 2
+    # prefill: a registered buffer of this size that a prompt whose slots are fragmented is
+    # gathered into before the write (fewer, longer byte ranges; disaggregation/staging.py);
+    # 0 (default): write from the pool as it is (staging measured slower here: docs)
+    staging_mb: int = 0
     # `launch.multinode +cluster=local` with deployment=true starts a whole PD deployment on this
     # host instead of one server: prefill and decode servers (`python -m launch.server` with the
     # same overrides plus their own below) and sglang-router in front (moeserve/server/

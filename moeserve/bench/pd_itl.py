@@ -8,9 +8,9 @@ prefill pinned to `--prefill-cpus` and its decode to `--decode-cpus` (disaggrega
 decode_cpus). Each runs two phases of `--duration` seconds: `decode-only` (`--streams` streamed
 completions of `--decode-tokens` tokens each, restarted as they end) and `mix` (the same plus one
 long prompt of about `--long-tokens` tokens every `--interval` seconds, each a new prefix).
-ITL: the gaps between a stream's consecutive chunks, after its first (client side). Prints a
-table; the last column is the mix's p99 over the same setup's decode-only p99 (target for PD:
-<= 1.2, docs/disaggregation.md).
+ITL: the gaps between a stream's consecutive chunks (streamed `/generate`), after its first
+(client side). Prints a table; the last column is the mix's p99 over the same setup's
+decode-only p99 (target for PD: <= 1.2, docs/disaggregation.md).
 """
 
 from __future__ import annotations
@@ -86,10 +86,12 @@ def stop(proc: subprocess.Popen) -> None:
 async def stream(client: httpx.AsyncClient, url: str, prompt: str, tokens: int,
                  gaps: list[float] | None) -> None:
     """One streamed completion; the gaps between its chunks (after the first) into `gaps`."""
-    body = {"prompt": prompt, "max_tokens": tokens, "temperature": 0, "stream": True,
-            "ignore_eos": True, "model": "m"}
+    body = {"text": prompt, "stream": True, "sampling_params": {
+        "max_new_tokens": tokens, "temperature": 0, "ignore_eos": True}}
     last = None
-    async with client.stream("POST", url + "/v1/completions", json=body) as resp:
+    async with client.stream("POST", url + "/generate", json=body) as resp:
+        if resp.status_code != 200:
+            raise SystemExit(f"{url}: {resp.status_code} {(await resp.aread())[:500]!r}")
         async for line in resp.aiter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue

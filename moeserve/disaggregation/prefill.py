@@ -19,6 +19,7 @@ from moeserve.disaggregation.link import ControlLink
 from moeserve.disaggregation.messages import KVDestination, KVDone
 from moeserve.disaggregation.regions import KVRegions
 from moeserve.disaggregation.role import RoleHost, TransferCounters, wants_pd
+from moeserve.disaggregation.staging import GatherStage, run_count
 from moeserve.disaggregation.transfer import KVTransfer, TransferError
 from moeserve.ipc.messages import Bootstrap
 
@@ -50,9 +51,12 @@ class PrefillRole:
 
     def __init__(self, cfg: DisaggregationConfig, host: RoleHost, transfer: KVTransfer):
         self.cfg, self.host, self.transfer = cfg, host, transfer
-        self.regions = KVRegions.of(host.kv_buffers())
+        buffers = host.kv_buffers()
+        self.regions = KVRegions.of(buffers)
         for ptr, n in zip(self.regions.ptrs, self.regions.nbytes):
             transfer.register(ptr, n)
+        self.stage = (GatherStage(buffers, transfer, cfg.staging_mb << 20)
+                      if cfg.staging_mb > 0 else None)
         self.counters = TransferCounters()
         self._rooms: dict[str, int] = {}  # rid → room (loop thread)
         self._held: dict[int, Req] = {}  # room → request whose slots wait for the transfer
@@ -159,10 +163,8 @@ class PrefillRole:
         if error is None and len(dest.slots) != len(ready.slots):
             error = f"decode offered {len(dest.slots)} slots for {len(ready.slots)} tokens"
         if error is None:
-            src, dst, lens = self.regions.byte_ranges(ready.slots, dest.ptrs, dest.slots)
             try:
-                self.transfer.write(dest.engine, src, dst, lens)
-                nbytes = sum(lens)
+                nbytes = self._write(dest, ready.slots)
             except TransferError as e:
                 error = str(e)
         seconds = time.perf_counter() - t0
@@ -171,6 +173,15 @@ class PrefillRole:
                                              first_logprob=ready.first_logprob,
                                              first_top_logprobs=ready.first_top, nbytes=nbytes))
         self._done.put(_Outcome(dest.room, error is None, nbytes, seconds, error))
+
+    def _write(self, dest: KVDestination, slots: list[int]) -> int:
+        """Through the gather stage when our slots are more fragmented than the destination's,
+        else straight from the pool. → bytes written."""
+        if self.stage is not None and run_count(slots) > run_count(dest.slots):
+            return self.stage.write(self.transfer, dest.engine, slots, dest.ptrs, dest.slots)
+        src, dst, lens = self.regions.byte_ranges(slots, dest.ptrs, dest.slots)
+        self.transfer.write(dest.engine, src, dst, lens)
+        return sum(lens)
 
     def _on_tick(self, now: float) -> None:
         for room in [r for r, x in self._ready.items() if x.deadline < now]:

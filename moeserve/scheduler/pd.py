@@ -30,7 +30,7 @@ class SchedulerRoleHost:
         rows = self.memory.req_to_token.alloc(1)
         if rows is None:
             return None
-        slots = self.sched.cache.alloc_slots(num_tokens)
+        slots = self.sched.cache.alloc_slots(num_tokens, contiguous=True)
         if slots is None:
             self.memory.req_to_token.free(rows)
             return None
