@@ -17,6 +17,7 @@ from moeserve.disaggregation.regions import KVRegions, slot_runs
     ("disaggregation.bootstrap_port=70000", "disaggregation.bootstrap_port"),
     ("disaggregation.waiting_timeout_s=0", "disaggregation.waiting_timeout_s"),
     ("disaggregation.heartbeat_max_failures=0", "disaggregation.heartbeat_max_failures"),
+    ("disaggregation.staging_mb=-1", "disaggregation.staging_mb"),
 ])
 def test_config_errors_name_the_key(override, key):
     with pytest.raises(ConfigError) as e:
