@@ -18,7 +18,7 @@ from moeserve.config_schema import (  # noqa: F401 (re-exported: callers import 
     TOOL_PARSERS, REASONING_PARSERS, SPEC_ALGORITHMS, DISAGG_MODES, TRANSFER_BACKENDS,
     TRANSFER_PROTOCOLS, DisaggregationConfig, ConfigError, ModelConfig, CacheConfig,
     SchedulerConfig, ServerConfig, ParallelConfig, EPLBConfig, AttentionConfig, MoEConfig,
-    CudaGraphConfig, TBOConfig, SPEC_STEP_ASIDE, SpecConfig, LWS_MODES, TRANSFER_BACKENDS,
+    CudaGraphConfig, TBOConfig, SPEC_STEP_ASIDE, SpecConfig, LWS_MODES,
     ROUTER_POLICIES, LWSRoleConfig, LWSConfig, ClusterConfig, MoeserveConfig)
 
 
@@ -149,6 +149,8 @@ def _validate_disaggregation(cfg: MoeserveConfig) -> None:
     for key in ("bootstrap_timeout_s", "waiting_timeout_s", "heartbeat_interval_s",
                 "heartbeat_max_failures"):
         _check_positive(f"disaggregation.{key}", getattr(d, key), False)
+    if d.staging_mb < 0:
+        raise ConfigError("disaggregation.staging_mb", f"must be >= 0, got {d.staging_mb}")
     _check_positive("disaggregation.prefill_servers", d.prefill_servers, False)
     _check_positive("disaggregation.decode_servers", d.decode_servers, False)
     if d.deployment and d.mode is not None:
@@ -300,9 +302,7 @@ def _validate_lws(w: LWSConfig) -> None:
         raise ConfigError("cluster.lws.gpu_resource", "must name the GPU resource "
                           "(e.g. nvidia.com/gpu)")
     _check_positive("cluster.lws.replicas", w.replicas, False)
-    for key in ("bootstrap_port", "router_port"):
-        _check_port(f"cluster.lws.{key}", getattr(w, key))
-    _check_choice("cluster.lws.transfer_backend", w.transfer_backend, TRANSFER_BACKENDS)
+    _check_port("cluster.lws.router_port", w.router_port)
     _check_choice("cluster.lws.router_policy", w.router_policy, ROUTER_POLICIES)
     for role in ("prefill", "decode"):
         _check_positive(f"cluster.lws.{role}.replicas", getattr(w, role).replicas, False)

@@ -322,11 +322,10 @@ class LWSConfig:
     models_mount: str = "/models"
     pod_run_dir: str = "/var/log/moeserve"  # hydra.run.dir inside the pods (config, logs)
     folder: str = "lws"  # where the manifests are written, relative to the Hydra run dir
-    # pd: each side's groups and overrides; rendered as disaggregation.* overrides in the pods
+    # pd: each side's groups and overrides (the pods get disaggregation.mode=<role>)
     prefill: LWSRoleConfig = field(default_factory=LWSRoleConfig)
     decode: LWSRoleConfig = field(default_factory=LWSRoleConfig)
-    bootstrap_port: int = 8998  # the prefill side's bootstrap server (SGLang's protocol)
-    transfer_backend: str = "mooncake"  # mooncake | nixl
+    # the bootstrap port and transfer backend are disaggregation.* (each role's config)
     router_image: str | None = None  # None: image
     router_port: int = 8000
     router_policy: str = "cache_aware"
@@ -381,6 +380,10 @@ class DisaggregationConfig:
     # probes in a row fail those requests at once
     heartbeat_interval_s: float = 1.0
     heartbeat_max_failures: int = 2
+    # prefill: a registered buffer of this size that a prompt whose slots are fragmented is
+    # gathered into before the write (fewer, longer byte ranges; disaggregation/staging.py);
+    # 0 (default): write from the pool as it is (staging measured slower here: docs)
+    staging_mb: int = 0
     # `launch.multinode +cluster=local` with deployment=true starts a whole PD deployment on this
     # host instead of one server: prefill and decode servers (`python -m launch.server` with the
     # same overrides plus their own below) and sglang-router in front (moeserve/server/

@@ -49,6 +49,7 @@ class _Outcome:
     error: str | None = None
     first_token: int = -1
     first_logprob: float | None = None
+    first_top: list[tuple[int, float]] | None = None
     nbytes: int = 0
     dead_peer: bool = False  # the prefill cannot write any more: slots are free at once
 
@@ -103,6 +104,11 @@ class DecodeRole:
             return False
         self._drop(p, quarantine=p.asked_at > 0)
         return False
+
+    def on_reject(self, req: Req, bootstrap: Bootstrap | None, error: str) -> None:
+        """Rejected here while waiting for its KV (its grammar did not compile): its slots are
+        quarantined while the prefill may still write them."""
+        self.on_finish(req)
 
     def poll(self) -> None:
         now = time.monotonic()
@@ -173,7 +179,8 @@ class DecodeRole:
         if out.ok:
             del self._pending[out.room]
             self.counters.ok(out.nbytes, time.monotonic() - p.asked_at)
-            self.host.activate(p.req, p.row, p.slots, out.first_token, out.first_logprob)
+            self.host.activate(p.req, p.row, p.slots, out.first_token, out.first_logprob,
+                               out.first_top)
         else:
             self._fail(p, out.error or "KV transfer failed", quarantine=not out.dead_peer)
 
@@ -224,8 +231,10 @@ class DecodeRole:
     def _on_message(self, msg) -> None:
         if isinstance(msg, KVDone):
             self._asked.pop(msg.room, None)
+            # an error from the prefill: it writes no more, so the slots are free at once
             self._done.put(_Outcome(msg.room, msg.ok, msg.error, msg.first_token,
-                                    msg.first_logprob, msg.nbytes))
+                                    msg.first_logprob, msg.first_top_logprobs, msg.nbytes,
+                                    dead_peer=not msg.ok))
 
     def _on_tick(self, now: float) -> None:
         """Heartbeats: probe each prefill server that owes KV; after heartbeat_max_failures misses

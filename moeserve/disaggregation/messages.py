@@ -31,6 +31,7 @@ class KVDone(msgspec.Struct, tag=True, frozen=True, kw_only=True):
     error: str | None = None
     first_token: int = -1  # the token the prefill sampled after the prompt
     first_logprob: float | None = None
+    first_top_logprobs: list[tuple[int, float]] | None = None  # when the request asked for them
     nbytes: int = 0
 
 

@@ -19,6 +19,7 @@ from moeserve.disaggregation.link import ControlLink
 from moeserve.disaggregation.messages import KVDestination, KVDone
 from moeserve.disaggregation.regions import KVRegions
 from moeserve.disaggregation.role import RoleHost, TransferCounters, wants_pd
+from moeserve.disaggregation.staging import GatherStage, run_count
 from moeserve.disaggregation.transfer import KVTransfer, TransferError
 from moeserve.ipc.messages import Bootstrap
 
@@ -32,6 +33,7 @@ class _Ready:
     slots: list[int]
     first_token: int
     first_logprob: float | None
+    first_top: list[tuple[int, float]] | None
     deadline: float
 
 
@@ -49,9 +51,12 @@ class PrefillRole:
 
     def __init__(self, cfg: DisaggregationConfig, host: RoleHost, transfer: KVTransfer):
         self.cfg, self.host, self.transfer = cfg, host, transfer
-        self.regions = KVRegions.of(host.kv_buffers())
+        buffers = host.kv_buffers()
+        self.regions = KVRegions.of(buffers)
         for ptr, n in zip(self.regions.ptrs, self.regions.nbytes):
             transfer.register(ptr, n)
+        self.stage = (GatherStage(buffers, transfer, cfg.staging_mb << 20)
+                      if cfg.staging_mb > 0 else None)
         self.counters = TransferCounters()
         self._rooms: dict[str, int] = {}  # rid → room (loop thread)
         self._held: dict[int, Req] = {}  # room → request whose slots wait for the transfer
@@ -77,6 +82,15 @@ class PrefillRole:
     def owns(self, req: Req) -> bool:
         return False
 
+    def on_reject(self, req: Req, bootstrap: Bootstrap | None, error: str) -> None:
+        """Rejected before it ran (intake checks, a grammar that did not compile): the decode
+        server is told now, with the reason, instead of waiting for its KV until a timeout."""
+        room = self._rooms.pop(req.rid, None)
+        if room is None and wants_pd(req, bootstrap):
+            room = bootstrap.room
+        if room is not None:
+            self.link.call(self._fail_room, room, f"the prefill server rejected it: {error}")
+
     def on_finish(self, req: Req) -> bool:
         room = self._rooms.pop(req.rid, None)
         if room is None:
@@ -86,7 +100,8 @@ class PrefillRole:
             return False
         self._held[room] = req
         lp = req.logprobs[0] if req.return_logprob and req.logprobs else None
-        ready = _Ready(req.kv_slots[: len(req.input_ids)], req.output_ids[0], lp,
+        top = req.top_logprobs[0] if lp is not None and req.top_logprobs else None
+        ready = _Ready(req.kv_slots[: len(req.input_ids)], req.output_ids[0], lp, top,
                        time.monotonic() + self.cfg.bootstrap_timeout_s)
         self.link.call(self._on_ready, room, ready)
         return True
@@ -148,17 +163,25 @@ class PrefillRole:
         if error is None and len(dest.slots) != len(ready.slots):
             error = f"decode offered {len(dest.slots)} slots for {len(ready.slots)} tokens"
         if error is None:
-            src, dst, lens = self.regions.byte_ranges(ready.slots, dest.ptrs, dest.slots)
             try:
-                self.transfer.write(dest.engine, src, dst, lens)
-                nbytes = sum(lens)
+                nbytes = self._write(dest, ready.slots)
             except TransferError as e:
                 error = str(e)
         seconds = time.perf_counter() - t0
         self.link.send(dest.reply_to, KVDone(room=dest.room, ok=error is None, error=error,
                                              first_token=ready.first_token,
-                                             first_logprob=ready.first_logprob, nbytes=nbytes))
+                                             first_logprob=ready.first_logprob,
+                                             first_top_logprobs=ready.first_top, nbytes=nbytes))
         self._done.put(_Outcome(dest.room, error is None, nbytes, seconds, error))
+
+    def _write(self, dest: KVDestination, slots: list[int]) -> int:
+        """Through the gather stage when our slots are more fragmented than the destination's,
+        else straight from the pool. → bytes written."""
+        if self.stage is not None and run_count(slots) > run_count(dest.slots):
+            return self.stage.write(self.transfer, dest.engine, slots, dest.ptrs, dest.slots)
+        src, dst, lens = self.regions.byte_ranges(slots, dest.ptrs, dest.slots)
+        self.transfer.write(dest.engine, src, dst, lens)
+        return sum(lens)
 
     def _on_tick(self, now: float) -> None:
         for room in [r for r, x in self._ready.items() if x.deadline < now]:

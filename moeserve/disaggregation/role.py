@@ -1,7 +1,8 @@
 """What a PD role needs from its scheduler (RoleHost), its counters, and the role factory.
 
-The scheduler calls four hooks: `on_request` (a request with a bootstrap room arrives; True: the
-role owns it from now on), `on_finish` (True: the role keeps the request's KV slots for now),
+The scheduler calls these hooks: `on_request` (a request with a bootstrap room arrives; True: the
+role owns it from now on), `on_reject` (a request refused before it ran: the peer is told),
+`on_finish` (True: the role keeps the request's KV slots for now),
 `poll` (each loop iteration: apply what the link thread finished) and `info`/`counters` (ready
 handshake, metrics).
 """
@@ -32,7 +33,8 @@ class RoleHost(Protocol):
     def release(self, req: Req) -> None: ...
 
     def activate(self, req: Req, row: int, slots: list[int], first_token: int,
-                 first_logprob: float | None) -> None: ...
+                 first_logprob: float | None,
+                 first_top: list[tuple[int, float]] | None) -> None: ...
 
     def fail(self, req: Req, error: str) -> None: ...
 

@@ -44,6 +44,9 @@ class GenerateReq(Msg):
     bootstrap: Bootstrap | None = None
     # elastic EP: tokens a lost rank already streamed; the request continues after them
     resume_ids: list[int] = []
+    # PD prefill: the HTTP layer refused the request (this reason); the rank only tells the decode
+    # server that waits for the room's KV (disaggregation/prefill.py), nothing runs
+    refused: str | None = None
 
 
 class AbortReq(Msg):

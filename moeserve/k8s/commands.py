@@ -30,18 +30,20 @@ def pod_overrides(w: LWSConfig) -> list[str]:
     return ["cluster.lws.in_pod=true", "server.host=0.0.0.0", f"hydra.run.dir={w.pod_run_dir}"]
 
 
-def pd_overrides(w: LWSConfig, mode: str) -> list[str]:
-    """The disaggregation role of a prefill or decode pod (docs/deploy_k8s.md)."""
-    return [f"disaggregation.mode={mode}", f"disaggregation.bootstrap_port={w.bootstrap_port}",
-            f"disaggregation.transfer_backend={w.transfer_backend}"]
+def pd_overrides(mode: str) -> list[str]:
+    """The disaggregation role of a prefill or decode pod (docs/deploy_k8s.md). The rest of
+    disaggregation.* (bootstrap port, transfer backend) reaches the pods as the user's or the
+    role's own overrides: one place, the config both the pods and the router read."""
+    return [f"disaggregation.mode={mode}"]
 
 
-def router_args(prefill_urls: list[str], decode_urls: list[str], w: LWSConfig) -> list[str]:
+def router_args(prefill_urls: list[str], bootstrap_port: int, decode_urls: list[str],
+                w: LWSConfig) -> list[str]:
     """`sglang_router.launch_router --pd-disaggregation`: every prefill server with its bootstrap
     port, every decode server."""
     args = ["--pd-disaggregation"]
     for url in prefill_urls:
-        args += ["--prefill", url, str(w.bootstrap_port)]
+        args += ["--prefill", url, str(bootstrap_port)]
     for url in decode_urls:
         args += ["--decode", url]
     return args + ["--host", "0.0.0.0", "--port", str(w.router_port), "--policy", w.router_policy]

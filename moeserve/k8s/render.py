@@ -86,20 +86,21 @@ def _colocated(cfg: MoeserveConfig, task_overrides: list[str]) -> list[Obj]:
 
 def _pd(cfg: MoeserveConfig, task_overrides: list[str]) -> list[Obj]:
     w = cfg.cluster.lws
-    docs, urls = [], {}
+    docs, urls, boot = [], {}, role_config(cfg, "prefill").disaggregation.bootstrap_port
     for role in ROLES:
         rc, spec = role_config(cfg, role), getattr(w, role)
         name = f"{w.name}-{role}"
-        args = node_args(task_overrides, [*spec.overrides, *pd_overrides(w, role),
+        args = node_args(task_overrides, [*spec.overrides, *pd_overrides(role),
                                           *pod_overrides(w)])
-        extra = {"bootstrap": w.bootstrap_port} if role == "prefill" else {}
+        extra = {"bootstrap": boot} if role == "prefill" else {}
         docs.append(_server_set(rc, name, spec.replicas, args, role, extra))
         urls[role] = [f"http://{leader_host(name, g, w.namespace)}:{rc.server.port}"
                       for g in range(spec.replicas)]
     name, labels = f"{w.name}-router", _labels(w.name, "router")
     shape = PodShape(image=w.router_image or w.image, env=dict(w.env))
     router = container("router", shape, ROUTER_COMMAND,
-                       router_args(urls["prefill"], urls["decode"], w), {"http": w.router_port})
+                       router_args(urls["prefill"], boot, urls["decode"], w),
+                       {"http": w.router_port})
     docs.append(deployment(metadata(name, w.namespace, labels), 1,
                            pod_template(labels, shape, [router])))
     docs.append(service(metadata(name, w.namespace, labels), labels, {"http": w.router_port}))

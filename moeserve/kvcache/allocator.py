@@ -29,6 +29,22 @@ class TokenToKVPoolAllocator:
         out, self._free = self._free[:n], self._free[n:]
         return out
 
+    def alloc_contiguous(self, n: int) -> torch.Tensor | None:
+        """n free slots as one run where one exists, else the n lowest (few runs): what a PD
+        decode server asks for, so that the KV it receives lands in few byte ranges. Sorts the
+        free list (O(free log free), once per PD request)."""
+        if n > self._free.numel():
+            return None
+        free = torch.sort(self._free).values
+        if n > 0:
+            starts = torch.nonzero(free[n - 1:] - free[: free.numel() - n + 1] == n - 1)
+            i = int(starts[0]) if starts.numel() else 0
+        else:
+            i = 0
+        out = free[i: i + n]
+        self._free = torch.cat([free[:i], free[i + n:]])
+        return out
+
     def free(self, slots: torch.Tensor) -> None:
         if slots.numel():
             self._free = torch.cat([self._free, slots.detach().to("cpu", torch.int64)])

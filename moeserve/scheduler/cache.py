@@ -30,12 +30,14 @@ class CacheManager:
     def used_tokens(self) -> int:
         return self.memory.allocator.size - self.available()
 
-    def alloc_slots(self, n: int) -> torch.Tensor | None:
-        """n free slots, evicting unlocked cache leaves if needed; None (no change) if impossible."""
+    def alloc_slots(self, n: int, contiguous: bool = False) -> torch.Tensor | None:
+        """n free slots, evicting unlocked cache leaves if needed; None (no change) if impossible.
+        `contiguous`: one run where the free list has one (a PD decode server's KV destination)."""
         short = n - self.memory.allocator.available_size()
         if short > 0:
             self.tree.evict(short)
-        return self.memory.allocator.alloc(n)
+        alloc = self.memory.allocator
+        return alloc.alloc_contiguous(n) if contiguous else alloc.alloc(n)
 
     # ---- request lifecycle ------------------------------------------------------------------
     def match_prefix_len(self, req: Req) -> int:

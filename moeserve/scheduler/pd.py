@@ -30,7 +30,7 @@ class SchedulerRoleHost:
         rows = self.memory.req_to_token.alloc(1)
         if rows is None:
             return None
-        slots = self.sched.cache.alloc_slots(num_tokens)
+        slots = self.sched.cache.alloc_slots(num_tokens, contiguous=True)
         if slots is None:
             self.memory.req_to_token.free(rows)
             return None
@@ -44,7 +44,8 @@ class SchedulerRoleHost:
         self.sched.cache.release(req)
 
     def activate(self, req: Req, row: int, slots: list[int], first_token: int,
-                 first_logprob: float | None) -> None:
+                 first_logprob: float | None,
+                 first_top: list[tuple[int, float]] | None) -> None:
         """The prompt's KV is in `slots`: the request continues as if prefilled here."""
         s, n = self.sched, len(req.input_ids)
         table = self.memory.req_to_token
@@ -59,7 +60,7 @@ class SchedulerRoleHost:
         if req.grammar is not None:
             req.grammar.accept(first_token)
         lp = [first_logprob] if first_logprob is not None else None
-        finish = s._append(req, first_token, lp, [[]], 0)
+        finish = s._append(req, first_token, lp, [list(first_top or [])], 0)
         if finish is not None:
             s._finish(req, finish)
         else:

@@ -103,13 +103,15 @@ class Scheduler:
         req.device_len = len(req.fill_ids)
         req.generator = make_generator(msg.sampling, self.runner.device)
         total = len(req.input_ids) + msg.sampling.max_new_tokens
-        state = None if req.input_ids and total <= self.max_req_len else (
+        state = msg.refused or (None if req.input_ids and total <= self.max_req_len else (
             f"prompt ({len(req.input_ids)} tokens) + max_new_tokens "
-            f"({msg.sampling.max_new_tokens}) exceeds the context length {self.max_req_len}")
+            f"({msg.sampling.max_new_tokens}) exceeds the context length {self.max_req_len}"))
         if msg.logprob_start_len > len(req.input_ids):
             state = state or f"logprob_start_len {msg.logprob_start_len} is not a prompt position"
         state = state or self.grammars.attach(req)  # a new grammar: parked while it compiles
         if state not in (None, PARKED):
+            if self.pd is not None:  # PD: the peer learns at once, not by a timeout
+                self.pd.on_reject(req, msg.bootstrap, state)
             self._reject(req, state)
             return
         self.reqs[req.rid] = req
@@ -133,6 +135,8 @@ class Scheduler:
             else:
                 self.reqs.pop(req.rid, None)
                 self.pending_stop_strings.pop(req.rid, None)
+                if self.pd is not None:
+                    self.pd.on_reject(req, None, error)
                 self._reject(req, error)
 
     def abort(self, rid: str) -> None:

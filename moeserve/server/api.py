@@ -31,7 +31,7 @@ from moeserve.server.protocol import (APIError, ChatCompletionRequest, ChatCompl
                                       ErrorResponse, GenerateRequest, ModelCard, ModelList,
                                       TokenizeRequest, error_body)
 from moeserve.server.serving_chat import chat_response, chat_stream, prepare_chat
-from moeserve.server.serving_common import ClientGone, sse_stream, until_disconnect
+from moeserve.server.serving_common import ClientGone, pd_of, sse_stream, until_disconnect
 from moeserve.server.serving_completions import (completion_response, completion_stream,
                                                  prepare_completion)
 from moeserve.server.serving_native import native_response, native_stream, prepare_native
@@ -157,11 +157,20 @@ def _with_stream(model: type[BaseModel], *statuses: int) -> dict[int | str, dict
             **errors(404, *statuses, body=True)}
 
 
+def _prepare(manager: TokenizerManager, prepare: Callable, req: Any, n: int) -> Any:
+    """prepare(manager, req); a refusal of a PD request also ends it on the decode server."""
+    try:
+        return prepare(manager, req)
+    except APIError as e:
+        manager.refuse_rooms(pd_of(req), n, e.message)
+        raise
+
+
 def _add_openai_routes(app: FastAPI, manager: TokenizerManager, auth: list) -> None:
     @app.post("/v1/completions", dependencies=auth, response_model=None,
               responses=_with_stream(CompletionResponse))
     async def completions(req: CompletionRequest, request: Request) -> Response:
-        job = prepare_completion(manager, req)
+        job = _prepare(manager, prepare_completion, req, req.n)
         if req.stream:
             return _stream(completion_stream(manager, job))
         return await _complete(request, completion_response(manager, job))
@@ -169,7 +178,7 @@ def _add_openai_routes(app: FastAPI, manager: TokenizerManager, auth: list) -> N
     @app.post("/v1/chat/completions", dependencies=auth, response_model=None,
               responses=_with_stream(ChatCompletionResponse))
     async def chat_completions(req: ChatCompletionRequest, request: Request) -> Response:
-        job = prepare_chat(manager, req)
+        job = _prepare(manager, prepare_chat, req, req.n)
         if req.stream:
             return _stream(chat_stream(manager, job))
         return await _complete(request, chat_response(manager, job))
@@ -211,7 +220,7 @@ def _add_native_routes(app: FastAPI, manager: TokenizerManager, cfg: MoeserveCon
     async def generate(request: Request) -> Response:
         """A JSON body whatever the Content-Type (curl -d sends form encoding by default)."""
         req = await _json_body(request, GenerateRequest)
-        job = prepare_native(manager, req)
+        job = _prepare(manager, prepare_native, req, req.sampling_params.n)
         if req.stream:
             return _stream(native_stream(manager, job))
         return await _complete(request, native_response(manager, job))

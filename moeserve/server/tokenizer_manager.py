@@ -318,6 +318,22 @@ class TokenizerManager:
         finally:
             self.abort([rids[i] for i in pending])
 
+    def refuse_rooms(self, pd: tuple | None, n: int, error: str) -> None:
+        """A PD prefill server refused a request before it reached a rank: the ranks its rooms
+        map to tell the decode server now (which would otherwise wait for the KV until its
+        timeout). One prompt's rooms, or a list of rooms, each with n samples (expand_n)."""
+        if pd is None or self.cfg.disaggregation.mode != "prefill":
+            return
+        host, port, room = pd
+        n = max(1, min(n, self.cfg.server.max_n))
+        rooms = [r + j for r in (room if isinstance(room, list) else [room]) for j in range(n)]
+        for r in rooms:
+            x = GenInput([], SamplingParams(max_new_tokens=1),
+                         bootstrap=Bootstrap(host=host, port=port, room=r % (1 << 64)))
+            self._push.put(GenerateReq(rid=f"refused-{uuid.uuid4().hex}", input_ids=[],
+                                       sampling=x.sampling, bootstrap=x.bootstrap,
+                                       dp_rank=self._pd_rank(x), refused=error))
+
     def _pd_rank(self, x: GenInput) -> int | None:
         """A PD prefill server pins each room to DP rank room % dp_size: the rank the decode
         server's bootstrap query names (disaggregation/bootstrap.py)."""

@@ -64,7 +64,7 @@ def templates(lws: dict):
 
 
 def pod_config(args: list[str], drop: tuple[str, ...] = ("hydra.",)):
-    """The config a pod composes from its container args (less keys this branch cannot compose)."""
+    """The config a pod composes from its container args (less its run dir)."""
     return compose([a for a in args if not a.lstrip("+~").startswith(drop)])
 
 
@@ -146,7 +146,8 @@ def test_pod_outside_lws_says_what_is_missing(colocated, monkeypatch):
 @pytest.fixture(scope="module")
 def pd(tmp_path_factory):
     return render_cli(tmp_path_factory.mktemp("lws_pd"), "cluster.lws.mode=pd", PREFILL_1x8,
-                      "cluster.lws.decode.replicas=2", "cluster.lws.namespace=llm")
+                      "cluster.lws.decode.replicas=2", "cluster.lws.namespace=llm",
+                      "disaggregation.bootstrap_port=9100")
 
 
 def test_pd_sets(pd):
@@ -160,14 +161,14 @@ def test_pd_sets(pd):
         leader, worker = templates(lws)
         (c,) = leader.spec.containers
         assert c.resources.limits == {"nvidia.com/gpu": "8"}
-        assert [f"disaggregation.mode={role}", "disaggregation.bootstrap_port=8998",
-                "disaggregation.transfer_backend=mooncake"] == [
-            a for a in c.args if a.startswith("disaggregation.")]
-        cfg = pod_config(c.args, drop=("hydra.", "disaggregation."))  # the PD keys: another branch
-        assert cfg.parallel.nnodes == sizes[role][1]
+        assert [a for a in c.args if a.startswith("disaggregation.")] == [
+            "disaggregation.bootstrap_port=9100", f"disaggregation.mode={role}"]
+        cfg = pod_config(c.args)
+        assert cfg.parallel.nnodes == sizes[role][1] and cfg.disaggregation.mode == role
+        assert cfg.disaggregation.bootstrap_port == 9100  # the user's, the router's too
         assert cfg.parallel.tp_size // cfg.parallel.nnodes == 8 and cfg.cluster.lws.in_pod
         ports = {p.name: p.container_port for p in c.ports}
-        assert ports == ({"http": 30000, "bootstrap": 8998} if role == "prefill"
+        assert ports == ({"http": 30000, "bootstrap": 9100} if role == "prefill"
                          else {"http": 30000})
         assert worker.spec.containers[0].args == c.args
 
@@ -182,7 +183,7 @@ def test_pd_router(pd):
     assert c.command == ["python", "-m", "sglang_router.launch_router"] and c.resources is None
     args = parse_router_args(c.args)
     assert args.pd_disaggregation and args.policy == "cache_aware"
-    assert args.prefill_urls == [("http://moeserve-prefill-0.moeserve-prefill.llm:30000", 8998)]
+    assert args.prefill_urls == [("http://moeserve-prefill-0.moeserve-prefill.llm:30000", 9100)]
     assert args.decode_urls == ["http://moeserve-decode-0.moeserve-decode.llm:30000",
                                 "http://moeserve-decode-1.moeserve-decode.llm:30000"]
     assert (args.host, args.port) == ("0.0.0.0", 8000)
@@ -212,8 +213,6 @@ def test_cpu_pods_ask_for_no_gpu():
     ("cluster.lws.mode=disagg", "cluster.lws.mode"),
     ("cluster.lws.replicas=0", "cluster.lws.replicas"),
     ("cluster.lws.decode.replicas=0", "cluster.lws.decode.replicas"),
-    ("cluster.lws.bootstrap_port=70000", "cluster.lws.bootstrap_port"),
-    ("cluster.lws.transfer_backend=tcp", "cluster.lws.transfer_backend"),
     ("cluster.lws.router_policy=fastest", "cluster.lws.router_policy"),
     ('cluster.lws.prefill.overrides=["+parallel.x=1"]', "cluster.lws.prefill.overrides"),
 ])

@@ -1,10 +1,12 @@
 """sglang-router (PyPI `sglang-router`, regular mode) in front of two servers: the router's own
 requests (its HTTP/2 probe, /model_info, health checks) and a client's through it (chat without
 `model`, completions, /generate, streaming) all work, both servers serve some, and no server logs a
-warning for the router's probes."""
+warning for the router's probes. Policies: round_robin, and cache_aware (its prefix affinity lands
+repeats on the server that caches them)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -32,22 +34,31 @@ def routed(tiny_model):
     servers = [LiveServer([f"model.path={path}", *SERVER]) for _ in range(2)]
     for s in servers:
         s.wait_healthy()
+    try:
+        with _router(servers, "round_robin") as url:
+            yield url, servers
+    finally:
+        for s in servers:
+            s.stop()
+
+
+@contextlib.contextmanager
+def _router(servers: list[LiveServer], policy: str):
+    """sglang-router in regular mode (`--worker-urls`) with `policy`; → its URL once it serves."""
     port = free_port()
     log = tempfile.NamedTemporaryFile("w+", prefix="router-", suffix=".log", delete=False)
     router = subprocess.Popen(
         [sys.executable, "-m", "sglang_router.launch_router", "--worker-urls",
          *[s.url for s in servers], "--host", "127.0.0.1", "--port", str(port),
-         "--policy", "round_robin", "--prometheus-port", str(free_port())],
+         "--policy", policy, "--prometheus-port", str(free_port())],
         stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
         _wait_for_workers(url, router, log.name)
-        yield url, servers
+        yield url
     finally:
         router.terminate()
         router.wait(30)
-        for s in servers:
-            s.stop()
         os.unlink(log.name)
 
 
@@ -118,3 +129,23 @@ def test_router_probes_leave_no_warnings(routed):
     raw = httpx.post(servers[0].url + "/v1/chat/completions", timeout=60,
                      json={"messages": CHAT, "max_tokens": 1, "model": "unknown"})
     assert raw.status_code == 200
+
+
+def test_cache_aware_policy(routed):
+    """`--policy cache_aware` over the same two servers: a repeated long prompt goes where its
+    prefix is cached (the router's own prefix tree), so one server serves every repeat and its
+    radix cache answers the prompt (cached_tokens), while both servers stay in rotation for
+    unrelated prompts."""
+    _, servers = routed
+    prompt = "A long shared prefix about the history of the printing press. " * 4
+    with _router(servers, "cache_aware") as url:
+        before = [prompt_tokens(s) for s in servers]
+        cached = []
+        for _ in range(4):
+            r = httpx.post(url + "/generate", timeout=60, json={
+                "text": prompt, "sampling_params": {"max_new_tokens": 1}})
+            assert r.status_code == 200, r.text
+            cached.append(r.json()["meta_info"]["cached_tokens"])
+        grew = [prompt_tokens(s) - b for s, b in zip(servers, before)]
+    assert sorted(g > 0 for g in grew) == [False, True], grew  # one server took all four
+    assert all(c > 0 for c in cached[1:]), cached

@@ -17,6 +17,7 @@ from moeserve.disaggregation.regions import KVRegions, slot_runs
     ("disaggregation.bootstrap_port=70000", "disaggregation.bootstrap_port"),
     ("disaggregation.waiting_timeout_s=0", "disaggregation.waiting_timeout_s"),
     ("disaggregation.heartbeat_max_failures=0", "disaggregation.heartbeat_max_failures"),
+    ("disaggregation.staging_mb=-1", "disaggregation.staging_mb"),
 ])
 def test_config_errors_name_the_key(override, key):
     with pytest.raises(ConfigError) as e:
@@ -63,3 +64,47 @@ def test_mooncake_moves_kv_slots_between_engines():
     a.write(b.address, *ranges)
     for s, d in zip(src, dst):
         assert torch.equal(d[7:10], s[3:6]) and not d[:7].any() and not d[10:].any()
+
+
+def test_gather_stage_moves_fragmented_slots_in_chunks():
+    """The prefill's gather stage (2 tokens' worth: several chunks) moves fragmented source slots
+    into fragmented destination slots byte for byte, one range per destination run and buffer."""
+    from pd_support import require_mooncake
+
+    require_mooncake()
+    from moeserve.config import DisaggregationConfig
+    from moeserve.disaggregation.mooncake import MooncakeTransfer
+    from moeserve.disaggregation.staging import GatherStage, dst_runs, run_count
+
+    assert dst_runs([4, 5, 9, 10, 11, 2]) == [(0, 4, 2), (2, 9, 3), (5, 2, 1)]
+    assert run_count([4, 5, 9, 10, 11, 2]) == 3 and run_count([]) == 0
+    cfg = DisaggregationConfig(protocol="tcp")
+    a, b = MooncakeTransfer(cfg), MooncakeTransfer(cfg)
+    src = [torch.randn(16, 2, 8), torch.randn(16, 4)]  # 64 and 16 bytes per slot
+    dst = [torch.zeros(16, 2, 8), torch.zeros(16, 4)]
+    for t in src:
+        a.register(t.data_ptr(), t.nbytes)
+    for t in dst:
+        b.register(t.data_ptr(), t.nbytes)
+    stage = GatherStage(src, a, 2 * 80)
+    assert stage.capacity == 2
+    s_slots, d_slots = [9, 3, 4, 12, 1], [5, 6, 7, 1, 2]
+    assert stage.write(a, b.address, s_slots, [t.data_ptr() for t in dst], d_slots) == 5 * 80
+    for s, d in zip(src, dst):
+        assert torch.equal(d[d_slots], s[s_slots])
+        assert not d[[0, 3, 4, *range(8, 16)]].any()
+
+
+def test_alloc_contiguous_finds_a_run():
+    """A PD decode server's slots: one run where the free list has one (after frees in any
+    order), else the lowest free slots; the allocator's count stays right."""
+    from moeserve.kvcache.allocator import TokenToKVPoolAllocator
+
+    alloc = TokenToKVPoolAllocator(20)
+    taken = alloc.alloc(20)
+    alloc.free(taken[[15, 2, 3, 10, 11, 12, 13, 4]])  # free: 3,4,5 | 11..14 | 16
+    assert alloc.alloc_contiguous(4).tolist() == [11, 12, 13, 14]
+    assert alloc.alloc_contiguous(3).tolist() == [3, 4, 5]
+    alloc.free(torch.tensor([8, 1]))
+    assert alloc.alloc_contiguous(2).tolist() == [1, 8]  # no run of 2: the lowest two
+    assert alloc.available_size() == 1 and alloc.alloc_contiguous(2) is None
