@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 
 import torch
 
@@ -18,7 +17,7 @@ from moeserve.kernels.attach import attach_ops
 from moeserve.kernels.cpu.build import load_cpu_kernels
 from moeserve.kernels.cpu.ops import CpuKernels, supports
 from moeserve.env import env
-from moeserve.layers.linear import onednn_bf16_linear_works, pack_bf16_linears, pack_linears
+from moeserve.layers.linear import pack_bf16_linears, pack_linears
 from moeserve.layers.moe_parallel import ExpertRecorder
 from moeserve.models.loader import WeightLoadError
 from moeserve.models.quantization import resolve_quant_plan
@@ -26,6 +25,8 @@ from moeserve.models.registry import model_class
 from moeserve.runtime.kernel_choice import (attention_backend_name, moe_backend_name, use_pdl,
                                             use_cuda_graphs)
 from moeserve.runtime.kv_memory import init_kv_memory, kv_layout
+from moeserve.runtime.model_config import (context_length, load_hf_config, resolve_device,
+                                           resolve_dtype)
 from moeserve.runtime.step_memory import step_activation_bytes
 from moeserve.attention.mla_mha import MlaFormPolicy, MlaShape
 from moeserve.runtime.moe_setup import build_moe_parallel, num_logical_experts
@@ -36,61 +37,6 @@ from moeserve.tbo.strategy import forward_two_batches, tbo_active
 logger = logging.getLogger(__name__)
 
 GREEDY_HEAD_MAX_HIDDEN = 256  # measured: fused greedy head faster up to 256, even at 512
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("device=cuda but CUDA is not available")
-    return torch.device(name)
-
-
-def cpu_has_native_bf16() -> bool:
-    """The CPU multiplies bf16 in hardware (AVX512-BF16 or AMX tiles)."""
-    checks = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
-    return any(getattr(torch.cpu, c, lambda: False)() for c in checks)
-
-
-def cpu_bf16_is_fast(use_cpu_kernels: bool = True) -> bool:
-    """bf16 linears run fast here: oneDNN's prepack on a CPU with native bf16, or, where the
-    prepack is off (AVX2-only x86), the C bf16-weight linear built for AVX2 + FMA
-    (kernels/cpu/linear.c). Where the prepack works without native bf16 (AVX-512 without BF16)
-    it would run the linears, which was not measured: float32 there, as before."""
-    if onednn_bf16_linear_works():
-        return cpu_has_native_bf16()
-    e = env()
-    if not use_cpu_kernels or e.disable_cpu_linear:
-        return False
-    kernels = load_cpu_kernels(e.cache_dir, e.cc)
-    return kernels is not None and kernels.fast_linear
-
-
-def resolve_dtype(name: str, hf_config, device: torch.device,
-                  use_cpu_kernels: bool = True) -> torch.dtype:
-    """auto: on CPU bfloat16 where bf16 linears are fast (cpu_bf16_is_fast; as vLLM's CPU
-    backend: decode there is bound by reading the weights, and bf16 halves them; SmolLM2 batch-16
-    decode 126 → 61 ms/step on 2 cores; emulated AVX2 + FMA without native bf16, 1 thread:
-    187 → 110, docs/reliability.md), else float32; on GPUs the checkpoint's 16-bit dtype. Parity
-    tests pin float32."""
-    if name != "auto":
-        return _DTYPES[name]
-    if device.type == "cpu":
-        return torch.bfloat16 if cpu_bf16_is_fast(use_cpu_kernels) else torch.float32
-    ckpt = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
-    ckpt = _DTYPES.get(str(ckpt).replace("torch.", ""), torch.bfloat16)
-    return torch.bfloat16 if ckpt == torch.float32 else ckpt
-
-
-def load_hf_config(path: str):
-    from transformers import AutoConfig
-
-    if not os.path.exists(os.path.join(path, "config.json")):
-        raise FileNotFoundError(f"model.path={path!r} has no config.json")
-    return AutoConfig.from_pretrained(path)
-
-
 class ModelRunner:
     def __init__(self, cfg: MoeserveConfig, model_path: str, mesh: ParallelMesh | None = None,
                  recorder: ExpertRecorder | None = None):
@@ -109,7 +55,7 @@ class ModelRunner:
         self.draft = None  # spec_mtp.draft.Draft with spec.algorithm=nextn
         self.draft_graphs = None  # its decode-shaped passes' CUDA graphs (Draft.capture_graphs)
         self.model = self._build_model(model_path)
-        self.context_len = cfg.model.context_length or self.hf_config.max_position_embeddings
+        self.context_len = context_length(cfg, self.hf_config)
         layout = kv_layout(self.model, self.hf_config, self.draft)
         self.mla_policy = mla_form_policy(cfg, self.hf_config) if layout["kind"] == "mla" \
             else None  # which form MLA attention runs in, per step (attention/mla_mha.py)

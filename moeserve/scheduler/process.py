@@ -87,7 +87,7 @@ def rank_device(device: str, rank: int):
     """cuda:<local rank> on GPUs (one rank per GPU), cpu otherwise."""
     import torch
 
-    from moeserve.runtime.model_runner import resolve_device
+    from moeserve.runtime.model_config import resolve_device
 
     base = resolve_device(device)
     if base.type != "cuda":

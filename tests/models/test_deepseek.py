@@ -10,7 +10,7 @@ from safetensors import safe_open
 from moeserve.core import ForwardMode
 from moeserve.models.loader import WeightLoadError, iterate_weights, load_weights
 from moeserve.models.registry import model_class
-from moeserve.runtime.model_runner import load_hf_config
+from moeserve.runtime.model_config import load_hf_config
 
 ARCHS = ["deepseek_v2", "deepseek_v3"]
 # (arch, config overrides): the make_tiny defaults (V2: no q LoRA, group_limited_greedy; V3: q LoRA,

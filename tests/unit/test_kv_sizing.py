@@ -10,7 +10,7 @@ import torch
 from moeserve.config import ConfigError, compose
 from moeserve.runtime.kv_memory import kv_bytes_per_token, kv_tokens
 from moeserve.runtime.step_memory import step_activation_bytes
-from moeserve.runtime.model_runner import load_hf_config
+from moeserve.runtime.model_config import load_hf_config
 
 GIB = 2 ** 30
 MLA = {"kind": "mla", "layers": 61, "kv_lora_rank": 512, "rope_dim": 64}
@@ -59,3 +59,19 @@ def test_activation_reserve_grows_with_the_step(tiny_model):
     big = step_activation_bytes(c, 4096, 8, torch.bfloat16)
     assert big > small > 0  # (the logits of 8 requests are in both)
     assert step_activation_bytes(c, 4096, 8, torch.bfloat16, 8192) > big  # + the MHA piece
+
+
+def test_context_length_beyond_the_checkpoints_positions_is_refused(tiny_model):
+    """A context past max_position_embeddings used to pass and then crash the first long
+    request in the rotary table ("position 256 is beyond the rope table")."""
+    from moeserve import Engine
+    from moeserve.runtime.model_config import context_length
+
+    path = tiny_model("qwen3_moe")
+    limit = load_hf_config(path).max_position_embeddings
+    hf = load_hf_config(path)
+    assert context_length(compose([f"model.context_length={limit}"]), hf) == limit
+    assert context_length(compose([]), hf) == limit
+    with pytest.raises(ConfigError, match="max_position_embeddings") as err:
+        Engine(path, ["device=cpu", "model.dtype=float32", f"model.context_length={limit + 1}"])
+    assert err.value.key == "model.context_length"

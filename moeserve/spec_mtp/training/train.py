@@ -202,7 +202,7 @@ def new_cfg(args, n_records: int) -> dict[str, Any]:
     cfg = {k: getattr(args, k) for k in RUN_KEYS} | {"save_every": args.save_every}
     cfg["negatives"] = None if args.negatives < 0 else args.negatives
     if cfg["bf16"] is None:
-        from moeserve.runtime.model_runner import cpu_has_native_bf16
+        from moeserve.runtime.model_config import cpu_has_native_bf16
 
         cfg["bf16"] = cpu_has_native_bf16()
     per_epoch = max(1, n_records // args.batch_size)
