@@ -10,6 +10,7 @@ from collections.abc import Callable
 import zmq
 
 from moeserve.config import MoeserveConfig
+from moeserve.env import usable_cpus
 from moeserve.ipc.messages import (ControlReply, ControlReq, LoadReport, ReadyMsg, SchedulerInput,
                                    TokenOutput, TokenOutputBatch)
 from moeserve.ipc.queues import Endpoints, PullQueue, PushQueue
@@ -96,9 +97,9 @@ def rank_device(device: str, rank: int):
 
 
 def cpu_share(cfg: MoeserveConfig) -> int:
-    """This rank's share of the host's cores."""
+    """This rank's share of the cores the server may use (env.usable_cpus)."""
     local_ranks = cfg.parallel.world_size // cfg.parallel.nnodes
-    return max(1, (os.cpu_count() or 1) // local_ranks)
+    return max(1, usable_cpus() // local_ranks)
 
 
 def cpu_forward_threads(cfg: MoeserveConfig, model) -> int:

@@ -59,6 +59,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from moeserve.env import usable_cpus
 from moeserve.spec_mtp.draft_vocab import DEFAULT_SIZE, coverage_table, pick_vocab
 from moeserve.spec_mtp.prompts import heldout_prompts, read_prompts, train_prompts
 from moeserve.spec_mtp.training import train_data as data
@@ -144,7 +145,7 @@ def pick_threads(requested: int) -> int:
         return requested
     a, w = torch.randn(256, 576), torch.randn(1536, 576)
     best, best_t = 1, float("inf")
-    for n in sorted({1, min(2, os.cpu_count() or 1)}):
+    for n in sorted({1, min(2, usable_cpus())}):
         torch.set_num_threads(n)
         F.linear(a, w)
         t0 = time.perf_counter()
