@@ -40,11 +40,11 @@ from moeserve.layers.fp8_emulation import set_fp8_backend
 from moeserve.runtime.model_runner import ModelRunner
 
 TINY = {  # name -> (arch, make_tiny keywords)
-    "tiny_v3_fp8": ("deepseek_v3", dict(seed=3, fp8=True, intermediate_size=200)),
-    "tiny_v3_wide_fp8": ("deepseek_v3", dict(seed=1, fp8=True, hidden_size=320,
-                                              intermediate_size=600, moe_intermediate_size=200,
-                                              q_lora_rank=200)),
-    "tiny_v2": ("deepseek_v2", dict(seed=2)),
+    "tiny_v3_fp8": ("deepseek_v3", {"seed": 3, "fp8": True, "intermediate_size": 200}),
+    "tiny_v3_wide_fp8": ("deepseek_v3", {"seed": 1, "fp8": True, "hidden_size": 320,
+                                         "intermediate_size": 600, "moe_intermediate_size": 200,
+                                         "q_lora_rank": 200}),
+    "tiny_v2": ("deepseek_v2", {"seed": 2}),
 }
 
 

@@ -17,8 +17,11 @@ import torch
 
 from moeserve.kernels.fp8_format import quantize_fp8_blocks
 from moeserve.kernels.triton.fused_moe_small import SMALL_MAX_PAIRS
-from moeserve.layers.fp8_emulation import (dequantize_weight, emulate_fp8_matmul,
-                                           quantize_activations)
+from moeserve.layers.fp8_emulation import (
+    dequantize_weight,
+    emulate_fp8_matmul,
+    quantize_activations,
+)
 from moeserve.layers.fp8_linear import Fp8Linear, Fp8MergedLinear, fp8_gemm_path
 from moeserve.layers.fp8_moe import Fp8MoEExperts
 
