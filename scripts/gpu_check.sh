@@ -32,6 +32,8 @@
 #   issue44 / issue44_bench: issue 44's GPU test matrix + MLA-chunk kernel tests / the MLA form
 #   tables (absorbed vs MHA by step tokens and prompt length) and one_batch prefill against the
 #   measured matmul peak; on an H200 either first writes $OUT/h200.json (bench.op_costs).
+#   fp8acc: issue 44's FP8 accuracy tests (kernels vs their float64 emulation, per layer and
+#   whole model) and the bench.fp8_accuracy KL / top-1 table; on an H200 then bench.op_costs.
 #   pdl: programmatic dependent launch: its kernel-chain test, one_batch Qwen3-30B-A3B with PDL
 #   against model.pdl=false in one run (PDL_BATCHES, default 1 64 256), then the PDL graph test
 #   of 7 architectures and the Triton kernels' CUDA tests.
@@ -102,6 +104,23 @@ if [[ $what == issue44_bench ]]; then
       -o cache.max_total_tokens=20000 -o cuda_graph.max_bs=4 2>&1 \
       | grep -v -E "Warning|warn|capturing" | tee -a "$OUT/i44_one_batch.log"
   done
+fi
+
+if [[ $what == fp8acc ]]; then
+  # issue 44's FP8 accuracy: the kernels against their float64 emulation, layer by layer and on
+  # the whole tiny DeepSeek-V3 FP8 checkpoints, then the KL / top-1 table (bench.fp8_accuracy);
+  # on an H200 last the planner's op-cost table (issue 43) into $OUT/h200.json.
+  timeout ${FP8ACC_TESTS_TIMEOUT:-240} python3 -m pytest tests/kernels/test_fp8_emulation.py \
+    tests/gpu/test_fp8_accuracy.py -q -s -p no:cacheprovider 2>&1 \
+    | grep -v -E "Warning:|warnings.warn" | tee "$OUT/fp8acc_tests.log" \
+    | grep -E "passed|failed|Error|^FAILED|^E |\[fp8" | tail -60
+  timeout ${FP8ACC_BENCH_TIMEOUT:-150} python3 -m moeserve.bench.fp8_accuracy \
+    --models ${FP8ACC_MODELS:-tiny_v3_fp8 tiny_v3_wide_fp8 tiny_v2} 2>&1 \
+    | grep -v -E "Warning|warn|shards" | tee "$OUT/fp8_accuracy.log" | tail -24
+  if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then
+    timeout ${FP8ACC_OPCOSTS_TIMEOUT:-150} python3 -m moeserve.bench.op_costs \
+      --out "$OUT/h200.json" 2>&1 | grep -v -E "Warning|warn" | tail -5
+  fi
 fi
 
 if [[ $what == tests || $what == all ]]; then

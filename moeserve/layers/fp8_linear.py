@@ -7,7 +7,9 @@ into the same blocks (kernels/fp8_format.py, `model.quantization=fp8`). Two forw
   GEMM with fp32 accumulation (at one row: weight-only, x as it is); `fp8_linear` picks the
   kernel by the input's token count M;
 - "torch": the reference, dequantize the weight and matmul in the activation dtype (no activation
-  quantization); CPU runs it, and it is selectable anywhere by setting `backend`.
+  quantization); CPU runs it, and it is selectable anywhere by setting `backend`;
+- "emulate": the Triton path's arithmetic in float64 (layers/fp8_emulation.py), the yardstick of
+  its accuracy (tests and bench/fp8_accuracy.py; no config selects it).
 
 `fp8_linear`'s choice, from static shapes only (no host sync, so CUDA graphs capture it):
 - M <= W8A16_MAX_M (decode at batch 1), bf16/fp16/fp32 activations, weights of fewer than
@@ -45,7 +47,8 @@ from moeserve.kernels.fp8_format import (FP8, FP8_BLOCK, Block, as_block, check_
 
 logger = logging.getLogger(__name__)
 
-FP8_BACKENDS = ("triton", "deep_gemm", "torch")  # deep_gemm: triton with DeepGEMM at large M
+# deep_gemm: triton with DeepGEMM at large M; emulate: the triton path in float64
+FP8_BACKENDS = ("triton", "deep_gemm", "torch", "emulate")
 W8A16_MAX_M = 1  # M <= this: the W8A16 GEMV (as `Linear` takes the bf16 GEMV: LINEAR_MAX_M)
 W8A16_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # kernels/triton/gemv.py GEMV_DTYPES
 FUSED_MAX_M = 16  # M <= this: activation quantization fused into the GEMM (one launch)
@@ -236,6 +239,10 @@ class Fp8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.backend == "torch":
             return F.linear(x, self.dequantized().to(x.dtype), self.bias)
+        if self.backend == "emulate":
+            from moeserve.layers.fp8_emulation import emulate_fp8_linear
+
+            return emulate_fp8_linear(self, x)
         return fp8_linear(x, self.weight, self.weight_scale_inv, self.bias, self.block, self.pdl,
                           deep_gemm=self.backend == "deep_gemm")
 
@@ -292,7 +299,7 @@ class Fp8MergedLinear(Fp8Linear):
                 for r, n, sr, sn in self.shards.values()]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.backend == "torch" or self.aligned:
+        if self.backend in ("torch", "emulate") or self.aligned:
             return super().forward(x)
         from moeserve.kernels.triton import fp8 as kernels  # imports Triton
         from moeserve.kernels.triton.gemv import gemv_fp8

@@ -8,7 +8,7 @@ partial last block of gate never shares a scale with up's first rows. Forward: t
 Triton kernels' FP8 variant (activations quantized per token and bk channels, EP-local masking as
 in bf16; at <= SMALL_MAX_PAIRS pairs fused_moe's GEMV kernels, weight-only: x and the
 intermediate stay in x.dtype), or the torch reference that dequantizes the experts that received
-tokens.
+tokens, or (`backend="emulate"`) the Triton path's arithmetic in float64 (layers/fp8_emulation.py).
 """
 
 from __future__ import annotations
@@ -86,6 +86,10 @@ class Fp8MoEExperts(MoEExperts):
         """x: [T, H]; topk_ids/weights: [T, K] (global ids; non-local ids contribute 0)."""
         if self.backend == "triton":
             return self.forward_triton(x, topk_ids, topk_weights)
+        if self.backend == "emulate":  # the triton path's arithmetic in float64
+            from moeserve.layers.fp8_emulation import emulate_fp8_moe
+
+            return emulate_fp8_moe(self, x, topk_ids, topk_weights)
         return self.forward_reference(x, topk_ids, topk_weights)
 
     def forward_per_expert(self, x: torch.Tensor) -> torch.Tensor:
