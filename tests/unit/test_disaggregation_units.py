@@ -93,6 +93,12 @@ def test_gather_stage_moves_fragmented_slots_in_chunks():
     for s, d in zip(src, dst):
         assert torch.equal(d[d_slots], s[s_slots])
         assert not d[[0, 3, 4, *range(8, 16)]].any()
+    # runs of 4+ source slots are block-copied (memmove on CPU), not index_select-ed
+    wide = GatherStage(src, a, 8 * 80)
+    s_slots, d_slots = [*range(2, 6), *range(10, 14)], [15, 14, 13, 12, 11, 10, 9, 8]
+    assert wide.write(a, b.address, s_slots, [t.data_ptr() for t in dst], d_slots) == 8 * 80
+    for s, d in zip(src, dst):
+        assert torch.equal(d[d_slots], s[s_slots])
 
 
 def test_alloc_contiguous_finds_a_run():
