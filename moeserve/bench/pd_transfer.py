@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import statistics
 import time
 
 import torch
@@ -47,12 +48,18 @@ def churned(size: int, contiguous: bool, page: int, gen: torch.Generator, prompt
     return alloc
 
 
-def timed(fn, repeat: int) -> float:
-    fn()  # warm: connection and segment lookups
-    t0 = time.perf_counter()
+def timed(fns: dict, repeat: int) -> dict[str, float]:
+    """Median seconds of each fn, the fns interleaved round by round (this host's load drifts:
+    timing one after the other would compare different moments)."""
+    for fn in fns.values():
+        fn()  # warm: connection and segment lookups
+    secs: dict[str, list[float]] = {k: [] for k in fns}
     for _ in range(repeat):
-        fn()
-    return (time.perf_counter() - t0) / repeat
+        for k, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            secs[k].append(time.perf_counter() - t0)
+    return {k: statistics.median(v) for k, v in secs.items()}
 
 
 def main() -> None:
@@ -62,7 +69,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, nargs="+", default=[512, 2048, 8192])
     ap.add_argument("--page-size", type=int, default=64, help="the prefill's cache.page_size")
     ap.add_argument("--pool", type=int, default=0, help="source pool slots (3x the longest)")
-    ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--repeat", type=int, default=7)
     ap.add_argument("--staging-mb", type=int, default=64)
     args = ap.parse_args()
     pool = args.pool or 3 * max(args.tokens)
@@ -88,25 +95,32 @@ def main() -> None:
         runs = churned(pool, True, args.page_size, gen).alloc_contiguous(n).tolist()
         d_slots = list(range(1, n + 1))
         nbytes = n * args.slot_bytes * args.layers
-        secs, count = {}, {}
+        count, fns = {}, {}
         for name, s_slots in (("fifo", fifo), ("runs", runs)):
             count[name] = len(regions.byte_ranges(s_slots, dst_ptrs, d_slots)[0])
             for t in dst:
                 t.zero_()
-            secs[name] = timed(lambda s=s_slots, d=d_slots: a.write(
-                b.address, *regions.byte_ranges(s, dst_ptrs, d)), args.repeat)
+            a.write(b.address, *regions.byte_ranges(s_slots, dst_ptrs, d_slots))
             assert all(torch.equal(d[1: n + 1], s[torch.tensor(s_slots)])
                        for s, d in zip(src, dst))
-        secs["staged"] = timed(lambda f=fifo, d=d_slots: stage.write(a, b.address, f, dst_ptrs, d),
-                               args.repeat)
+            fns[name] = lambda s=s_slots, d=d_slots: a.write(
+                b.address, *regions.byte_ranges(s, dst_ptrs, d))
+        fns["staged"] = lambda f=fifo, d=d_slots: stage.write(a, b.address, f, dst_ptrs, d)
+        for t in dst:
+            t.zero_()
+        fns["staged"]()
+        assert all(torch.equal(d[1: n + 1], s[torch.tensor(fifo)]) for s, d in zip(src, dst))
         raw = ([t.data_ptr() + args.slot_bytes for t in src],
                [p + args.slot_bytes for p in dst_ptrs], [n * args.slot_bytes] * args.layers)
-        ref = timed(lambda r=raw: a.write(b.address, *r), args.repeat)
+        fns["raw"] = lambda r=raw: a.write(b.address, *r)
+        secs = timed(fns, args.repeat)
+        ref = secs["raw"]
         gbs = {k: nbytes / v / 1e9 for k, v in secs.items()}
         print(f"{n:>7} {nbytes / 1e6:>6.0f} {count['fifo']:>7} {count['runs']:>7} "
               f"{gbs['fifo']:>6.2f} {gbs['staged']:>6.2f} {gbs['runs']:>6.2f} "
               f"{nbytes / ref / 1e9:>6.2f} {ref / secs['fifo']:>8.0%} "
               f"{ref / secs['staged']:>10.0%} {ref / secs['runs']:>8.0%}")
+
 
 if __name__ == "__main__":
     main()
