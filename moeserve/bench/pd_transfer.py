@@ -13,6 +13,7 @@ straight from the pool (one range per source run per layer buffer), `fifo` also 
 stage (`staged`), and as the reference `raw`: the same bytes as one range per layer buffer, nothing
 gathered (the engine's best case). Default shape: DeepSeek-V3's MLA latent (576 bf16 = 1152 bytes
 per token per layer, 61 layers). Prints a table; the ratios are shares of the raw bandwidth.
+`--nixl`: a second table, the same slots through two NIXL agents (UCX), if NIXL is installed.
 """
 
 from __future__ import annotations
@@ -68,6 +69,7 @@ def main() -> None:
     ap.add_argument("--slot-bytes", type=int, default=1152)
     ap.add_argument("--tokens", type=int, nargs="+", default=[512, 2048, 8192])
     ap.add_argument("--page-size", type=int, default=64, help="the prefill's cache.page_size")
+    ap.add_argument("--nixl", action="store_true", help="also through NIXL (UCX), if installed")
     ap.add_argument("--pool", type=int, default=0, help="source pool slots (3x the longest)")
     ap.add_argument("--repeat", type=int, default=7)
     ap.add_argument("--staging-mb", type=int, default=64)
@@ -90,9 +92,11 @@ def main() -> None:
           f"source pool {pool} slots after churn, page size {args.page_size}")
     print(f"{'tokens':>7} {'MB':>6} {'fifo rg':>7} {'runs rg':>7} {'fifo':>6} {'staged':>6} "
           f"{'runs':>6} {'raw':>6} {'fifo/raw':>8} {'staged/raw':>10} {'runs/raw':>8}  (GB/s)")
+    picked = {}
     for n in args.tokens:
         fifo = churned(pool, False, args.page_size, gen).alloc(n).tolist()
         runs = churned(pool, True, args.page_size, gen).alloc_contiguous(n).tolist()
+        picked[n] = (fifo, runs)
         d_slots = list(range(1, n + 1))
         nbytes = n * args.slot_bytes * args.layers
         count, fns = {}, {}
@@ -121,6 +125,42 @@ def main() -> None:
               f"{nbytes / ref / 1e9:>6.2f} {ref / secs['fifo']:>8.0%} "
               f"{ref / secs['staged']:>10.0%} {ref / secs['runs']:>8.0%}")
 
+    if args.nixl:
+        nixl_table(args, src, dst, regions, picked)
+
+
+def nixl_table(args, src, dst, regions: KVRegions, picked: dict) -> None:
+    """The same slot lists through two NIXL agents (UCX), against NIXL's own raw figure."""
+    from moeserve.disaggregation.nixl import NixlTransfer
+
+    a, b = NixlTransfer(DisaggregationConfig()), NixlTransfer(DisaggregationConfig())
+    for t in src:
+        a.register(t.data_ptr(), t.nbytes)
+    for t in dst:
+        b.register(t.data_ptr(), t.nbytes)
+    dst_ptrs = [t.data_ptr() for t in dst]
+    print("NIXL over UCX, same buffers and slots")
+    print(f"{'tokens':>7} {'MB':>6} {'fifo':>6} {'runs':>6} {'raw':>6} {'fifo/raw':>8} "
+          f"{'runs/raw':>8}  (GB/s)")
+    for n, (fifo, runs) in picked.items():
+        d_slots = list(range(1, n + 1))
+        nbytes = n * args.slot_bytes * args.layers
+        fns = {k: lambda s=s_slots, d=d_slots: a.write(
+            b.address, *regions.byte_ranges(s, dst_ptrs, d)) for k, s_slots in
+            (("fifo", fifo), ("runs", runs))}
+        for t in dst:
+            t.zero_()
+        fns["fifo"]()
+        assert all(torch.equal(d[1: n + 1], s[torch.tensor(fifo)]) for s, d in zip(src, dst))
+        raw = ([t.data_ptr() + args.slot_bytes for t in src],
+               [p + args.slot_bytes for p in dst_ptrs], [n * args.slot_bytes] * args.layers)
+        fns["raw"] = lambda r=raw: a.write(b.address, *r)
+        secs = timed(fns, args.repeat)
+        print(f"{n:>7} {nbytes / 1e6:>6.0f} {nbytes / secs['fifo'] / 1e9:>6.2f} "
+              f"{nbytes / secs['runs'] / 1e9:>6.2f} {nbytes / secs['raw'] / 1e9:>6.2f} "
+              f"{secs['raw'] / secs['fifo']:>8.0%} {secs['raw'] / secs['runs']:>8.0%}")
+    a.close()
+    b.close()
 
 if __name__ == "__main__":
     main()
