@@ -133,3 +133,16 @@ def test_alloc_contiguous_best_fit_continuation_and_fewest_runs():
     assert alloc.alloc_contiguous(1).tolist() == [33] and alloc.available_size() == 0
     alloc.free(torch.tensor([*range(3, 9), 33]))
     assert sorted(alloc.alloc(7).tolist()) == [*range(3, 9), 33]
+
+
+def test_nixl_backend_missing_names_the_package():
+    """transfer_backend=nixl without NIXL installed: the error names the package to install."""
+    import importlib.util
+
+    if importlib.util.find_spec("nixl") is not None:
+        pytest.skip("NIXL is installed here: tests/unit/test_nixl_transfer.py runs instead")
+    from moeserve.config import DisaggregationConfig
+    from moeserve.disaggregation.transfer import TransferBackendMissing, make_transfer
+
+    with pytest.raises(TransferBackendMissing, match="pip install nixl"):
+        make_transfer(DisaggregationConfig(transfer_backend="nixl"), "cpu")
