@@ -1,5 +1,5 @@
-"""NIXL as a KVTransfer (PyPI `nixl`, which brings its CUDA 12 build `nixl-cu12`; it loads and
-moves host memory on machines without CUDA too), over its UCX backend.
+"""NIXL as a KVTransfer (PyPI `nixl` with its CUDA build `nixl-cu12`, which also loads and moves
+host memory on machines without CUDA), over its UCX backend.
 
 Peers find each other as Mooncake's do, with no metadata server: each agent runs NIXL's listen
 thread on a port of its own, and its address is name@host:port. The first write to a peer fetches
@@ -20,7 +20,7 @@ from moeserve.disaggregation.transfer import KVTransfer, TransferBackendMissing,
 logger = logging.getLogger(__name__)
 
 INSTALL_HINT = ("disaggregation.transfer_backend=nixl needs NIXL: `pip install nixl` "
-                "(it brings nixl-cu12, ~240 MB)")
+                "(with nixl-cu12, ~240 MB)")
 METADATA_TIMEOUT_S = 10.0  # a peer's metadata must arrive this soon after the first write asks
 WRITE_TIMEOUT_S = 60.0
 
