@@ -1,16 +1,18 @@
 """GatherStage: a registered buffer the prefill packs a fragmented prompt's KV into before writing.
 
-A transfer engine pays per byte range (over TCP each is a request of its own), and a prompt's slots
-on a busy prefill server lie in many short runs: sent from the pool as they are, a 2048-token
-DeepSeek-V3 prompt in runs of 64 slots is ~2000 ranges, and moved at about half the engine's
-bandwidth on the same bytes (docs/disaggregation.md, bench/pd_transfer.py). Gathered first (one
-index_select per layer buffer, a local copy far faster than the link), each buffer's part of a
-chunk is one range per run of *destination* slots, and the decode side allocates its slots as one
-run where it can (kvcache/allocator.py: alloc_contiguous).
+A transfer engine pays per byte range (over TCP each is a request of its own). The prefill now
+allocates few runs (kvcache/allocator.py: alloc_contiguous), so this stage is for what remains
+fragmented: gathered first, each buffer's part of a chunk is one range per run of destination
+slots. Off by default: on a CPU host the link is itself a memory copy (loopback TCP), so gathering
+adds a copy as costly as the transfer (docs/disaggregation.md has the figures); on a GPU the
+gather runs at HBM speed against a network link. NOTE: on CPU the block copies are `memmove`s,
+not `Tensor.copy_`: the link thread's copy_ used torch's intra-op pool, which the scheduler's
+forward and other processes keep busy, and ran at 0.1-0.4 GB/s against memmove's 2-5 GB/s.
 """
 
 from __future__ import annotations
 
+import ctypes
 import itertools
 
 import torch
@@ -45,9 +47,13 @@ class GatherStage:
                 out = self.buf[off: off + k * w].view(k, w)
                 if src_runs is None:  # NOTE: index_select of uint8 rows runs ~15x below memcpy
                     torch.index_select(rows, 0, idx, out=out)
-                else:
+                elif self.buf.is_cuda:
                     for i, s, n in src_runs:
                         out[i: i + n].copy_(rows[s: s + n])
+                else:  # NOTE: copy_ from this thread ran 10-40x below memmove (see module doc)
+                    dst0, src0 = out.data_ptr(), rows.data_ptr()
+                    for i, s, n in src_runs:
+                        ctypes.memmove(dst0 + i * w, src0 + s * w, n * w)
                 for i, d, n in runs:
                     src.append(base + off + i * w)
                     dst.append(peer_ptr + d * w)

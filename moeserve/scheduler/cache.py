@@ -30,14 +30,16 @@ class CacheManager:
     def used_tokens(self) -> int:
         return self.memory.allocator.size - self.available()
 
-    def alloc_slots(self, n: int, contiguous: bool = False) -> torch.Tensor | None:
+    def alloc_slots(self, n: int, contiguous: bool = False,
+                    after: int | None = None) -> torch.Tensor | None:
         """n free slots, evicting unlocked cache leaves if needed; None (no change) if impossible.
-        `contiguous`: one run where the free list has one (a PD decode server's KV destination)."""
+        `contiguous`: as few runs as the free list allows, preferring the one starting at `after`
+        (PD: the KV a prefill sends or a decode receives; kvcache/allocator.py)."""
         short = n - self.memory.allocator.available_size()
         if short > 0:
             self.tree.evict(short)
         alloc = self.memory.allocator
-        return alloc.alloc_contiguous(n) if contiguous else alloc.alloc(n)
+        return alloc.alloc_contiguous(n, after) if contiguous else alloc.alloc(n)
 
     # ---- request lifecycle ------------------------------------------------------------------
     def match_prefix_len(self, req: Req) -> int:

@@ -76,3 +76,13 @@ class SchedulerRoleHost:
 def make_pd(sched: Scheduler):
     """The scheduler's PD role (None when colocated)."""
     return make_role(sched.cfg, SchedulerRoleHost(sched), sched.runner.device.type)
+
+
+def extend_alloc_hint(pd, added: list[Req]) -> dict:
+    """How a prefill batch asks for its slots: a PD prefill server's prompts leave by transfer,
+    one byte range per run of slots, so it asks for few runs, continuing the first request's last
+    chunk (or cached prefix) where the slots after it are free; colocated: the free list's head."""
+    if pd is None or pd.mode != "prefill" or not added:
+        return {}
+    first = added[0].kv_slots
+    return {"contiguous": True, "after": first[-1] + 1 if first else None}

@@ -25,7 +25,7 @@ from moeserve.scheduler.decode import NewTokenRatio, decodable, pick_retractions
 from moeserve.scheduler.grammar_intake import PARKED, GrammarIntake
 from moeserve.scheduler.loops import event_loop_normal, event_loop_overlap
 from moeserve.scheduler.ops import SchedulerOps
-from moeserve.scheduler.pd import make_pd
+from moeserve.scheduler.pd import extend_alloc_hint, make_pd
 from moeserve.scheduler.prefill import AddResult, PrefillAdder, prefill_may_wait
 from moeserve.scheduler.spec_steps import SpecPolicy
 from moeserve.scheduler.stats import StepLog
@@ -226,7 +226,8 @@ class Scheduler:
             self.stats["cache_hit_tokens"] += req.kv_len
 
     def _build_extend(self, adder: PrefillAdder, riders: list[Req]) -> ScheduledBatch | None:
-        slots = self.cache.alloc_slots(sum(adder.extend_lens) + len(riders))
+        slots = self.cache.alloc_slots(sum(adder.extend_lens) + len(riders),
+                                       **extend_alloc_hint(self.pd, adder.added))
         if slots is None:  # the budget said yes but eviction fell short: undo and wait
             # NOTE: unreachable while PrefillAdder charges every lock it takes (prefill.py); if it
             # happens, the same batch is rebuilt each step and nothing runs, so say so loudly

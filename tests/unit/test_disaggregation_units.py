@@ -93,6 +93,12 @@ def test_gather_stage_moves_fragmented_slots_in_chunks():
     for s, d in zip(src, dst):
         assert torch.equal(d[d_slots], s[s_slots])
         assert not d[[0, 3, 4, *range(8, 16)]].any()
+    # runs of 4+ source slots are block-copied (memmove on CPU), not index_select-ed
+    wide = GatherStage(src, a, 8 * 80)
+    s_slots, d_slots = [*range(2, 6), *range(10, 14)], [15, 14, 13, 12, 11, 10, 9, 8]
+    assert wide.write(a, b.address, s_slots, [t.data_ptr() for t in dst], d_slots) == 8 * 80
+    for s, d in zip(src, dst):
+        assert torch.equal(d[d_slots], s[s_slots])
 
 
 def test_alloc_contiguous_finds_a_run():
@@ -108,3 +114,35 @@ def test_alloc_contiguous_finds_a_run():
     alloc.free(torch.tensor([8, 1]))
     assert alloc.alloc_contiguous(2).tolist() == [1, 8]  # no run of 2: the lowest two
     assert alloc.available_size() == 1 and alloc.alloc_contiguous(2) is None
+
+
+def test_alloc_contiguous_best_fit_continuation_and_fewest_runs():
+    """The shortest run that fits (not the first), the run right after a chunk when asked, and
+    with no run long enough the longest runs first; every slot handed out once."""
+    from moeserve.kvcache.allocator import TokenToKVPoolAllocator
+
+    alloc = TokenToKVPoolAllocator(40)
+    taken = alloc.alloc(40)
+    # free, in an order unlike the addresses: 1..8 | 12..14 | 20..29 | 33
+    alloc.free(taken[[32, *range(19, 29), *range(11, 14), *range(8)]])
+    assert alloc.alloc_contiguous(3).tolist() == [12, 13, 14]  # best fit, not 1..3
+    assert alloc.alloc_contiguous(4, after=20).tolist() == [20, 21, 22, 23]
+    assert alloc.alloc_contiguous(2, after=30).tolist() == [24, 25]  # 30 is not free: best fit
+    # left: 1..8 (8) | 26..29 (4) | 33 (1); 12 slots take the two longest runs
+    assert alloc.alloc_contiguous(12).tolist() == [*range(1, 9), *range(26, 30)]
+    assert alloc.alloc_contiguous(1).tolist() == [33] and alloc.available_size() == 0
+    alloc.free(torch.tensor([*range(3, 9), 33]))
+    assert sorted(alloc.alloc(7).tolist()) == [*range(3, 9), 33]
+
+
+def test_nixl_backend_missing_names_the_package():
+    """transfer_backend=nixl without NIXL installed: the error names the package to install."""
+    import importlib.util
+
+    if importlib.util.find_spec("nixl") is not None:
+        pytest.skip("NIXL is installed here: tests/unit/test_nixl_transfer.py runs instead")
+    from moeserve.config import DisaggregationConfig
+    from moeserve.disaggregation.transfer import TransferBackendMissing, make_transfer
+
+    with pytest.raises(TransferBackendMissing, match="pip install nixl"):
+        make_transfer(DisaggregationConfig(transfer_backend="nixl"), "cpu")
