@@ -22,10 +22,15 @@ from torch import nn
 
 from moeserve.elastic.placement import CHECKPOINT, plan_moves
 from moeserve.ep.comm import all_gather_flat
-from moeserve.layers.moe import MoEExperts
 from moeserve.kernels.fp8_format import FP8
-from moeserve.models.loader import (SCALE_SUFFIX, WeightLoadError, checkpoint_files,
-                                    dequantize_stored, quantize_for)
+from moeserve.layers.moe import MoEExperts
+from moeserve.models.loader import (
+    SCALE_SUFFIX,
+    WeightLoadError,
+    checkpoint_files,
+    dequantize_stored,
+    quantize_for,
+)
 
 logger = logging.getLogger(__name__)
 

@@ -163,7 +163,7 @@ def dsv3_refs(dsv3):
 
 
 def test_kill_one_rank_under_load(dsv3, dsv3_refs):
-    path, server = dsv3
+    server = dsv3[1]
     ids = prompts(0)
     expected = dsv3_refs["first"]
     res = run_load(server, ids, kill_rank(2), seeded=4)
@@ -184,7 +184,7 @@ def test_kill_one_rank_under_load(dsv3, dsv3_refs):
 
 
 def test_second_kill_on_three_ranks(dsv3, dsv3_refs):
-    path, server = dsv3
+    server = dsv3[1]
     ids = prompts(1, 32)
     expected = dsv3_refs["second"]
     res = run_load(server, ids, kill_rank(1))
@@ -204,7 +204,7 @@ def test_stopped_rank_is_killed_and_the_last_rank_serves(dsv3, dsv3_refs):
     """SIGSTOP: the process lives but sends no heartbeat and answers no collective. The survivor
     must not hang, the launcher must kill the stopped rank (so it cannot resume half-alive) and
     its requests must be resumed on the last rank with unchanged tokens."""
-    path, server = dsv3
+    server = dsv3[1]
     ids = prompts(1, 16)  # the first 16 of the second test's prompts: its reference applies
     pid = rank_pid(server, 3)
 
@@ -254,7 +254,7 @@ def qwen_refs(qwen):
 
 
 def test_kill_during_prefill_then_relaunch_rejoins(qwen, qwen_refs):
-    path, server = qwen
+    server = qwen[1]
     ids = prompts(2)
     expected = qwen_refs["prefill"]
     pids = {r: rank_pid(server, r) for r in range(4)}
@@ -282,7 +282,7 @@ def test_kill_during_prefill_then_relaunch_rejoins(qwen, qwen_refs):
 
 
 def test_kill_during_rebalance(qwen, qwen_refs):
-    path, server = qwen
+    server = qwen[1]
     reply: list = []
 
     def rebalance() -> None:
