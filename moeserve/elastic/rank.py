@@ -65,9 +65,14 @@ class ElasticRank:
         threading.Thread(target=self._heartbeat, name="elastic-heartbeat", daemon=True).start()
 
     def _heartbeat(self) -> None:
+        """Beat every timeout/4; a failed beat (the store slow or briefly unreachable) is logged
+        and retried, never allowed to end the thread: a silent rank is killed as stuck."""
         store = MembershipStore(connect_store(self.cfg.parallel.dist_init_addr))
         while True:
-            store.beat(self.rank)
+            try:
+                store.beat(self.rank)
+            except Exception as e:  # noqa: BLE001 -- any store error: retry next beat
+                logger.warning("elastic: rank %d heartbeat failed: %s", self.rank, e)
             time.sleep(self.timeout_s / 4)
 
     # ---- start-up -------------------------------------------------------------------------------

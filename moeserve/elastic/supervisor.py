@@ -67,8 +67,10 @@ def exit_cause(code: int | None) -> str:
 class ElasticSupervisor:
     def __init__(self, cfg: MoeserveConfig, procs: ProcessGroup, endpoints: Endpoints,
                  metrics: ElasticMetrics, on_other_death: Callable[[Child], None],
-                 relaunch: Callable[[int], None], set_live_ranks: Callable[[int], None]):
+                 relaunch: Callable[[int], None], set_live_ranks: Callable[[int], None],
+                 clock: Callable[[], float] = time.monotonic):
         p = cfg.parallel
+        self.clock = clock  # for the heartbeat and stuck-member deadlines (tests pass a fake)
         self.cfg, self.procs, self.metrics = cfg, procs, metrics
         self.on_other_death, self.relaunch, self.set_live_ranks = (on_other_death, relaunch,
                                                                    set_live_ranks)
@@ -102,7 +104,7 @@ class ElasticSupervisor:
                 logger.exception("elastic supervisor")
 
     def _poll(self) -> None:
-        now = time.monotonic()
+        now = self.clock()
         for child in list(self.procs.children):
             if child.process.is_alive() or child.process.pid in self.handled:
                 continue

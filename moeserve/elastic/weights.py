@@ -3,7 +3,8 @@
 Every member contributes what it holds now (`holdings`: the logical expert of each local slot,
 per layer), all agree on the moves (placement.plan_moves), and each then fills its new slots:
 copies of its own, batched point-to-point receives from the members that hold an expert, and,
-for experts no member holds any more, the tensors read from the checkpoint. Slots may grow
+for experts no member holds any more, the tensors read from the checkpoint (FP8 ones as the
+loader reads them: blocks and scales as stored into FP8 experts). Slots may grow
 (fewer members must still hold every expert), so the stacked parameters are rebuilt.
 """
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 import logging
 import re
 from collections import Counter
+from contextlib import ExitStack
 
 import torch
 import torch.distributed as dist
@@ -20,8 +22,15 @@ from torch import nn
 
 from moeserve.elastic.placement import CHECKPOINT, plan_moves
 from moeserve.ep.comm import all_gather_flat
+from moeserve.kernels.fp8_format import FP8
 from moeserve.layers.moe import MoEExperts
-from moeserve.models.loader import checkpoint_files
+from moeserve.models.loader import (
+    SCALE_SUFFIX,
+    WeightLoadError,
+    checkpoint_files,
+    dequantize_stored,
+    quantize_for,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -88,7 +97,9 @@ def apply_placement(experts: dict[int, MoEExperts], phy2log: torch.Tensor, slots
             for n, b in zip(names, bufs):
                 new[n][slot] = b
         for n in names:
-            setattr(ex, n, nn.Parameter(new[n], requires_grad=False))
+            param = nn.Parameter(new[n], requires_grad=False)
+            param.__dict__.update(getattr(ex, n).__dict__)  # fp8_block, expected_shards, ...
+            setattr(ex, n, param)
         ex.num_experts, ex.num_local, ex.first_expert = len(target), slots, me * slots
         ex.slot_logical = target[me * slots : (me + 1) * slots]
     if from_disk:
@@ -99,23 +110,51 @@ def apply_placement(experts: dict[int, MoEExperts], phy2log: torch.Tensor, slots
 def load_from_checkpoint(experts: dict[int, MoEExperts], wanted: dict[int, set[int]], model,
                          model_path: str) -> None:
     """Read the listed (layer, logical expert) tensors from the checkpoint into every local slot
-    holding them (MoEExperts.weight_loader)."""
+    holding them (MoEExperts.weight_loader), as the loader would (models/loader.py): an FP8
+    weight goes into FP8 experts as stored with its `weight_scale_inv` (no dequantize and
+    requantize round trip) and is dequantized for float experts; a float weight bound for FP8
+    experts is quantized on their blocks. Only the wanted tensors are read."""
     names = {id(m): name for name, m in model.named_modules()}
     by_prefix = {names[id(experts[layer])]: layer for layer in wanted}
     shards = getattr(model, "expert_weight_names", {})
+    where = tensor_files(model_path)
+    with ExitStack() as stack:
+        opened: dict[str, object] = {}
+
+        def read(key: str) -> torch.Tensor:
+            path = where[key]
+            if path not in opened:
+                opened[path] = stack.enter_context(safe_open(path, framework="pt"))
+            return opened[path].get_tensor(key)
+
+        for key in where:
+            m = _EXPERT.match(key)
+            if m is None or m["prefix"] not in by_prefix or m["proj"] not in shards:
+                continue
+            layer, e, shard = by_prefix[m["prefix"]], int(m["id"]), shards[m["proj"]]
+            if e not in wanted[layer]:
+                continue
+            ex = experts[layer]
+            name = "w2" if shard == "down" else "w13"
+            param, tensor = getattr(ex, name), read(key)
+            scale = None
+            if tensor.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+                if key + SCALE_SUFFIX not in where:
+                    raise WeightLoadError(f"FP8 tensor without weight_scale_inv: {key}")
+                scale = read(key + SCALE_SUFFIX)
+                if param.dtype != FP8:
+                    tensor, scale = dequantize_stored(tensor, scale), None
+            elif param.dtype == FP8:
+                tensor, scale = quantize_for(param, tensor)
+            ex.weight_loader(param, tensor.to(param.dtype), e, shard)
+            if scale is not None:
+                ex.weight_loader(getattr(ex, name + SCALE_SUFFIX), scale, e, shard)
+
+
+def tensor_files(model_path: str) -> dict[str, str]:
+    """Checkpoint tensor name -> its safetensors file (headers only; no tensor is read)."""
+    out: dict[str, str] = {}
     for path in checkpoint_files(model_path):
         with safe_open(path, framework="pt") as f:
-            for key in f.keys():
-                m = _EXPERT.match(key)
-                if m is None or m["prefix"] not in by_prefix or m["proj"] not in shards:
-                    continue
-                layer, e = by_prefix[m["prefix"]], int(m["id"])
-                if e not in wanted[layer]:
-                    continue
-                ex = experts[layer]
-                param = ex.w2 if shards[m["proj"]] == "down" else ex.w13
-                tensor = f.get_tensor(key)
-                if tensor.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
-                    raise NotImplementedError(f"elastic EP cannot reload FP8 expert {key} from "
-                                              "the checkpoint yet (docs/elastic_ep.md)")
-                ex.weight_loader(param, tensor.to(param.dtype), e, shards[m["proj"]])
+            out.update(dict.fromkeys(f.keys(), path))
+    return out

@@ -87,9 +87,13 @@ def _ready_fp8(pending: dict, scales: dict, dtype: torch.dtype | None,
             yield name, w
             yield name + SCALE_SUFFIX, scale
             continue
-        block = _block_of(w, scale)
-        w = dequantize_fp8_blocks(w, scale, block)
+        w = dequantize_stored(w, scale)
         yield name, w if dtype is None else w.to(dtype)
+
+
+def dequantize_stored(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """A checkpoint's e4m3 weight and its `weight_scale_inv` as float32 (block from the grid)."""
+    return dequantize_fp8_blocks(w, scale, _block_of(w, scale))
 
 
 def _block_of(w: torch.Tensor, scale: torch.Tensor) -> tuple[int, int]:
@@ -149,8 +153,13 @@ def _quantize_for(params: dict, model: nn.Module, name: str, tensor: torch.Tenso
     param = params.get(target_of(model, name))
     if param is None or param.dtype != FP8 or tensor.dtype == FP8 or not name.endswith(".weight"):
         return [(name, tensor)]
-    w_q, scale = quantize_fp8_blocks(tensor.to(param.device), param.fp8_block)
+    w_q, scale = quantize_for(param, tensor)
     return [(name, w_q), (name + SCALE_SUFFIX, scale)]
+
+
+def quantize_for(param: torch.Tensor, tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A float weight bound for FP8 `param`: its e4m3 blocks and scales, on param's device."""
+    return quantize_fp8_blocks(tensor.to(param.device), param.fp8_block)
 
 
 def _resolve(model: nn.Module, name: str) -> tuple[str, tuple]:

@@ -7,7 +7,8 @@ docs and the benchmark, not asserted).
 
 Two servers (module fixtures):
 - DeepSeek-V3 (MLA, grouped routing), no redundant experts, no relaunch: one kill, then a second
-  kill on the 3-rank group (survivors need experts read back from the checkpoint);
+  kill on the 3-rank group (survivors need experts read back from the checkpoint), then a SIGSTOP
+  of one of the last two ranks (no heartbeat: the launcher kills it, the last rank serves alone);
 - Qwen3-MoE with 4 redundant experts and `parallel.elastic_relaunch`: a kill during a prefill step,
   the rank's relaunch and rejoin (placement back to the original, outputs unchanged), then a kill
   during a live EPLB rebalance (the rebalance ends with an error, nothing hangs).
@@ -45,9 +46,15 @@ def prompts(seed: int, n: int = STREAMS) -> list[list[int]]:
     return [[rng.randrange(100, 3000) for _ in range(rng.randrange(4, 24))] for _ in range(n)]
 
 
-def reference(path: str, ids: list[list[int]], overrides: list[str] = ()) -> list[list[int]]:
-    with Engine(path, [*FP32_CPU, *overrides]) as eng:
-        return [o["output_ids"] for o in eng.generate(input_ids=ids, sampling_params=GREEDY)]
+def references(path: str, sets: dict[str, list[list[int]]]) -> dict[str, list[list[int]]]:
+    """The single-process Engine's greedy outputs for every named prompt set (one start-up)."""
+    flat = [p for ids in sets.values() for p in ids]
+    with Engine(path, list(FP32_CPU)) as eng:
+        out = [o["output_ids"] for o in eng.generate(input_ids=flat, sampling_params=GREEDY)]
+    refs, i = {}, 0
+    for name, ids in sets.items():
+        refs[name], i = out[i : i + len(ids)], i + len(ids)
+    return refs
 
 
 # ---- talking to the server -----------------------------------------------------------------------
@@ -150,10 +157,15 @@ def dsv3(tiny_model):
     live.stop()
 
 
-def test_kill_one_rank_under_load(dsv3):
-    path, server = dsv3
+@pytest.fixture(scope="module")
+def dsv3_refs(dsv3):
+    return references(dsv3[0], {"first": prompts(0), "second": prompts(1, 32)})
+
+
+def test_kill_one_rank_under_load(dsv3, dsv3_refs):
+    server = dsv3[1]
     ids = prompts(0)
-    expected = reference(path, ids)
+    expected = dsv3_refs["first"]
     res = run_load(server, ids, kill_rank(2), seeded=4)
     check_greedy(res, expected)
     # the probe sent during recovery was answered
@@ -171,10 +183,10 @@ def test_kill_one_rank_under_load(dsv3):
           f"{metric(server, 'requests_retried_total'):.0f} resumed")
 
 
-def test_second_kill_on_three_ranks(dsv3):
-    path, server = dsv3
+def test_second_kill_on_three_ranks(dsv3, dsv3_refs):
+    server = dsv3[1]
     ids = prompts(1, 32)
-    expected = reference(path, ids)
+    expected = dsv3_refs["second"]
     res = run_load(server, ids, kill_rank(1))
     check_greedy(res, expected)
     info = ranks_info(server)
@@ -186,6 +198,36 @@ def test_second_kill_on_three_ranks(dsv3):
     assert re.search(r"elastic: rank 1 lost \(killed by SIGKILL\)", log)
     assert "'checkpoint'" in log  # experts no survivor held were read back from disk
     print(f"second kill: recovery {metric(server, 'last_recovery_seconds'):.2f} s")
+
+
+def test_stopped_rank_is_killed_and_the_last_rank_serves(dsv3, dsv3_refs):
+    """SIGSTOP: the process lives but sends no heartbeat and answers no collective. The survivor
+    must not hang, the launcher must kill the stopped rank (so it cannot resume half-alive) and
+    its requests must be resumed on the last rank with unchanged tokens."""
+    server = dsv3[1]
+    ids = prompts(1, 16)  # the first 16 of the second test's prompts: its reference applies
+    pid = rank_pid(server, 3)
+
+    def stop_rank(server: LiveServer) -> int:
+        os.kill(pid, signal.SIGSTOP)
+        return 3
+
+    try:
+        res = run_load(server, ids, stop_rank)
+    finally:
+        try:
+            os.kill(pid, signal.SIGKILL)  # should be dead already; never leave it stopped
+        except ProcessLookupError:
+            pass
+    check_greedy(res, dsv3_refs["second"][:16])
+    assert res["probe"]["error"] is None
+    log = server.log_tail(400_000)
+    assert re.search(r"elastic: rank 3 sent no heartbeat for \S+ s; killing it", log), log[-4000:]
+    assert re.search(r"elastic: rank 3 lost \(sent no heartbeat", log)
+    assert [r["rank"] for r in ranks_info(server)] == [0]
+    assert metric(server, "ranks_alive") == 1
+    print(f"SIGSTOP rank 3: recovery {metric(server, 'last_recovery_seconds'):.2f} s; all "
+          f"streams done {res['after_kill_s']:.1f} s after the stop")
 
 
 # ---- Qwen3-MoE, 4 redundant experts, relaunch ----------------------------------------------------
@@ -205,10 +247,16 @@ def qwen(tiny_model):
     live.stop()
 
 
-def test_kill_during_prefill_then_relaunch_rejoins(qwen):
-    path, server = qwen
+@pytest.fixture(scope="module")
+def qwen_refs(qwen):
+    return references(qwen[0], {"prefill": prompts(2), "after": prompts(3, 16),
+                                "rebalance": prompts(4, 16)})
+
+
+def test_kill_during_prefill_then_relaunch_rejoins(qwen, qwen_refs):
+    server = qwen[1]
     ids = prompts(2)
-    expected = reference(path, ids)
+    expected = qwen_refs["prefill"]
     pids = {r: rank_pid(server, r) for r in range(4)}
 
     def kill_paused(server: LiveServer) -> int:
@@ -228,13 +276,13 @@ def test_kill_during_prefill_then_relaunch_rejoins(qwen):
     assert {r["elastic_placement"] for r in info} == {"original"}
     assert rank_pid(server, res["killed"]) != pids[res["killed"]]  # a new process
     after = run_load(server, prompts(3, 16))
-    check_greedy(after, reference(path, prompts(3, 16)))
+    check_greedy(after, qwen_refs["after"])
     print(f"kill -9 rank {res['killed']} in a prefill step; rejoin after relaunch: "
           f"{metric(server, 'last_recovery_seconds'):.2f} s from ready to first step")
 
 
-def test_kill_during_rebalance(qwen):
-    path, server = qwen
+def test_kill_during_rebalance(qwen, qwen_refs):
+    server = qwen[1]
     reply: list = []
 
     def rebalance() -> None:
@@ -256,6 +304,6 @@ def test_kill_during_rebalance(qwen):
     assert reply and not isinstance(reply[0], Exception), reply
     assert reply[0].status_code >= 400 and "interrupted by a membership change" in reply[0].text
     ids = prompts(4, 16)
-    check_greedy(run_load(server, ids), reference(path, ids))
+    check_greedy(run_load(server, ids), qwen_refs["rebalance"])
     wait_for(lambda: metric(server, "ranks_alive") == 4, 240, "rejoin", server)
     print(f"kill -9 rank {victim} mid-rebalance: /rebalance_experts -> {reply[0].status_code}")
