@@ -5,7 +5,16 @@ from __future__ import annotations
 import os
 
 import pytest
-import torch
+
+# Under pytest-xdist each worker (and every server it starts) runs one forward thread: two
+# workers of two OpenMP threads each on 2 cores spin in each other's barriers (env.usable_cpus).
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ["OMP_NUM_THREADS"] = "1"
+
+import torch  # noqa: E402  (after OMP_NUM_THREADS)
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
 
 # Without CUDA the Triton kernels run in Triton's interpreter (float32 is exact there; bf16 is
 # not). It must be set before a kernel module is imported: @triton.jit reads it at decoration.
@@ -13,7 +22,22 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+def pytest_xdist_auto_num_workers(config):
+    """`-n auto` (pyproject's addopts): one worker per usable core, at most 4 (each starts
+    servers of its own); one where CUDA is, so GPU tests never share the card."""
+    from moeserve.env import usable_cpus
+
+    return 1 if torch.cuda.is_available() else min(4, usable_cpus())
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
 def pytest_collection_modifyitems(config, items):
+    # --dist loadgroup: a module runs whole in one worker (its module-scoped servers start
+    # once), and so do the modules that name one XDIST_GROUP (they share a session server)
+    for item in items:
+        if not any(item.iter_markers("xdist_group")):
+            group = getattr(item.module, "XDIST_GROUP", None) or item.nodeid.split("::")[0]
+            item.add_marker(pytest.mark.xdist_group(group))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs CUDA")

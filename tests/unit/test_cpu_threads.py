@@ -21,7 +21,8 @@ class _Model(nn.Module):
         self.layer = nn.Parameter(torch.empty(layer_params), requires_grad=False)
 
 
-def test_light_model_gets_one_thread_heavy_one_the_share():
+def test_light_model_gets_one_thread_heavy_one_the_share(monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)  # set to 1 under pytest-xdist
     cfg = compose([])
     assert cpu_forward_threads(cfg, _Model(1000)) == 1  # embedding and head do not count
     assert cpu_forward_threads(cfg, _Model(LIGHT_MODEL_LAYER_PARAMS)) == cpu_share(cfg)
