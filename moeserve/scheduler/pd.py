@@ -9,6 +9,7 @@ import torch
 
 from moeserve.core import FinishReason, Req
 from moeserve.disaggregation.role import make_role
+from moeserve.scheduler.outputs import append_token, token_output
 
 if TYPE_CHECKING:
     from moeserve.scheduler.scheduler import Scheduler
@@ -60,12 +61,12 @@ class SchedulerRoleHost:
         if req.grammar is not None:
             req.grammar.accept(first_token)
         lp = [first_logprob] if first_logprob is not None else None
-        finish = s._append(req, first_token, lp, [list(first_top or [])], 0)
+        finish = append_token(s.stop, req, first_token, lp, [list(first_top or [])], 0)
         if finish is not None:
             s._finish(req, finish)
         else:
             s.running.append(req)
-        s.io.send_outputs([s._output(req)], s._take_stop_strings([req]))
+        s.io.send_outputs([token_output(req, s.cfg.spec.draft_nodes)], s._take_stop_strings([req]))
 
     def fail(self, req: Req, error: str) -> None:
         self.sched._finish(req, FinishReason("abort"))

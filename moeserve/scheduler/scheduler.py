@@ -25,6 +25,7 @@ from moeserve.scheduler.decode import NewTokenRatio, decodable, pick_retractions
 from moeserve.scheduler.grammar_intake import PARKED, GrammarIntake
 from moeserve.scheduler.loops import event_loop_normal, event_loop_overlap
 from moeserve.scheduler.ops import SchedulerOps
+from moeserve.scheduler.outputs import append_token, token_output
 from moeserve.scheduler.pd import extend_alloc_hint, make_pd
 from moeserve.scheduler.prefill import AddResult, PrefillAdder, prefill_may_wait
 from moeserve.scheduler.spec_steps import SpecPolicy
@@ -147,7 +148,8 @@ class Scheduler:
                  if req in self.waiting else "running" if req in self.running else "other")
         self.stats[f"aborted_{state}"] = self.stats.get(f"aborted_{state}", 0) + 1
         self._finish(req, FinishReason("abort"))
-        self.io.send_outputs([self._output(req)], self._take_stop_strings([req]))
+        self.io.send_outputs([token_output(req, self.cfg.spec.draft_nodes)],
+                             self._take_stop_strings([req]))
 
     def control(self, msg: ControlReq) -> None:
         self.ops.handle(msg)
@@ -298,12 +300,13 @@ class Scheduler:
             if req.sampling.max_new_tokens == 0:  # prompt scoring only: nothing is generated
                 finish = FinishReason("length")
             elif out.spec_tokens is None:
-                finish = self._append(req, out.next_token_ids[i], out.logprobs, out.top_logprobs,
-                                      i)
+                finish = append_token(self.stop, req, out.next_token_ids[i], out.logprobs,
+                                      out.top_logprobs, i)
             else:  # a verified block: tokens up to the first stop condition
                 block, finish = out.spec_tokens[i], None
                 for k, token in enumerate(block):
-                    finish = self._append(req, token, out.spec_logprobs and out.spec_logprobs[i],
+                    finish = append_token(self.stop, req, token,
+                                          out.spec_logprobs and out.spec_logprobs[i],
                                           out.spec_top_logprobs and out.spec_top_logprobs[i], k)
                     if finish is not None:
                         break
@@ -313,26 +316,13 @@ class Scheduler:
             if finish is not None:
                 self._finish(req, finish)
             touched.append(req)
-        outputs = [self._output(r) for r in touched]
+        outputs = [token_output(r, self.cfg.spec.draft_nodes) for r in touched]
         if self.step_log.enabled:
             self.step_log.on_generated(sum(len(o.new_ids) for o in outputs))
             self.step_log.maybe_log(len(self.running), len(self.waiting),
                                     self.cache.used_tokens(), self.runner.memory.allocator.size)
         if outputs:
             self.io.send_outputs(outputs, self._take_stop_strings(touched))
-
-    def _append(self, req: Req, token: int, logprobs, top_logprobs, k: int) -> FinishReason | None:
-        """One sampled token into the request (with its logprobs, entry k of the lists given);
-        → why it finishes now, if it does."""
-        req.output_ids.append(token)
-        if logprobs and req.return_logprob:
-            req.logprobs.append(logprobs[k])
-            req.top_logprobs.append(top_logprobs[k])
-        finish = self.stop.check(req)
-        done_at = req.grammar.done_at if req.grammar is not None else None
-        if finish is None and done_at is not None and len(req.output_ids) >= done_at:
-            finish = FinishReason("stop", req.output_ids[-1])  # the grammar is complete
-        return finish
 
     def _finish(self, req: Req, finish: FinishReason) -> None:
         req.finish = finish
@@ -347,26 +337,6 @@ class Scheduler:
         if req.req_pool_idx is not None and not held:
             self.cache.release(req)
         self.reqs.pop(req.rid, None)
-
-    def _output(self, req: Req) -> TokenOutput:
-        new = req.output_ids[req.sent_len :]
-        lp = req.logprobs[req.sent_len :] if req.return_logprob else None
-        top = req.top_logprobs[req.sent_len :] if req.return_logprob else None
-        req.sent_len = len(req.output_ids)
-        f, plp = req.finish, req.prompt_logprobs
-        prompt = plp is not None and plp.done and not plp.sent  # sent once, when complete
-        if prompt:
-            plp.sent = True
-        return TokenOutput(rid=req.rid, new_ids=new, finish_reason=f.type if f else None,
-                           finish_matched=f.matched if f else None,
-                           prompt_tokens=len(req.input_ids), completion_tokens=len(req.output_ids),
-                           cached_tokens=req.cached_tokens, logprobs=lp, top_logprobs=top,
-                           spec_verify_steps=req.spec_verify_steps,
-                           spec_draft_tokens=req.spec_verify_steps * self.cfg.spec.draft_nodes,
-                           spec_accepted_tokens=req.spec_accepted_tokens,
-                           input_logprobs=plp.values if prompt else None,
-                           input_top_logprobs=plp.tops if prompt and plp.top else None,
-                           input_ranks=plp.ranks if prompt else None)
 
     def _take_stop_strings(self, reqs: list[Req]) -> dict[str, list[str]]:
         return {r.rid: self.pending_stop_strings.pop(r.rid) for r in reqs
