@@ -142,6 +142,8 @@ def validate(cfg: MoeserveConfig) -> MoeserveConfig:
 def _validate_disaggregation(cfg: MoeserveConfig) -> None:
     d = cfg.disaggregation
     _check_choice("disaggregation.mode", d.mode, DISAGG_MODES)
+    _check_port("disaggregation.router_port", d.router_port)
+    _check_port("disaggregation.router_metrics_port", d.router_metrics_port)
     _check_choice("disaggregation.transfer_backend", d.transfer_backend, TRANSFER_BACKENDS)
     _check_choice("disaggregation.protocol", d.protocol, TRANSFER_PROTOCOLS)
     if not 0 < d.bootstrap_port < 65536:

@@ -399,6 +399,9 @@ class DisaggregationConfig:
     prefill_gpus: str | None = None
     decode_gpus: str | None = None
     router_port: int = 8000
+    # the router's Prometheus port; None: a free one (sglang-router's fixed default, 29000, made
+    # a second deployment on the host panic at start: "Address already in use")
+    router_metrics_port: int | None = None
 
 
 @dataclass(frozen=True)

@@ -30,14 +30,7 @@ def pytest_xdist_auto_num_workers(config):
     return 1 if torch.cuda.is_available() else min(4, usable_cpus())
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
 def pytest_collection_modifyitems(config, items):
-    # --dist loadgroup: a module runs whole in one worker (its module-scoped servers start
-    # once), and so do the modules that name one XDIST_GROUP (they share a session server)
-    for item in items:
-        if not any(item.iter_markers("xdist_group")):
-            group = getattr(item.module, "XDIST_GROUP", None) or item.nodeid.split("::")[0]
-            item.add_marker(pytest.mark.xdist_group(group))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs CUDA")

@@ -147,8 +147,9 @@ class MLAttention(nn.Module):
     # The three stages of the op list (DecoderLayer.operations): projections, backend, output.
     def prepare(self, x: torch.Tensor, positions: torch.Tensor,
                 fb: ForwardBatch | None = None) -> tuple:
-        """→ (absorbed q [T, H, R + r], latent [T, 1, R + r], kv_stored); kv_stored: the GPU
-        kernel also wrote the latent into fb's KV pool, else the backend stores it."""
+        """→ (q, latent [T, 1, R + r], kv_stored, mha): q absorbed [T, H, R + r], or per head
+        [T, H, nope + r] where fb runs the MHA form (mha); kv_stored: the GPU kernel also wrote
+        the latent into fb's KV pool, else the backend stores it."""
         q, kv = self._q_kv(x)  # kv: [T, R + r]
         q = q.view(-1, self.num_heads, self.nope_dim + self.rope_dim)
         ops = self.gpu_ops if self.gpu_ops is not None and self.gpu_ops.usable(q) else None

@@ -47,9 +47,10 @@ def pinned(argv: list[str], cpus: str | None) -> list[str]:
 
 
 def router_argv(host: str, port: int, prefills: list[tuple[int, int]],
-                decodes: list[int]) -> list[str]:
+                decodes: list[int], metrics_port: int) -> list[str]:
     argv = [sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation",
-            "--host", host, "--port", str(port)]
+            "--host", host, "--port", str(port), "--prometheus-host", host,
+            "--prometheus-port", str(metrics_port)]
     for http, boot in prefills:
         argv += ["--prefill", f"http://{host}:{http}", str(boot)]
     for http in decodes:
@@ -79,7 +80,9 @@ def run_pd_local(cfg: MoeserveConfig, run_dir: str, task_overrides: list[str]) -
             procs.start(f"decode-{i}", exec_argv, (role_argv(
                 task_overrides, "decode", http, list(d.decode_overrides),
                 os.path.join(run_dir, f"decode{i}"), d.decode_cpus, d.decode_gpus),))
-        procs.start("router", exec_argv, (router_argv(host, d.router_port, prefills, decodes),))
+        metrics = d.router_metrics_port or free_tcp_port(host)
+        procs.start("router", exec_argv,
+                    (router_argv(host, d.router_port, prefills, decodes, metrics),))
         print(f"PD deployment: router on http://{host}:{d.router_port}, prefill "
               f"{[f'{host}:{p}' for p, _ in prefills]}, decode "
               f"{[f'{host}:{p}' for p in decodes]}", flush=True)

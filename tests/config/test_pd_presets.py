@@ -43,6 +43,7 @@ def test_one_host_deployment_commands():
     assert argv.index("disaggregation.deployment=false") > argv.index(
         "+deploy=pd_qwen3_30b_a3b_4p4d")  # the preset's deployment=true is overridden
     assert argv[-1] == "disaggregation.bootstrap_port=31001" and "tbo.enabled=true" in argv
-    r = router_argv("127.0.0.1", 8000, [(31000, 31001)], [32000])
+    r = router_argv("127.0.0.1", 8000, [(31000, 31001)], [32000], 31005)
+    assert r[r.index("--prometheus-port") + 1] == "31005"  # never the router's fixed 29000
     assert r[r.index("--prefill"):] == ["--prefill", "http://127.0.0.1:31000", "31001",
                                          "--decode", "http://127.0.0.1:32000"]

@@ -10,9 +10,6 @@ import httpx
 import pytest
 import torch
 
-# one pytest-xdist worker for the modules sharing the session SmolLM2 server (tests/conftest.py)
-XDIST_GROUP = "smollm2_tools_server"
-
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 MODEL = "smollm2-135m-instruct"

@@ -19,9 +19,6 @@ import random
 import pytest
 import torch
 
-# one pytest-xdist worker for the modules sharing the session SmolLM2 server (tests/conftest.py)
-XDIST_GROUP = "smollm2_tools_server"
-
 lm_eval = pytest.importorskip("lm_eval", reason="lm-eval (the test extra) is not installed")
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]

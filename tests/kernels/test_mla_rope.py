@@ -90,7 +90,7 @@ def test_mla_prepare_with_gpu_ops_equals_torch_path(interleave):
         p.data.copy_(torch.randn(p.shape) * 0.2 + (1.0 if p.dim() == 1 else 0.0))
     x = rand(5, 64)
     pos = torch.tensor([0, 3, 7, 11, 63], device=DEVICE)
-    ref_q, ref_latent, ref_stored = attn.prepare(x, pos)
+    ref_q, ref_latent, ref_stored, ref_mha = attn.prepare(x, pos)
     o = rand(5, 4 * 48)  # an attention output [T, H * R]
     ref_out = attn.output(o)
     calls = []
@@ -105,12 +105,13 @@ def test_mla_prepare_with_gpu_ops_equals_torch_path(interleave):
             return super().head_gemv(x, *args, **kwargs)
 
     attn.gpu_ops = CountingOps()  # this module's only: projections and norms stay as they were
-    q, latent, stored = attn.prepare(x, pos)
+    q, latent, stored, mha = attn.prepare(x, pos)
     assert not ref_stored and not stored  # no forward batch: the backend stores
+    assert not ref_mha and not mha  # and the absorbed form
     close_to_torch(q, ref_q)
     close_to_torch(latent, ref_latent)
     torch.testing.assert_close(attn.output(o), ref_out, rtol=1e-5, atol=1e-5)
-    q1, latent1, _ = attn.prepare(x[:1], pos[:1])  # decode's one token: the per-head GEMV
+    q1, latent1, _, _ = attn.prepare(x[:1], pos[:1])  # decode's one token: the per-head GEMV
     torch.testing.assert_close(q1, ref_q[:1], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(attn.output(o[:1]), ref_out[:1], rtol=1e-5, atol=1e-5)
     # 5 tokens: rope fused, head_gemv declines (einsum); 1 token: both kernels run

@@ -45,7 +45,8 @@ def test_default_dtype_says_paris_and_is_as_accurate_as_transformers():
     from transformers import AutoModelForCausalLM
 
     from moeserve.config import compose
-    from moeserve.runtime.model_runner import ModelRunner, resolve_dtype
+    from moeserve.runtime.model_config import resolve_dtype
+    from moeserve.runtime.model_runner import ModelRunner
 
     path = embedded_model_path()
     with Engine(overrides=["device=cpu"]) as eng:

@@ -163,7 +163,7 @@ def test_each_fallback_matches_the_fast_path_bf16(tiny_model, cache, monkeypatch
 def test_auto_dtype_without_fast_bf16(cache, monkeypatch):
     """As on an AVX2-only CPU (oneDNN's bf16 prepack off): model.dtype=auto is bfloat16 where the
     C bf16-weight linear is built for AVX2 + FMA, float32 once it (or every kernel) is off."""
-    from moeserve.runtime.model_runner import cpu_bf16_is_fast, resolve_dtype
+    from moeserve.runtime.model_config import cpu_bf16_is_fast, resolve_dtype
 
     monkeypatch.delenv("CC", raising=False)  # the compiler found on PATH (needs_cc)
     monkeypatch.setenv("MOESERVE_DISABLE_ONEDNN_BF16", "1")

@@ -18,6 +18,7 @@ from moeserve.disaggregation.regions import KVRegions, slot_runs
     ("disaggregation.waiting_timeout_s=0", "disaggregation.waiting_timeout_s"),
     ("disaggregation.heartbeat_max_failures=0", "disaggregation.heartbeat_max_failures"),
     ("disaggregation.staging_mb=-1", "disaggregation.staging_mb"),
+    ("disaggregation.router_metrics_port=0", "disaggregation.router_metrics_port"),
 ])
 def test_config_errors_name_the_key(override, key):
     with pytest.raises(ConfigError) as e:
