@@ -8,7 +8,6 @@ import glob
 import os
 import subprocess
 import sys
-import tempfile
 
 import pytest
 
@@ -22,9 +21,11 @@ def options(group: str) -> list[str]:
     return sorted(os.path.basename(f)[:-5] for f in glob.glob(os.path.join(CONF, group, "*.yaml")))
 
 
-def cli(module: str, *args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+def cli(module: str, *args: str, timeout: float = 60,
+        env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", module, *args], cwd=REPO, capture_output=True,
-                          text=True, timeout=timeout, check=False)
+                          text=True, timeout=timeout, check=False,
+                          env={**os.environ, **(env or {})})
 
 
 # What each deployment preset must give: (tp, dp, ep, nnodes, redundant experts, device, extra).
@@ -133,8 +134,8 @@ def test_cfg_job_prints_every_preset_without_starting():
             assert line in out.stdout, (name, line)
 
 
-def ipc_files() -> set[str]:
-    return set(glob.glob(os.path.join(tempfile.gettempdir(), "moeserve-*")))
+def ipc_files(tmp: str) -> set[str]:
+    return set(glob.glob(os.path.join(tmp, "moeserve-*")))
 
 
 @pytest.mark.timeout(120)
@@ -148,12 +149,14 @@ def ipc_files() -> set[str]:
     (["+deploy=deepseek_v3_1x8"], "config error at 'model.path'"),
 ])
 def test_bad_override_fails_and_starts_nothing(args, needle, tmp_path):
-    before = ipc_files()
-    out = cli("launch.server", *args, f"hydra.run.dir={tmp_path}")  # the test timeout bounds it
+    tmp = tmp_path / "tmp"  # the launch's own temp dir: other tests' servers (xdist) use theirs
+    tmp.mkdir()
+    out = cli("launch.server", *args, f"hydra.run.dir={tmp_path}",  # the test timeout bounds it
+              env={"TMPDIR": str(tmp)})
     assert out.returncode != 0
     assert needle in out.stderr, out.stderr[-2000:]
     assert "started" not in out.stderr and "started" not in out.stdout  # no child process
-    assert ipc_files() - before == set()
+    assert ipc_files(str(tmp)) == set()
 
 
 @pytest.mark.timeout(60)
