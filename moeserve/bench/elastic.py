@@ -18,7 +18,6 @@ import os
 import random
 import re
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -27,31 +26,15 @@ import time
 
 import httpx
 
+from moeserve.bench.soak import launch_server
+
 DEPLOY = ["model.dtype=float32", "parallel.tp_size=4", "parallel.dp_size=4",
           "scheduler.cpu_threads=1", "server.log_level=warning"]
 
 
 def launch(overrides: list[str]) -> tuple[subprocess.Popen, str]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     run_dir = tempfile.mkdtemp(prefix="moeserve-bench-elastic-")
-    proc = subprocess.Popen([sys.executable, "-m", "launch.server", f"server.port={port}",
-                             f"hydra.run.dir={run_dir}", *overrides],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"the server exited with {proc.returncode}: {overrides}")
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    proc.kill()
-    raise SystemExit("the server did not become healthy")
+    return launch_server([f"hydra.run.dir={run_dir}", *overrides], stdout=subprocess.DEVNULL)
 
 
 def prompts(n: int, seed: int = 0) -> list[list[int]]:

@@ -222,18 +222,20 @@ def print_report(report: SoakReport, out: Any = sys.stdout) -> None:
     print(json.dumps(report.summary()), file=out)
 
 
-def _launch(overrides: list[str]) -> tuple[subprocess.Popen, str]:
+def launch_server(overrides: list[str], stdout: Any = None) -> tuple[subprocess.Popen, str]:
+    """`python -m launch.server` on a free loopback port, waited for until /health answers
+    (bench.elastic starts its servers here too); `stdout`: where its output goes."""
     import socket
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     proc = subprocess.Popen([sys.executable, "-m", "launch.server", f"server.port={port}",
-                             *overrides])
+                             *overrides], stdout=stdout, stderr=stdout)
     url = f"http://127.0.0.1:{port}"
     for _ in range(1200):
         if proc.poll() is not None:
-            raise SystemExit(f"the server exited with {proc.returncode}")
+            raise SystemExit(f"the server exited with {proc.returncode}: {overrides}")
         try:
             if httpx.get(url + "/health", timeout=2).status_code == 200:
                 return proc, url
@@ -260,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     proc, url, pid = None, args.url, args.pid
     if args.launch is not None:
-        proc, url = _launch(args.launch)
+        proc, url = launch_server(args.launch)
         pid = proc.pid
     try:
         report = asyncio.run(soak(url, args.minutes, args.concurrency, args.disconnect, pid,
