@@ -33,6 +33,7 @@ def cache(tmp_path, monkeypatch):
 
 def test_disable_cpu_kernels_means_none(cache, monkeypatch, caplog):
     monkeypatch.setenv("MOESERVE_DISABLE_CPU_KERNELS", "1")
+    log_forced_off.cache_clear()  # logged once per process: a run that sets it logged it already
     with caplog.at_level(logging.INFO):
         assert load_cpu_kernels(cache) is None
     assert "MOESERVE_DISABLE_CPU_KERNELS" in caplog.text
