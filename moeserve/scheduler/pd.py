@@ -35,6 +35,7 @@ class SchedulerRoleHost:
         if slots is None:
             self.memory.req_to_token.free(rows)
             return None
+        self.sched.timeline.note("kv_reserved", num_tokens)
         return rows[0], slots.tolist()
 
     def free_kv(self, row: int, slots: list[int]) -> None:
@@ -49,6 +50,7 @@ class SchedulerRoleHost:
                  first_top: list[tuple[int, float]] | None) -> None:
         """The prompt's KV is in `slots`: the request continues as if prefilled here."""
         s, n = self.sched, len(req.input_ids)
+        s.timeline.note("kv_activated", n)
         table = self.memory.req_to_token
         dev = table.req_to_token.device
         table.req_to_token[row, :n] = torch.tensor(slots, dtype=torch.int64).to(dev)
