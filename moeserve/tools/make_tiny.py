@@ -340,8 +340,9 @@ def make_tiny(
 ) -> str:
     """Write a tiny random `arch` checkpoint into `out` (created if needed) and return `out`.
 
-    The model equals `build_tiny_model(arch, seed, num_layers, draftable, **overrides)`. DeepSeek archs
-    also get one MTP layer (`model.layers.{num_hidden_layers}.*`) and `num_nextn_predict_layers: 1`.
+    The model equals `build_tiny_model(arch, seed, num_layers, draftable, **config_overrides)`.
+    DeepSeek archs also get one MTP layer (`model.layers.{num_hidden_layers}.*`) and
+    `num_nextn_predict_layers: 1`.
     `fp8`: the projections are stored as DeepSeek-V3's are, e4m3 with a `weight_scale_inv` per
     128 x 128 block, and config.json gets its `quantization_config` (the model is then the one
     these tensors dequantize to, `dequantized_checkpoint`). `draftable` (DeepSeek archs): an MTP
