@@ -10,7 +10,8 @@ completions of `--decode-tokens` tokens each, restarted as they end) and `mix` (
 long prompt of about `--long-tokens` tokens every `--interval` seconds, each a new prefix).
 ITL: the gaps between a stream's consecutive chunks (streamed `/generate`), after its first
 (client side). Prints a table; the last column is the mix's p99 over the same setup's
-decode-only p99 (target for PD: <= 1.2, docs/disaggregation.md). `--trace DIR`: the PD setup's
+decode-only p99 (target for PD: <= 1.2, docs/disaggregation.md). The preset runs the prefill at
+nice 10 (`--prefill-nice 0`: as before it did). `--trace DIR`: the PD setup's
 schedulers write their step timelines there, a sampler pinned to the prefill's cores records every
 thread's CPU on the host, and a report says what ran on the decode core (bench/pd_trace.py).
 """
