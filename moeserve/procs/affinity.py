@@ -40,5 +40,11 @@ def rank_cpus(text: str, local_rank: int, local_ranks: int) -> list[int]:
 def pin_rank(text: str | None, local_rank: int, local_ranks: int) -> None:
     """Pin the calling thread (a scheduler rank's main thread, at start) to its share; the
     threads it starts afterwards (forward, transfer, control link) inherit it."""
-    if text is not None:
-        os.sched_setaffinity(0, rank_cpus(text, local_rank, local_ranks))
+    if text is None:
+        return
+    cpus = rank_cpus(text, local_rank, local_ranks)
+    try:
+        os.sched_setaffinity(0, cpus)
+    except OSError as e:
+        raise SystemExit(f"scheduler.cpus={text}: cannot pin rank {local_rank} to CPUs {cpus} "
+                         f"({e}; this host has {os.cpu_count()})") from None

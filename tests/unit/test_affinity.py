@@ -42,3 +42,6 @@ def test_pin_moves_the_calling_thread_and_its_new_threads():
     before = os.sched_getaffinity(0)
     pin_rank(None, 0, 1)
     assert os.sched_getaffinity(0) == before
+    with pytest.raises(SystemExit, match="scheduler.cpus=4096: cannot pin"):
+        pin_rank("4096", 0, 1)
+    assert os.sched_getaffinity(0) == before
