@@ -20,6 +20,7 @@ from moeserve.config_schema import (  # noqa: F401 (re-exported: callers import 
     SchedulerConfig, ServerConfig, ParallelConfig, EPLBConfig, AttentionConfig, MoEConfig,
     CudaGraphConfig, TBOConfig, SPEC_STEP_ASIDE, SpecConfig, LWS_MODES,
     ROUTER_POLICIES, LWSRoleConfig, LWSConfig, ClusterConfig, MoeserveConfig)
+from moeserve.procs.affinity import parse_cpu_list
 
 
 def register_configs() -> None:
@@ -67,6 +68,15 @@ def _check_positive(key: str, value: int | float | None, allow_none: bool = True
         raise ConfigError(key, f"must be positive, got {value!r}")
 
 
+def _check_cpus(key: str, value: str | None) -> None:
+    if value is None:
+        return
+    try:  # syntax only: a config may be rendered for other hosts (the rank checks its own)
+        parse_cpu_list(str(value))
+    except ValueError as e:
+        raise ConfigError(key, str(e)) from None
+
+
 def validate(cfg: MoeserveConfig) -> MoeserveConfig:
     """Refuse impossible values and combinations; returns cfg unchanged."""
     if cfg.model.path is None and cfg.model.name != "embedded":
@@ -108,6 +118,7 @@ def validate(cfg: MoeserveConfig) -> MoeserveConfig:
     _check_positive("scheduler.chunked_prefill_size", cfg.scheduler.chunked_prefill_size, False)
     _check_positive("scheduler.stream_interval", cfg.scheduler.stream_interval, False)
     _check_positive("scheduler.cpu_threads", cfg.scheduler.cpu_threads)
+    _check_cpus("scheduler.cpus", cfg.scheduler.cpus)
     if cfg.scheduler.prefill_wait_steps < 0:
         raise ConfigError("scheduler.prefill_wait_steps", "must be >= 0 (0: prefill at once)")
     if cfg.scheduler.log_interval_s < 0:
@@ -154,6 +165,11 @@ def _validate_disaggregation(cfg: MoeserveConfig) -> None:
     if d.staging_mb < 0:
         raise ConfigError("disaggregation.staging_mb", f"must be >= 0, got {d.staging_mb}")
     _check_positive("disaggregation.prefill_servers", d.prefill_servers, False)
+    for key in ("prefill_cpus", "decode_cpus", "frontend_cpus"):
+        _check_cpus(f"disaggregation.{key}", getattr(d, key))
+    if not 0 <= d.prefill_nice <= 19:
+        raise ConfigError("disaggregation.prefill_nice", f"must be 0-19 (a lower priority), got "
+                          f"{d.prefill_nice}")
     _check_positive("disaggregation.decode_servers", d.decode_servers, False)
     if d.deployment and d.mode is not None:
         raise ConfigError("disaggregation.deployment", "a deployment starts both roles itself: "

@@ -111,6 +111,10 @@ class SchedulerConfig:
     # HTTP and detokenizer processes use (tiny Qwen3-MoE, 16 streams on 2 cores: ~2400 tok/s with
     # 1 thread, 1700-2240 with 2; SmolLM2-135M: 270 with 2, 186 with 1).
     cpu_threads: int | None = None
+    # CPU: pin the scheduler ranks (only) to these cores, `taskset -c` syntax, split evenly among
+    # the node's ranks; the HTTP, tokenizer and detokenizer processes keep the launcher's
+    # affinity (procs/affinity.py). None: the ranks inherit it too
+    cpus: str | None = None
 
     def use_overlap(self, device: str) -> bool:
         return self.overlap if self.overlap is not None else device == "cuda"
@@ -395,6 +399,14 @@ class DisaggregationConfig:
     decode_overrides: list[str] = field(default_factory=list)
     prefill_cpus: str | None = None
     decode_cpus: str | None = None
+    # with *_cpus: the cores of both roles' HTTP, tokenizer and detokenizer processes and of the
+    # router; each role's *_cpus then pins its scheduler ranks alone (scheduler.cpus). None: a
+    # role's front end shares its cores and the router is not pinned
+    frontend_cpus: str | None = None
+    # the prefill servers' niceness (`nice -n`, 0-19): on cores it shares with the token path (the
+    # router, a client, a decode server's front end), a long prompt's prefill step then yields
+    # to them at once instead of delaying streamed tokens by its length (docs/disaggregation.md)
+    prefill_nice: int = 0
     # CUDA_VISIBLE_DEVICES of each role's servers (e.g. "0,1,2,3"); None: inherited
     prefill_gpus: str | None = None
     decode_gpus: str | None = None

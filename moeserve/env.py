@@ -25,6 +25,10 @@ class Env:
     # MOESERVE_TBO_TIMELINE=PREFIX: each rank writes PREFIX.rank{r}.jsonl, the start/end of every
     # op of each micro-batch over its first two-batch-overlap steps (tbo/operations.Timeline)
     tbo_timeline: str | None
+    # MOESERVE_STEP_TIMELINE=PREFIX: each scheduler rank writes PREFIX.rank{r}.{pid}.jsonl, one
+    # line per loop iteration: its phases, what the loop did besides the step, and how long the
+    # loop thread waited for its core (scheduler/timeline.py)
+    step_timeline: str | None
     # MOESERVE_DISABLE_<PATH>=1 forces one CPU fast path's run-time probe off (its torch fallback
     # runs, as on a CPU without it; tests use these to run every fallback on any machine):
     disable_cpu_kernels: bool  # MOESERVE_DISABLE_CPU_KERNELS: the C decode kernels (kernels/cpu/)
@@ -62,6 +66,7 @@ class Env:
                    cc=os.environ.get("CC") or None,
                    triton_interpret=os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"),
                    tbo_timeline=os.environ.get("MOESERVE_TBO_TIMELINE") or None,
+                   step_timeline=os.environ.get("MOESERVE_STEP_TIMELINE") or None,
                    disable_cpu_kernels=_flag("MOESERVE_DISABLE_CPU_KERNELS"),
                    disable_march_native=_flag("MOESERVE_DISABLE_MARCH_NATIVE"),
                    disable_bf16_head=_flag("MOESERVE_DISABLE_BF16_HEAD"),

@@ -52,6 +52,7 @@ class _Outcome:
     first_top: list[tuple[int, float]] | None = None
     nbytes: int = 0
     dead_peer: bool = False  # the prefill cannot write any more: slots are free at once
+    draft: tuple[list[int], bytes] | None = None  # MTP: the draft's state after the first token
 
 
 class DecodeRole:
@@ -180,7 +181,7 @@ class DecodeRole:
             del self._pending[out.room]
             self.counters.ok(out.nbytes, time.monotonic() - p.asked_at)
             self.host.activate(p.req, p.row, p.slots, out.first_token, out.first_logprob,
-                               out.first_top)
+                               out.first_top, out.draft)
         else:
             self._fail(p, out.error or "KV transfer failed", quarantine=not out.dead_peer)
 
@@ -232,9 +233,11 @@ class DecodeRole:
         if isinstance(msg, KVDone):
             self._asked.pop(msg.room, None)
             # an error from the prefill: it writes no more, so the slots are free at once
+            draft = (None if msg.draft_tokens is None or msg.draft_hidden is None
+                     else (msg.draft_tokens, msg.draft_hidden))
             self._done.put(_Outcome(msg.room, msg.ok, msg.error, msg.first_token,
                                     msg.first_logprob, msg.first_top_logprobs, msg.nbytes,
-                                    dead_peer=not msg.ok))
+                                    dead_peer=not msg.ok, draft=draft))
 
     def _on_tick(self, now: float) -> None:
         """Heartbeats: probe each prefill server that owes KV; after heartbeat_max_failures misses

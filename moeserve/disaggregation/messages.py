@@ -33,6 +33,12 @@ class KVDone(msgspec.Struct, tag=True, frozen=True, kw_only=True):
     first_logprob: float | None = None
     first_top_logprobs: list[tuple[int, float]] | None = None  # when the request asked for them
     nbytes: int = 0
+    # speculative decoding (MTP): the draft's state after the first token, as the prefill's draft
+    # extend left it, so the decode's first verify step drafts as a colocated server's would:
+    # its next proposal(s) (d_1; a draft tree: its first level) and its hidden state (raw bytes
+    # of the row, the model's dtype)
+    draft_tokens: list[int] | None = None
+    draft_hidden: bytes | None = None
 
 
 ControlMsg = Union[KVDestination, KVDone]

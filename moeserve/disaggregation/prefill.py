@@ -11,6 +11,7 @@ import dataclasses
 import logging
 import queue
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from moeserve.config import DisaggregationConfig
@@ -35,6 +36,8 @@ class _Ready:
     first_logprob: float | None
     first_top: list[tuple[int, float]] | None
     deadline: float
+    # waits for the request's last step on the device, → the MTP draft's state (RoleHost)
+    step_done: Callable[[], tuple[list[int], bytes] | None]
 
 
 @dataclass
@@ -102,7 +105,7 @@ class PrefillRole:
         lp = req.logprobs[0] if req.return_logprob and req.logprobs else None
         top = req.top_logprobs[0] if lp is not None and req.top_logprobs else None
         ready = _Ready(req.kv_slots[: len(req.input_ids)], req.output_ids[0], lp, top,
-                       time.monotonic() + self.cfg.bootstrap_timeout_s)
+                       time.monotonic() + self.cfg.bootstrap_timeout_s, self.host.step_done(req))
         self.link.call(self._on_ready, room, ready)
         return True
 
@@ -162,16 +165,19 @@ class PrefillRole:
         error = self.regions.compatible(dest.slot_bytes)
         if error is None and len(dest.slots) != len(ready.slots):
             error = f"decode offered {len(dest.slots)} slots for {len(ready.slots)} tokens"
+        draft = ready.step_done() if error is None else None  # also: the KV is all written
         if error is None:
             try:
                 nbytes = self._write(dest, ready.slots)
             except TransferError as e:
                 error = str(e)
         seconds = time.perf_counter() - t0
+        ids, hidden = draft if draft is not None and error is None else (None, None)
         self.link.send(dest.reply_to, KVDone(room=dest.room, ok=error is None, error=error,
                                              first_token=ready.first_token,
                                              first_logprob=ready.first_logprob,
-                                             first_top_logprobs=ready.first_top, nbytes=nbytes))
+                                             first_top_logprobs=ready.first_top, nbytes=nbytes,
+                                             draft_tokens=ids, draft_hidden=hidden))
         self._done.put(_Outcome(dest.room, error is None, nbytes, seconds, error))
 
     def _write(self, dest: KVDestination, slots: list[int]) -> int:

@@ -9,6 +9,7 @@ handshake, metrics).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -32,9 +33,11 @@ class RoleHost(Protocol):
 
     def release(self, req: Req) -> None: ...
 
+    def step_done(self, req: Req) -> Callable[[], tuple[list[int], bytes] | None]: ...
+
     def activate(self, req: Req, row: int, slots: list[int], first_token: int,
-                 first_logprob: float | None,
-                 first_top: list[tuple[int, float]] | None) -> None: ...
+                 first_logprob: float | None, first_top: list[tuple[int, float]] | None,
+                 draft: tuple[list[int], bytes] | None = None) -> None: ...
 
     def fail(self, req: Req, error: str) -> None: ...
 

@@ -21,21 +21,31 @@ PREFILLS = (ForwardMode.EXTEND, ForwardMode.MIXED)  # steps whose first tokens g
 
 
 def event_loop_normal(sched: Scheduler, should_stop: Callable[[], bool]) -> None:
+    tl = sched.timeline  # laps: scheduler/timeline.py (a no-op unless MOESERVE_STEP_TIMELINE)
     while True:
+        tl.begin()
         sched._recv(may_block=True)
         batch, info = sched.next_synced_batch(should_stop())
         sched.ops.run_lockstep(info)
+        tl.lap("sched")
         if batch is None:
             sched.cache.free_deferred_rows()
+            tl.end(None, 0)
             if info.all_stop:
                 return
             continue
-        sched.process_result(batch, sched.worker.submit(batch.forward_input).result())
+        out = sched.worker.submit(batch.forward_input).result()
+        tl.lap("fwd")
+        sched.process_result(batch, out)
+        tl.lap("proc")
+        tl.end(batch.mode.name, len(batch.reqs))
 
 
 def event_loop_overlap(sched: Scheduler, should_stop: Callable[[], bool]) -> None:
     last: tuple[ScheduledBatch, object] | None = None
+    tl = sched.timeline
     while True:
+        tl.begin()
         if last is not None and sched.spec is not None:
             # speculating: the next step's positions follow from this one's accepted lengths
             sched.process_result(last[0], last[1].result())
@@ -56,5 +66,6 @@ def event_loop_overlap(sched: Scheduler, should_stop: Callable[[], bool]) -> Non
         elif future is None:
             sched.cache.free_deferred_rows()  # nothing in flight
         last = (batch, future) if batch is not None else None
+        tl.end(batch.mode.name if batch is not None else None, len(batch.reqs) if batch else 0)
         if batch is None and info.all_stop:
             return  # the same iteration on every rank: nothing is in flight anywhere

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -13,6 +15,8 @@ from moeserve.scheduler.outputs import append_token, token_output
 
 if TYPE_CHECKING:
     from moeserve.scheduler.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
 
 
 class SchedulerRoleHost:
@@ -35,6 +39,7 @@ class SchedulerRoleHost:
         if slots is None:
             self.memory.req_to_token.free(rows)
             return None
+        self.sched.timeline.note("kv_reserved", num_tokens)
         return rows[0], slots.tolist()
 
     def free_kv(self, row: int, slots: list[int]) -> None:
@@ -44,11 +49,30 @@ class SchedulerRoleHost:
     def release(self, req: Req) -> None:
         self.sched.cache.release(req)
 
+    def step_done(self, req: Req) -> Callable[[], tuple[list[int], bytes] | None]:
+        """Prefill (loop thread, the request just finished): → a call for the link thread that
+        waits until the device work of the request's last step ended (on CUDA the draft extend,
+        which writes the MTP layer's KV and state, may still be running) and returns the draft
+        state of its row (None: not speculating)."""
+        spec, row = self.sched.worker.spec, req.req_pool_idx
+        event = None
+        if self.sched.runner.device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record()
+
+        def read() -> tuple[list[int], bytes] | None:
+            if event is not None:
+                event.synchronize()
+            return spec.draft_state(row) if spec is not None else None
+        return read
+
     def activate(self, req: Req, row: int, slots: list[int], first_token: int,
-                 first_logprob: float | None,
-                 first_top: list[tuple[int, float]] | None) -> None:
-        """The prompt's KV is in `slots`: the request continues as if prefilled here."""
+                 first_logprob: float | None, first_top: list[tuple[int, float]] | None,
+                 draft: tuple[list[int], bytes] | None = None) -> None:
+        """The prompt's KV is in `slots` (the MTP layer's too), `draft` the draft's state after
+        the first token: the request continues as if prefilled here."""
         s, n = self.sched, len(req.input_ids)
+        s.timeline.note("kv_activated", n)
         table = self.memory.req_to_token
         dev = table.req_to_token.device
         table.req_to_token[row, :n] = torch.tensor(slots, dtype=torch.int64).to(dev)
@@ -58,6 +82,13 @@ class SchedulerRoleHost:
         req.last_node = s.cache.tree.match_prefix([]).last_node  # the root: nothing locked
         req.device_len = n + 1
         s.stats["prompt_tokens"] += n
+        spec = s.worker.spec
+        if spec is not None:  # without it the first verify drafts from another row's state
+            error = ("the prefill sent no draft state (it does not speculate)" if draft is None
+                     else spec.set_draft_state(row, *draft))
+            if error is not None:
+                s.stats["pd_draft_state_missing"] = s.stats.get("pd_draft_state_missing", 0) + 1
+                logger.warning("request %s: %s; its first draft is a guess", req.rid, error)
         if req.grammar is not None:
             req.grammar.accept(first_token)
         lp = [first_logprob] if first_logprob is not None else None

@@ -14,6 +14,7 @@ from moeserve.env import usable_cpus
 from moeserve.ipc.messages import (ControlReply, ControlReq, LoadReport, ReadyMsg, SchedulerInput,
                                    TokenOutput, TokenOutputBatch)
 from moeserve.ipc.queues import Endpoints, PullQueue, PushQueue
+from moeserve.procs.affinity import pin_rank
 
 logger = logging.getLogger(__name__)
 
@@ -126,6 +127,8 @@ def run_scheduler_process(cfg: MoeserveConfig, model_path: str, endpoints: Endpo
     from moeserve.procs.children import STOP_SIGNAL
 
     device = rank_device(cfg.device, rank)
+    local_ranks = cfg.parallel.world_size // cfg.parallel.nnodes
+    pin_rank(cfg.scheduler.cpus, rank % local_ranks, local_ranks)  # before any thread starts
     if device.type == "cpu":
         torch.set_num_threads(cpu_share(cfg))  # ranks share the cores: no oversubscription
     cfg = replace(cfg, model=replace(cfg.model, path=model_path))

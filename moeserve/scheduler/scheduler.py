@@ -15,6 +15,7 @@ from moeserve.core import FinishReason, ForwardMode, PromptLogprobs, Req
 from moeserve.distributed import ParallelMesh, single_rank_mesh
 from moeserve.dp_attention.sync import GlobalBatchInfo, dp_sync
 from moeserve.dp_attention.watchdog import LockstepWatchdog, RankState, SyncJitter
+from moeserve.env import env
 from moeserve.ipc.messages import AbortReq, ControlReq, GenerateReq, Regroup, TokenOutput, Wake
 from moeserve.runtime.grammar import GrammarCompiler
 from moeserve.runtime.model_runner import ModelRunner
@@ -31,6 +32,7 @@ from moeserve.scheduler.prefill import AddResult, PrefillAdder, prefill_may_wait
 from moeserve.scheduler.spec_steps import SpecPolicy
 from moeserve.scheduler.stats import StepLog
 from moeserve.scheduler.stop import StopChecker
+from moeserve.scheduler.timeline import StepTimeline
 from moeserve.scheduler.worker import ForwardWorker
 from moeserve.tbo.strategy import vote as tbo_vote
 
@@ -76,6 +78,7 @@ class Scheduler:
                       "mixed_steps": 0}
         self.max_req_len = runner.context_len
         self.step_log = StepLog(self.mesh.rank, sc.log_interval_s)
+        self.timeline = StepTimeline.from_env(self.mesh.rank, env().step_timeline)
         self.decodes_since_prefill = 0  # decode steps since the last prefill (prefill_wait_steps)
         self.pd = make_pd(self)  # PD disaggregation's role (None: colocated)
         self.elastic = None  # elastic/rank.py's ElasticRank when parallel.elastic_ep is on
@@ -83,6 +86,7 @@ class Scheduler:
     # ---- intake -----------------------------------------------------------------------------
     def handle(self, msg: GenerateReq | AbortReq | ControlReq | Wake) -> None:
         if isinstance(msg, GenerateReq):
+            self.timeline.note("in_tokens", len(msg.input_ids))
             self.add_request(msg)
         elif isinstance(msg, AbortReq):
             self.abort(msg.rid)
@@ -352,8 +356,12 @@ class Scheduler:
         if self.pd is not None:
             self.pd.poll()
             wait_ms = min(wait_ms, 2) if self.pd.busy() else wait_ms  # KV may land any moment
-        for msg in self.io.recv(wait_ms):
+            self.timeline.lap("pd_poll")
+        msgs = self.io.recv(wait_ms)
+        self.timeline.lap("recv")
+        for msg in msgs:
             self.handle(msg)
+        self.timeline.lap("handle")
         if self.grammars.parked:  # idle: nothing to run until a compile ends
             self._take_compiled(wait_s=0.005 if idle else 0.0)
 

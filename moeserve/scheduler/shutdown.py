@@ -93,6 +93,7 @@ def release_rank(scheduler: Any) -> None:
     rank has peers: every rank calls it at the same point)."""
     runner = scheduler.runner
     scheduler.watchdog.close()
+    scheduler.timeline.close()
     scheduler.worker.shutdown()
     scheduler.worker.spec = None  # holds the draft's graphs and buffers
     _synchronize(runner.device)

@@ -26,15 +26,22 @@ _OWN_KEYS = ("cluster", "hydra.run.dir", "server.port", "disaggregation.deployme
 
 def role_argv(base: list[str], role: str, port: int, extra: list[str], run_dir: str,
               cpus: str | None, gpus: str | None = None,
-              bootstrap_port: int | None = None) -> list[str]:
+              bootstrap_port: int | None = None, frontend_cpus: str | None = None,
+              nice: int = 0) -> list[str]:
     """`python -m launch.server` for one role: the deployment's overrides minus the keys set
-    here, then the role's, then its own port (and bootstrap port)."""
+    here, then the role's, then its own port (and bootstrap port). `cpus` pins the server, or
+    with `frontend_cpus` its scheduler ranks alone (the rest runs on frontend_cpus); `nice`
+    lowers the whole server's priority."""
     kept = [o for o in base if o.split("=", 1)[0].lstrip("+~") not in _OWN_KEYS]
     argv = [sys.executable, "-m", "launch.server", *kept, "disaggregation.deployment=false",
             f"disaggregation={role}", f"server.port={port}", f"hydra.run.dir={run_dir}", *extra]
     if bootstrap_port is not None:
         argv.append(f"disaggregation.bootstrap_port={bootstrap_port}")
+    if cpus is not None and frontend_cpus is not None:
+        argv, cpus = [*argv, f"scheduler.cpus={cpus}"], frontend_cpus
     argv = pinned(argv, cpus)
+    if nice:
+        argv = ["nice", "-n", str(nice), *argv]
     return argv if gpus is None else ["env", f"CUDA_VISIBLE_DEVICES={gpus}", *argv]
 
 
@@ -75,14 +82,16 @@ def run_pd_local(cfg: MoeserveConfig, run_dir: str, task_overrides: list[str]) -
         for i, (http, boot) in enumerate(prefills):
             procs.start(f"prefill-{i}", exec_argv, (role_argv(
                 task_overrides, "prefill", http, list(d.prefill_overrides),
-                os.path.join(run_dir, f"prefill{i}"), d.prefill_cpus, d.prefill_gpus, boot),))
+                os.path.join(run_dir, f"prefill{i}"), d.prefill_cpus, d.prefill_gpus, boot,
+                d.frontend_cpus, d.prefill_nice),))
         for i, http in enumerate(decodes):
             procs.start(f"decode-{i}", exec_argv, (role_argv(
                 task_overrides, "decode", http, list(d.decode_overrides),
-                os.path.join(run_dir, f"decode{i}"), d.decode_cpus, d.decode_gpus),))
+                os.path.join(run_dir, f"decode{i}"), d.decode_cpus, d.decode_gpus,
+                frontend_cpus=d.frontend_cpus),))
         metrics = d.router_metrics_port or free_tcp_port(host)
-        procs.start("router", exec_argv,
-                    (router_argv(host, d.router_port, prefills, decodes, metrics),))
+        procs.start("router", exec_argv, (pinned(
+            router_argv(host, d.router_port, prefills, decodes, metrics), d.frontend_cpus),))
         print(f"PD deployment: router on http://{host}:{d.router_port}, prefill "
               f"{[f'{host}:{p}' for p, _ in prefills]}, decode "
               f"{[f'{host}:{p}' for p in decodes]}", flush=True)

@@ -60,6 +60,28 @@ class SpecDecoder:
         self._draft_extend(fb, hidden, draft_ids, pick, fi.rows)
         return out
 
+    # ---- a request's draft state, moved by PD disaggregation ---------------------------------
+    def draft_state(self, row: int) -> tuple[list[int], bytes]:
+        """Row `row`'s next proposal(s) and draft hidden state, as the last draft extend left
+        them (host copies: on CUDA, call once the step that wrote them ended)."""
+        ids = self.next_draft[row].reshape(-1).tolist()
+        hidden = self.hidden[row].detach().cpu().contiguous()
+        return ids, hidden.view(torch.uint8).numpy().tobytes()
+
+    def set_draft_state(self, row: int, ids: list[int], hidden: bytes) -> str | None:
+        """Row `row` starts from another server's draft state (PD: its prefill's); → why not
+        when the shapes differ (a different draft, tree or dtype), None when set."""
+        want = self.hidden[row].numel() * self.hidden.element_size()
+        if len(ids) != self.next_draft[row].numel() or len(hidden) != want:
+            return (f"draft state of {len(ids)} ids and {len(hidden)} bytes, this server's is "
+                    f"{self.next_draft[row].numel()} ids and {want} bytes")
+        dev = self.hidden.device
+        self.next_draft[row] = torch.tensor(ids, dtype=torch.int64).view_as(
+            self.next_draft[row]).to(dev)
+        raw = torch.frombuffer(bytearray(hidden), dtype=torch.uint8)
+        self.hidden[row] = raw.view(self.hidden.dtype).to(dev)
+        return None
+
     # ---- DP lockstep ----------------------------------------------------------------------------
     @staticmethod
     def _any_verify(fi: ForwardInput) -> bool:

@@ -27,6 +27,11 @@ BOS_ID, EOS_ID = 0, 1  # <｜begin▁of▁sentence｜>, <｜end▁of▁sentence�
 ROUTER_STD = 0.1  # router logits ~N(0, 0.8): decisive top-k, far from fp32 ties
 NORM_JITTER = 0.1  # norm weights 1 + N(0, 0.1), so a misplaced norm changes the output
 BIAS_STD = 0.1  # DeepSeek-V3 e_score_correction_bias, comparable to the sigmoid score spread
+# draftable: each layer's writes into the residual (o_proj, down_proj) x DRAFTABLE_SCALE, so the
+# hidden state stays close to the current token's embedding (attention still matters), and the
+# MTP layer's eh_proj = [I | DRAFTABLE_H I]: it reads mostly the next token's embedding, and its
+# draft agrees with the target's next token often (accept length ~2-3 of 4 with N=3)
+DRAFTABLE_SCALE, DRAFTABLE_H = 0.3, 0.1
 
 CHAT_TEMPLATE = (
     "{{ bos_token }}"
@@ -201,7 +206,8 @@ def _randomize(module: torch.nn.Module, gen: torch.Generator, init_std: float) -
             b.copy_(BIAS_STD * torch.randn(b.shape, generator=gen))
 
 
-def build_tiny_model(arch: str, seed: int = 0, num_layers: int | None = None, **overrides: Any):
+def build_tiny_model(arch: str, seed: int = 0, num_layers: int | None = None,
+                     draftable: bool = False, **overrides: Any):
     """The in-memory tiny model (eval, float32), deterministic in all arguments."""
     import transformers
 
@@ -209,19 +215,30 @@ def build_tiny_model(arch: str, seed: int = 0, num_layers: int | None = None, **
     torch.manual_seed(seed)
     model = getattr(transformers, ARCHS[arch][1])(config).to(torch.float32).eval()
     _randomize(model, torch.Generator().manual_seed(seed + 1), init_std=0.0)
+    if draftable:
+        _damp_residual_writes(model)
     return model
 
 
-def _mtp_block(model, gen: torch.Generator) -> torch.nn.Module:
+def _damp_residual_writes(module: torch.nn.Module) -> None:
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            if name.endswith(("o_proj.weight", "down_proj.weight", "experts.down_proj")):
+                p.mul_(DRAFTABLE_SCALE)
+
+
+def _mtp_block(model, gen: torch.Generator, draftable: bool) -> torch.nn.Module:
     """One extra MoE decoder layer (index num_hidden_layers): DeepSeek's MTP transformer block."""
     config = model.config
     layer_cls = type(model.model.layers[-1])
     block = layer_cls(config, layer_idx=config.num_hidden_layers).to(torch.float32)
     _randomize(block, gen, init_std=config.initializer_range)
+    if draftable:
+        _damp_residual_writes(block)
     return block
 
 
-def _mtp_extras(model, gen: torch.Generator) -> dict[str, torch.Tensor]:
+def _mtp_extras(model, gen: torch.Generator, draftable: bool) -> dict[str, torch.Tensor]:
     """The MTP tensors outside the decoder block, named as in DeepSeek-V3's checkpoint."""
     h, n = model.config.hidden_size, model.config.num_hidden_layers
     std = model.config.initializer_range
@@ -230,23 +247,31 @@ def _mtp_extras(model, gen: torch.Generator) -> dict[str, torch.Tensor]:
         return 1.0 + NORM_JITTER * torch.randn(h, generator=gen)
 
     prefix = f"model.layers.{n}."
+    enorm, hnorm = norm(), norm()
+    eh_proj = std * torch.randn(h, 2 * h, generator=gen)  # [H, 2H]: cat(e, h)
+    head_norm = norm()
+    if draftable:
+        enorm, hnorm = torch.ones(h), torch.ones(h)
+        eh_proj = torch.cat([torch.eye(h), DRAFTABLE_H * torch.eye(h)], dim=1)
+        head_norm = model.model.norm.weight.detach().clone()
     return {
-        prefix + "enorm.weight": norm(),
-        prefix + "hnorm.weight": norm(),
-        prefix + "eh_proj.weight": std * torch.randn(h, 2 * h, generator=gen),  # [H, 2H]: cat(e, h)
-        prefix + "shared_head.norm.weight": norm(),
+        prefix + "enorm.weight": enorm,
+        prefix + "hnorm.weight": hnorm,
+        prefix + "eh_proj.weight": eh_proj,
+        prefix + "shared_head.norm.weight": head_norm,
         # NOTE: embedding and head are shared with the main model; the checkpoint stores copies.
         prefix + "shared_head.head.weight": model.lm_head.weight.detach().clone(),
         prefix + "embed_tokens.weight": model.model.embed_tokens.weight.detach().clone(),
     }
 
 
-def _checkpoint_tensors(model, mtp: bool, seed: int) -> dict[str, torch.Tensor]:
+def _checkpoint_tensors(model, mtp: bool, seed: int, draftable: bool = False
+                        ) -> dict[str, torch.Tensor]:
     """State dict in the on-disk (per-expert) naming, via transformers' own save conversion."""
     gen = torch.Generator().manual_seed(seed + 2)
     layers = model.model.layers
     if mtp:
-        layers.append(_mtp_block(model, gen))
+        layers.append(_mtp_block(model, gen, draftable))
     try:
         with tempfile.TemporaryDirectory() as tmp:
             model.save_pretrained(tmp, max_shard_size="100GB")
@@ -255,7 +280,7 @@ def _checkpoint_tensors(model, mtp: bool, seed: int) -> dict[str, torch.Tensor]:
         if mtp:
             del layers[-1]
     if mtp:
-        tensors.update(_mtp_extras(model, gen))
+        tensors.update(_mtp_extras(model, gen, draftable))
     fused = [k for k in tensors if k.endswith(("experts.gate_up_proj", "experts.down_proj"))]
     assert not fused, f"save_pretrained left fused expert tensors: {fused[:2]}"
     return {k: v.contiguous() for k, v in tensors.items()}
@@ -310,18 +335,23 @@ def make_tiny(
     num_layers: int | None = None,
     shard: bool = False,
     fp8: bool = False,
+    draftable: bool = False,
     **config_overrides: Any,
 ) -> str:
     """Write a tiny random `arch` checkpoint into `out` (created if needed) and return `out`.
 
-    The model equals `build_tiny_model(arch, seed, num_layers, **config_overrides)`. DeepSeek archs
-    also get one MTP layer (`model.layers.{num_hidden_layers}.*`) and `num_nextn_predict_layers: 1`.
+    The model equals `build_tiny_model(arch, seed, num_layers, draftable, **config_overrides)`.
+    DeepSeek archs also get one MTP layer (`model.layers.{num_hidden_layers}.*`) and
+    `num_nextn_predict_layers: 1`.
     `fp8`: the projections are stored as DeepSeek-V3's are, e4m3 with a `weight_scale_inv` per
     128 x 128 block, and config.json gets its `quantization_config` (the model is then the one
-    these tensors dequantize to, `dequantized_checkpoint`).
+    these tensors dequantize to, `dequantized_checkpoint`). `draftable` (DeepSeek archs): an MTP
+    layer whose drafts the target often accepts, for tests that must see speculation work (the
+    layers are damped, see DRAFTABLE_SCALE; the model is then not a plain random one).
     """
-    model = build_tiny_model(arch, seed, num_layers, **config_overrides)
-    tensors = _checkpoint_tensors(model, mtp=arch in DEEPSEEK_ARCHS, seed=seed)
+    model = build_tiny_model(arch, seed, num_layers, draftable, **config_overrides)
+    tensors = _checkpoint_tensors(model, mtp=arch in DEEPSEEK_ARCHS, seed=seed,
+                                  draftable=draftable)
     if fp8:
         tensors = fp8_checkpoint(tensors)
     os.makedirs(out, exist_ok=True)
@@ -360,11 +390,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--shard", action="store_true", help="2 shards + model.safetensors.index.json")
     p.add_argument("--fp8", action="store_true",
                    help="projections in DeepSeek's block FP8 (e4m3 + weight_scale_inv)")
+    p.add_argument("--draftable", action="store_true",
+                   help="DeepSeek: an MTP layer whose drafts the target often accepts")
     p.add_argument("--set", action="append", default=[], metavar="KEY=JSON", help="config override")
     args = p.parse_args(argv)
     overrides = dict(_parse_override(s) for s in args.set)
     print(make_tiny(args.arch, args.out, args.seed, args.layers, args.shard, args.fp8,
-                    **overrides))
+                    args.draftable, **overrides))
 
 
 if __name__ == "__main__":

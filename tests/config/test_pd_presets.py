@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from test_compositions import options
 
-from moeserve.config import compose
+from moeserve.config import ConfigError, compose
 from moeserve.server.pd_deployment import role_argv, router_argv
 
 # name → (mode, deployment, dp, device, tbo, spec)
@@ -47,3 +47,32 @@ def test_one_host_deployment_commands():
     assert r[r.index("--prometheus-port") + 1] == "31005"  # never the router's fixed 29000
     assert r[r.index("--prefill"):] == ["--prefill", "http://127.0.0.1:31000", "31001",
                                          "--decode", "http://127.0.0.1:32000"]
+
+
+def test_one_host_cpu_layout_commands():
+    """prefill_nice lowers the whole prefill server's priority; with frontend_cpus a role's cpus
+    pin its scheduler ranks alone (scheduler.cpus) and the front end and router go there."""
+    cfg = compose(["+deploy=pd_tiny_cpu", "model.path=/m", "disaggregation.prefill_cpus=0",
+                   "disaggregation.decode_cpus=1"])
+    d = cfg.disaggregation
+    assert d.prefill_nice == 10
+    argv = role_argv(["model.path=/m"], "prefill", 31000, [], "/run/p0", d.prefill_cpus, None,
+                     31001, nice=d.prefill_nice)
+    assert argv[:6] == ["nice", "-n", "10", "taskset", "-c", "0"]
+    assert not any(a.startswith("scheduler.cpus") for a in argv)
+    argv = role_argv(["model.path=/m"], "decode", 32000, [], "/run/d0", d.decode_cpus,
+                     frontend_cpus="0")
+    assert argv[:3] == ["taskset", "-c", "0"] and argv[-1] == "scheduler.cpus=1"
+
+
+@pytest.mark.parametrize("bad,key", [
+    ("disaggregation.prefill_nice=-5", "disaggregation.prefill_nice"),
+    ("disaggregation.prefill_nice=20", "disaggregation.prefill_nice"),
+    ("disaggregation.frontend_cpus=1-0", "disaggregation.frontend_cpus"),
+    ("disaggregation.decode_cpus=x", "disaggregation.decode_cpus"),
+    ("scheduler.cpus=0-", "scheduler.cpus"),
+])
+def test_bad_cpu_layout_names_the_key(bad, key):
+    with pytest.raises(ConfigError) as e:
+        compose(["+deploy=pd_tiny_cpu", "model.path=/m", bad])
+    assert e.value.key == key

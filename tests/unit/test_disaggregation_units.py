@@ -147,3 +147,31 @@ def test_nixl_backend_missing_names_the_package():
 
     with pytest.raises(TransferBackendMissing, match="pip install nixl"):
         make_transfer(DisaggregationConfig(transfer_backend="nixl"), "cpu")
+
+
+@pytest.mark.parametrize("topk,dtype", [(None, torch.float32), (2, torch.bfloat16)])
+def test_draft_state_crosses_in_kvdone(topk, dtype):
+    """MTP: a prefill row's draft state (d_1, or a tree's first level, and the draft hidden
+    state) goes into KVDone, through msgpack, into another decoder's row bit for bit; a decoder
+    of another shape refuses it, saying why."""
+    from moeserve.disaggregation.messages import DECODER, ENCODER, KVDone
+    from moeserve.spec_mtp.decoder import SpecDecoder
+
+    def decoder(k, dt):
+        d = SpecDecoder.__new__(SpecDecoder)
+        d.next_draft = torch.zeros((6,) if k is None else (6, k), dtype=torch.int64)
+        d.hidden = torch.zeros(6, 8, dtype=dt)
+        return d
+
+    src, dst = decoder(topk, dtype), decoder(topk, dtype)
+    src.next_draft[2] = torch.tensor(7 if topk is None else [7, 9])
+    src.hidden[2] = torch.randn(8).to(dtype)
+    ids, hidden = src.draft_state(2)
+    msg = DECODER.decode(ENCODER.encode(KVDone(room=1, ok=True, draft_tokens=ids,
+                                               draft_hidden=hidden)))
+    assert dst.set_draft_state(4, msg.draft_tokens, msg.draft_hidden) is None
+    assert torch.equal(dst.next_draft[4], src.next_draft[2])
+    assert torch.equal(dst.hidden[4], src.hidden[2])
+    other = decoder(3, dtype)
+    assert "ids" in other.set_draft_state(4, msg.draft_tokens, msg.draft_hidden)
+    assert not other.next_draft.any()

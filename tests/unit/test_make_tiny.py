@@ -179,3 +179,26 @@ def test_cli_with_layers_and_override(tmp_path, capsys):
     assert capsys.readouterr().out.strip() == str(tmp_path)
     cfg = _load(str(tmp_path)).config
     assert (cfg.num_hidden_layers, cfg.num_experts) == (3, 4)
+
+
+def test_draftable_mtp_predicts_the_targets_next_token(tmp_path):
+    """draftable: transformers' own MTP module over the checkpoint drafts the token the target
+    itself predicts next (argmax at t+1) at most positions; the plain random layer almost never.
+    The checkpoint is still build_tiny_model(draftable=True)."""
+    rates = {}
+    for draftable in (False, True):
+        path = make_tiny("deepseek_v3", str(tmp_path / str(draftable)), draftable=draftable)
+        model, ids = _load(path), _chat_ids(path)
+        mtp = hf_mtp_model(model, path)
+        with torch.no_grad():
+            out = model(ids, output_hidden_states=True)
+            hidden = out.hidden_states[-1]
+            pos = torch.arange(1, ids.shape[1] + 1)[None]
+            draft = mtp._project_to_logits(mtp.forward_layer(
+                0, hidden, pos, None, input_ids=torch.roll(ids, -1, dims=1)))
+            want = build_tiny_model("deepseek_v3", seed=0, draftable=draftable)(ids).logits
+        torch.testing.assert_close(out.logits, want, atol=1e-6, rtol=0)
+        # draft at t (reading token t+1) against the target's argmax at t+1
+        agree = draft[0, :-1].argmax(-1) == out.logits[0, 1:].argmax(-1)
+        rates[draftable] = agree.float().mean().item()
+    assert rates[True] >= 0.4 and rates[False] < 0.1, rates  # measured: 0.5 and 0.0
