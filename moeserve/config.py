@@ -14,12 +14,13 @@ from hydra.core.config_store import ConfigStore
 
 from moeserve.config_schema import (  # noqa: F401 (re-exported: callers import them from here)
     DTYPES, MLA_FORMS, FP8_GEMMS, LOAD_FORMATS, QUANTIZATIONS, ATTENTION_BACKENDS, MOE_BACKENDS, DEVICES,
-    SCHEDULE_POLICIES, A2A_BACKENDS, DEEPEP_MODES, DP_POLICIES, RECORD_MODES, CLUSTER_KINDS,
-    TOOL_PARSERS, REASONING_PARSERS, SPEC_ALGORITHMS, DISAGG_MODES, TRANSFER_BACKENDS,
-    TRANSFER_PROTOCOLS, DisaggregationConfig, ConfigError, ModelConfig, CacheConfig,
-    SchedulerConfig, ServerConfig, ParallelConfig, EPLBConfig, AttentionConfig, MoEConfig,
-    CudaGraphConfig, TBOConfig, SPEC_STEP_ASIDE, SpecConfig, LWS_MODES,
-    ROUTER_POLICIES, LWSRoleConfig, LWSConfig, ClusterConfig, MoeserveConfig)
+    SCHEDULE_POLICIES, A2A_BACKENDS, DEEPEP_MODES, DP_POLICIES, RECORD_MODES, TOOL_PARSERS,
+    REASONING_PARSERS, SPEC_ALGORITHMS, ConfigError, ModelConfig, CacheConfig, SchedulerConfig,
+    ServerConfig, ParallelConfig, EPLBConfig, AttentionConfig, MoEConfig, CudaGraphConfig, TBOConfig,
+    SPEC_STEP_ASIDE, SpecConfig, MoeserveConfig)
+from moeserve.deploy_schema import (  # noqa: F401 (re-exported as well)
+    CLUSTER_KINDS, LWS_MODES, TRANSFER_BACKENDS, ROUTER_POLICIES, DISAGG_MODES, TRANSFER_PROTOCOLS,
+    LWSRoleConfig, LWSConfig, ClusterConfig, DisaggregationConfig)
 from moeserve.procs.affinity import parse_cpu_list
 
 
