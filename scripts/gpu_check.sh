@@ -52,9 +52,9 @@ OUT=${OUT:-/tmp/gpu_out}; mkdir -p "$OUT"
 if [ -d .whl ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl || exit 1
-  export PYTHONPATH=/tmp/site:$PWD
+  SITE=/tmp/site; export PYTHONPATH=/tmp/site:$PWD
 else
-  export PYTHONPATH=$PWD
+  SITE=; export PYTHONPATH=$PWD
 fi
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 what=${1:-all}
@@ -300,17 +300,25 @@ if [[ $what == serving || $what == all ]]; then
   # SERVING_VARIANTS: '|'-separated server overrides, one server each ("" = the defaults);
   # SERVING_CONC: concurrencies; SERVER_ARGS apply to every variant; SERVING_CLIENTS:
   # ';'-separated bench.serving argument sets, each run against every server (e.g. "--workers 1;").
+  # SERVING_TREES: source trees whose server runs each variant (default "."; e.g. ". .before"
+  # with an older commit unpacked into an ignored, carried folder), always with this tree's client.
   python3 -m moeserve.tools.make_random --shape qwen3_30b_a3b --config-only --out /tmp/q3moe_full \
     >/dev/null
   IFS='|' read -ra variants <<< "${SERVING_VARIANTS:-}"
   [ ${#variants[@]} -eq 0 ] && variants=("")
+  runs=()
+  for tree in ${SERVING_TREES:-.}; do
+    for v in "${variants[@]}"; do runs+=("$tree|$v"); done
+  done
   i=0
-  for v in "${variants[@]}"; do
+  for run in "${runs[@]}"; do
+    tree=${run%%|*}; v=${run#*|}
     i=$((i + 1))
-    echo "== serving variant $i: ${SERVER_ARGS:-} $v" | tee -a "$OUT/serving.log"
-    python3 -m launch.server model.path=/tmp/q3moe_full model.load_format=dummy device=cuda \
-      server.port=31000 cache.max_running_requests=256 ${SERVER_ARGS:-} $v \
-      > "$OUT/server_$i.log" 2>&1 &
+    rev=$(cat "$tree/.commit" 2>/dev/null || git -C "$tree" rev-parse --short HEAD 2>/dev/null)
+    echo "== serving variant $i: tree $tree ($rev) ${SERVER_ARGS:-} $v" | tee -a "$OUT/serving.log"
+    (cd "$tree" && PYTHONPATH=${SITE:+$SITE:}$PWD exec python3 -m launch.server \
+      model.path=/tmp/q3moe_full model.load_format=dummy device=cuda server.port=31000 \
+      cache.max_running_requests=256 ${SERVER_ARGS:-} $v) > "$OUT/server_$i.log" 2>&1 &
     SERVER=$!
     for _ in $(seq 1 150); do
       curl -sf http://127.0.0.1:31000/health >/dev/null && break
@@ -318,7 +326,9 @@ if [[ $what == serving || $what == all ]]; then
       sleep 2
     done
     tail -3 "$OUT/server_$i.log"
-    curl -sf http://127.0.0.1:31000/health >/dev/null || { echo "server $i did not start"; continue; }
+    if ! curl -sf http://127.0.0.1:31000/health >/dev/null; then
+      echo "server $i did not start"; kill $SERVER 2>/dev/null; wait $SERVER; continue
+    fi
     IFS=';' read -ra clients <<< "${SERVING_CLIENTS:-}"
     [ ${#clients[@]} -eq 0 ] && clients=("")
     for c in ${SERVING_CONC:-64 256}; do
