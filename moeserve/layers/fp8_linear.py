@@ -172,8 +172,11 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
     x2 = x.reshape(-1, x.shape[-1])  # [M, K]
     block = as_block(block)
     path = fp8_gemm_path(x2.shape[0], w.shape[0], x2.shape[1], block, x.dtype, x.device)
-    if path == "scaled_mm" and not (w.is_contiguous() and w_scale.is_contiguous()):
-        path = "triton"  # torch._scaled_mm reads w.t() as column-major [K, N]
+    if path == "scaled_mm" and (bias is not None or not (w.is_contiguous()
+                                                         and w_scale.is_contiguous())):
+        # torch._scaled_mm reads w.t() as column-major [K, N]; a bias added to its bf16 output
+        # would round twice (2.9e-3 from the emulation on an H100), the Triton epilogue once
+        path = "triton"
     if deep_gemm and path in ("scaled_mm", "triton") and w.is_contiguous() \
             and deep_gemm_supports(w.shape[0], x2.shape[1], block, x.dtype):
         path = "deep_gemm"
@@ -190,8 +193,6 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
         out = kernels.fp8_quant_matmul(x2, w, w_scale, block, bias=bias, pdl=pdl)
     elif path == "scaled_mm":
         out = scaled_mm_linear(x2, w, w_scale, scaled_mm_layout(x.device))
-        if bias is not None:
-            out += bias
     else:
         x_q, x_s = kernels.quant_fp8_per_token_group(x2, block[1])
         out = kernels.fp8_block_matmul(x_q, x_s, w, w_scale, x.dtype, block, bias=bias)

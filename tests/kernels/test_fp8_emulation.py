@@ -16,17 +16,19 @@ import pytest
 import torch
 
 from moeserve.kernels.fp8_format import quantize_fp8_blocks
+from moeserve.kernels.triton import fp8 as fp8_kernels
 from moeserve.kernels.triton.fused_moe_small import SMALL_MAX_PAIRS
 from moeserve.layers.fp8_emulation import (
     dequantize_weight,
     emulate_fp8_matmul,
     quantize_activations,
 )
-from moeserve.layers.fp8_linear import Fp8Linear, Fp8MergedLinear, fp8_gemm_path
+from moeserve.layers.fp8_linear import GEMV_MAX_ELEMS, Fp8Linear, Fp8MergedLinear, fp8_gemm_path
 from moeserve.layers.fp8_moe import Fp8MoEExperts
 
-# (relative tolerance to the emulation, dtype) per device
-CPU_TOL, GPU_TOL = 2e-6, 4e-3
+# relative tolerance to the emulation: CPU (float32), GPU (bf16) with the FP8 tiles widened to
+# bf16 before tl.dot (EXACT_DOT), GPU as served
+CPU_TOL, EXACT_GPU_TOL, GPU_TOL = 2e-6, 1e-4, 4e-3
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -97,8 +99,8 @@ def _check_linear(layer, m: int, device: str, dtype: torch.dtype, tol: float) ->
     print(f"\n[fp8 emu] linear {layer.in_features}->{layer.out_features} M={m} {path}: "
           f"kernel vs emulation {err:.2e}, unquantized vs emulation {ref_err:.2e}")
     assert err < tol
-    if path != "gemv":  # the emulation quantizes: the unquantized result is far off
-        assert ref_err > 20 * tol
+    if path != "gemv":  # the emulation quantizes: the kernel is far nearer it than the unquantized
+        assert ref_err > 20 * max(err, CPU_TOL)
 
 
 def _check_moe(mod, t: int, device: str, dtype: torch.dtype, tol: float) -> None:
@@ -113,7 +115,7 @@ def _check_moe(mod, t: int, device: str, dtype: torch.dtype, tol: float) -> None
           f"{err:.2e}, unquantized vs emulation {ref_err:.2e}")
     assert err < tol
     if not small:
-        assert ref_err > 20 * tol
+        assert ref_err > 20 * max(err, CPU_TOL)
 
 
 def test_emulated_quantization_and_dequantization_follow_the_format():
@@ -150,14 +152,20 @@ def test_fused_moe_equals_the_emulation_in_float32_interpreter(t):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("m", [1, 5, 40, 300])
-def test_linear_kernels_equal_the_emulation_in_bf16_on_gpu(m):
+def test_linear_kernels_equal_the_emulation_in_bf16_on_gpu(m, monkeypatch):
+    with monkeypatch.context() as mp:  # float32 accumulation: only the output rounding differs
+        mp.setattr(fp8_kernels, "EXACT_DOT", True)
+        _check_linear(_linear(200, 320, "cuda"), m, "cuda", torch.bfloat16, EXACT_GPU_TOL)
+        _check_linear(_linear(640, 7168, "cuda"), m, "cuda", torch.bfloat16, EXACT_GPU_TOL)
+    # as served: Hopper's FP8 wgmma accumulator adds ~7e-4 at M >= 17 (docs/fp8.md)
     _check_linear(_linear(200, 320, "cuda"), m, "cuda", torch.bfloat16, GPU_TOL)
     _check_linear(_linear(0, 320, "cuda", merged=[200, 72]), m, "cuda", torch.bfloat16, GPU_TOL)
     # DeepSeek-like K (a multiple of 512: torch._scaled_mm where the probe accepts it) with a
     # partial last row block, and at M = 1 a weight past GEMV_MAX_ELEMS (the fused TMA kernel)
     _check_linear(_linear(576 + 64, 1536, "cuda"), m, "cuda", torch.bfloat16, GPU_TOL)
     if m == 1:
-        _check_linear(_linear(9344, 7168, "cuda"), m, "cuda", torch.bfloat16, GPU_TOL)
+        assert 9472 * 7168 >= GEMV_MAX_ELEMS
+        _check_linear(_linear(9472, 7168, "cuda"), m, "cuda", torch.bfloat16, GPU_TOL)
 
 
 @pytest.mark.gpu

@@ -33,6 +33,12 @@ try:  # host-side TMA descriptors (Triton >= 3.4)
 except ImportError:  # pragma: no cover - older Triton: GemmConfig.tma falls back to pointers
     TensorDescriptor = None
 
+# Hopper's FP8 wgmma accumulates a tl.dot's K products at reduced precision (Triton's sm90
+# default); these kernels promote to float32 once per 128-wide K group, as DeepSeek's recipe does.
+# EXACT_DOT (read at each launch): widen the e4m3 tiles to bf16 first (exact) for float32
+# accumulation: the FP8 accuracy tests' way to tell a kernel bug from the accumulator; ~3x slower
+# at M = 4096 on an H100 (docs/fp8.md).
+EXACT_DOT = False
 SPLIT_TILES = 1024  # split-K tiles one launch may count on (per-device int32 counters)
 
 
@@ -251,7 +257,7 @@ def _launch_gemm(a: torch.Tensor, a_scale: torch.Tensor | None, w: torch.Tensor,
             out if bias is None else bias, partials, counters, t, n, k, per_split, a.stride(0),
             w_scale.stride(0), out.stride(0), t * n, SCALE_BN=bn, BLOCK_M=cfg.block_m,
             BLOCK_N=cfg.block_n, BLOCK_K=bk, SPLIT_K=split, HAS_BIAS=bias is not None,
-            FP8_MAX=FP8_MAX, SWAP_AB=cfg.swap_ab, num_warps=cfg.num_warps,
+            FP8_MAX=FP8_MAX, SWAP_AB=cfg.swap_ab, EXACT_DOT=EXACT_DOT, num_warps=cfg.num_warps,
             num_stages=cfg.num_stages, **launch_kwargs(pdl))
         return out
     _fp8_block_matmul_kernel[grid](
@@ -260,7 +266,7 @@ def _launch_gemm(a: torch.Tensor, a_scale: torch.Tensor | None, w: torch.Tensor,
         *s_strides, w.stride(0), w_scale.stride(0), out.stride(0), t * n, SCALE_BN=bn,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=bk, SPLIT_K=split,
         QUANT_A=a_scale is None, HAS_BIAS=bias is not None, FP8_MAX=FP8_MAX,
-        EXACT_E4M3=not a.is_cuda, SWAP_AB=cfg.swap_ab,
+        EXACT_E4M3=not a.is_cuda, SWAP_AB=cfg.swap_ab, EXACT_DOT=EXACT_DOT,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_kwargs(pdl))
     return out
 
@@ -273,7 +279,8 @@ def _fp8_block_matmul_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, bias_ptr, part
                              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
                              QUANT_A: tl.constexpr, HAS_BIAS: tl.constexpr,
                              FP8_MAX: tl.constexpr, EXACT_E4M3: tl.constexpr,
-                             SWAP_AB: tl.constexpr, USE_PDL: tl.constexpr):
+                             SWAP_AB: tl.constexpr, EXACT_DOT: tl.constexpr,
+                             USE_PDL: tl.constexpr):
     """Program (m block, n block, K split): the K loop runs over BLOCK_K-wide groups, each tile
     product scaled by its activation-row scales and its weight block's scale. SWAP_AB: the
     product is formed as w_tile @ a_tile^T ([BLOCK_N, BLOCK_M]) and transposed once at the end.
@@ -286,13 +293,13 @@ def _fp8_block_matmul_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, bias_ptr, part
     pdl_wait(USE_PDL)
     acc = _fp8_group(a_rows, as_ptr, bs_ptr, b_first, g0, offs_m, offs_k, w_block, mask_m, mask_n,
                      k, stride_asm, stride_asg, stride_bsn, BLOCK_M, BLOCK_N, BLOCK_K, QUANT_A,
-                     FP8_MAX, EXACT_E4M3, SWAP_AB)
+                     FP8_MAX, EXACT_E4M3, SWAP_AB, EXACT_DOT)
     for g in range(g0 + 1, g1):
         kk = g * BLOCK_K + offs_k
         b = tl.load(b_rows + kk[None, :], mask=mask_n[:, None] & (kk < k)[None, :], other=0.0)
         acc += _fp8_group(a_rows, as_ptr, bs_ptr, b, g, offs_m, offs_k, w_block, mask_m, mask_n,
                           k, stride_asm, stride_asg, stride_bsn, BLOCK_M, BLOCK_N, BLOCK_K,
-                          QUANT_A, FP8_MAX, EXACT_E4M3, SWAP_AB)
+                          QUANT_A, FP8_MAX, EXACT_E4M3, SWAP_AB, EXACT_DOT)
     if SWAP_AB:
         acc = tl.trans(acc)  # [BLOCK_M, BLOCK_N]
     _write_tile(acc, c_ptr, bias_ptr, part_ptr, count_ptr, offs_m, offs_n, mask_m, mask_n, n,
@@ -305,7 +312,7 @@ def _fp8_tma_matmul_kernel(a_ptr, w_desc, bs_ptr, c_ptr, bias_ptr, part_ptr, cou
                            SCALE_BN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                            BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr,
                            FP8_MAX: tl.constexpr, SWAP_AB: tl.constexpr,
-                           USE_PDL: tl.constexpr):
+                           EXACT_DOT: tl.constexpr, USE_PDL: tl.constexpr):
     """`_fp8_block_matmul_kernel` with QUANT_A, its weight tiles [BLOCK_N, BLOCK_K] read through
     the tensor descriptor `w_desc` (TMA; out-of-bounds rows and columns arrive as zeros)."""
     offs_m, offs_n, mask_m, mask_n, offs_k, a_rows, w_block, g0, g1 = _program_tile(
@@ -314,12 +321,13 @@ def _fp8_tma_matmul_kernel(a_ptr, w_desc, bs_ptr, c_ptr, bias_ptr, part_ptr, cou
     b_first = w_desc.load([n0, g0 * BLOCK_K])
     pdl_wait(USE_PDL)
     acc = _fp8_group(a_rows, a_ptr, bs_ptr, b_first, g0, offs_m, offs_k, w_block, mask_m, mask_n,
-                     k, 0, 0, stride_bsn, BLOCK_M, BLOCK_N, BLOCK_K, True, FP8_MAX, False, SWAP_AB)
+                     k, 0, 0, stride_bsn, BLOCK_M, BLOCK_N, BLOCK_K, True, FP8_MAX, False, SWAP_AB,
+                     EXACT_DOT)
     for g in range(g0 + 1, g1):
         b = w_desc.load([n0, g * BLOCK_K])
         acc += _fp8_group(a_rows, a_ptr, bs_ptr, b, g, offs_m, offs_k, w_block, mask_m, mask_n,
                           k, 0, 0, stride_bsn, BLOCK_M, BLOCK_N, BLOCK_K, True, FP8_MAX, False,
-                          SWAP_AB)
+                          SWAP_AB, EXACT_DOT)
     if SWAP_AB:
         acc = tl.trans(acc)  # [BLOCK_M, BLOCK_N]
     _write_tile(acc, c_ptr, bias_ptr, part_ptr, count_ptr, offs_m, offs_n, mask_m, mask_n, n,
@@ -376,7 +384,7 @@ def _write_tile(acc, c_ptr, bias_ptr, part_ptr, count_ptr, offs_m, offs_n, mask_
 def _fp8_group(a_rows, as_ptr, bs_ptr, b, g, offs_m, offs_k, w_block, mask_m, mask_n, k,
                stride_asm, stride_asg, stride_bsn, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                BLOCK_K: tl.constexpr, QUANT_A: tl.constexpr, FP8_MAX: tl.constexpr,
-               EXACT_E4M3: tl.constexpr, SWAP_AB: tl.constexpr):
+               EXACT_E4M3: tl.constexpr, SWAP_AB: tl.constexpr, EXACT_DOT: tl.constexpr):
     """K group g's scaled product of the activation rows and the weight tile b [BLOCK_N,
     BLOCK_K]: [BLOCK_M, BLOCK_N], or its transpose under SWAP_AB."""
     kk = g * BLOCK_K + offs_k
@@ -388,7 +396,17 @@ def _fp8_group(a_rows, as_ptr, bs_ptr, b, g, offs_m, offs_k, w_block, mask_m, ma
         a_s = tl.load(as_ptr + offs_m * stride_asm + g * stride_asg, mask=mask_m, other=0.0)
     b_s = tl.load(bs_ptr + w_block * stride_bsn + g, mask=mask_n, other=0.0)  # [BN]
     if SWAP_AB:  # one return: Triton's frontend types every return of a function alike
-        part = tl.dot(b, tl.trans(a)) * b_s[:, None] * a_s[None, :]
+        part = fp8_dot(b, tl.trans(a), EXACT_DOT) * b_s[:, None] * a_s[None, :]
     else:
-        part = tl.dot(a, tl.trans(b)) * a_s[:, None] * b_s[None, :]
+        part = fp8_dot(a, tl.trans(b), EXACT_DOT) * a_s[:, None] * b_s[None, :]
     return part
+
+
+@triton.jit
+def fp8_dot(a, b, EXACT: tl.constexpr):
+    """a @ b of e4m3 tiles into float32; EXACT: through bf16 operands (module's EXACT_DOT)."""
+    if EXACT:
+        r = tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
+    else:
+        r = tl.dot(a, b)
+    return r

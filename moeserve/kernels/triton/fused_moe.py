@@ -19,6 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
+from moeserve.kernels.triton import fp8 as fp8_kernels
+from moeserve.kernels.triton.fp8 import fp8_dot
 from moeserve.kernels.triton.fused_moe_small import SMALL_MAX_PAIRS, fused_moe_small
 from moeserve.kernels.triton.moe_align import moe_align_block_size
 from moeserve.kernels.triton.moe_config import down_config, get_moe_config
@@ -34,7 +36,7 @@ def _moe_gemm_kernel(a_ptr, b_ptr, c_ptr, weight_ptr, sorted_ptr, expert_ptr, nu
                      SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr,
                      BLOCK_SIZE_M: tl.constexpr, BLOCK_SIZE_N: tl.constexpr,
                      BLOCK_SIZE_K: tl.constexpr, GROUP_SIZE_M: tl.constexpr,
-                     USE_PDL: tl.constexpr):
+                     EXACT_DOT: tl.constexpr, USE_PDL: tl.constexpr):
     """c[pair, n] = a[pair // ROW_DIV] @ b[expert, n]^T for the pairs of one expert block.
     GATED: b holds [gate | up] rows (N each), c = silu(gate) * up. WEIGHTED: c *= weight[pair].
     FP8: a and b are e4m3; a row's scale per SCALE_BK channels is as[row, k // SCALE_BK] and b's
@@ -78,7 +80,7 @@ def _moe_gemm_kernel(a_ptr, b_ptr, c_ptr, weight_ptr, sorted_ptr, expert_ptr, nu
             a_s = tl.load(as_ptr + (pair // ROW_DIV).to(tl.int64) * stride_asm + g, mask=row_ok,
                           other=0.0)  # [BM]
             b_s = tl.load(bs_ptr + expert * stride_bse + (offs_bn // SCALE_BN) * stride_bsn + g)
-            acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]
+            acc += fp8_dot(a, b, EXACT_DOT) * a_s[:, None] * b_s[None, :]
         else:
             acc = tl.dot(a, b, acc=acc)
         if GATED:
@@ -89,7 +91,7 @@ def _moe_gemm_kernel(a_ptr, b_ptr, c_ptr, weight_ptr, sorted_ptr, expert_ptr, nu
             if FP8:
                 b_s_up = tl.load(bs_ptr + expert * stride_bse
                                  + (up_scale_rows + offs_bn // SCALE_BN) * stride_bsn + g)
-                acc_up += tl.dot(a, b_up) * a_s[:, None] * b_s_up[None, :]
+                acc_up += fp8_dot(a, b_up, EXACT_DOT) * a_s[:, None] * b_s_up[None, :]
             else:
                 acc_up = tl.dot(a, b_up, acc=acc_up)
         a_ptrs += BLOCK_SIZE_K * stride_ak
@@ -146,7 +148,8 @@ def _grouped_gemm(a, b, c, weights, sorted_ids, expert_ids, num_post, row_div, g
         WEIGHTED=weights is not None, EVEN_K=kdim % bk == 0, FP8=fp8, SCALE_BN=block[0],
         SCALE_BK=block[1], BLOCK_SIZE_M=bm,
         BLOCK_SIZE_N=bn, BLOCK_SIZE_K=bk, GROUP_SIZE_M=cfg["GROUP_SIZE_M"],
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch_kwargs(pdl))
+        EXACT_DOT=fp8 and fp8_kernels.EXACT_DOT, num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"], **launch_kwargs(pdl))
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
