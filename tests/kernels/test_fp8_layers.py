@@ -145,13 +145,14 @@ def test_gemm_path_by_static_m(monkeypatch):
 
 def test_fp8_linear_dispatch_with_the_probe_forced_both_ways(monkeypatch):
     """Probe accepted (M padded to 4, column-major activation scales written by the quant
-    kernel): M = 37 runs torch._scaled_mm once, M = 8 the fused kernel; probe failed: Triton.
-    Every path equals float64 on the dequantized weights and the quantized activations."""
+    kernel): M = 37 runs torch._scaled_mm once, M = 8 the fused kernel; a biased layer at M = 37
+    the Triton GEMM (its epilogue adds the bias before the one rounding; after _scaled_mm's bf16
+    output it would round twice); probe failed: Triton. Every path equals float64 on the
+    dequantized weights and the quantized activations."""
     g = torch.Generator().manual_seed(4)
-    layer = Fp8Linear(512, 320, bias=True, backend="triton", bias_dtype=DTYPE, device=DEVICE)
+    layer = Fp8Linear(512, 320, backend="triton", device=DEVICE)
     _fill(layer, (torch.randn(320, 512, generator=g) * 0.05).to(DEVICE))
-    layer.bias.data.copy_(torch.randn(320, generator=g))
-    w, bias = layer.dequantized().double().cpu(), layer.bias.double().cpu()
+    w = layer.dequantized().double().cpu()
     calls: list = []
     ran = _record_calls(monkeypatch, kernels, ("fp8_quant_matmul", "fp8_block_matmul"))
     monkeypatch.setattr(torch, "_scaled_mm", _fake_scaled_mm(calls))
@@ -161,12 +162,19 @@ def test_fp8_linear_dispatch_with_the_probe_forced_both_ways(monkeypatch):
         x = torch.randn(m, 512, generator=g).to(DEVICE, DTYPE)
         out = layer(x)
         assert out.shape == (m, 320) and len(calls) == n_calls and ran == triton_calls
-        assert _rel(out, _quantized_rows(x).cpu() @ w.T + bias) < TOL
+        assert _rel(out, _quantized_rows(x).cpu() @ w.T) < TOL
     assert calls[0][:2] == ((40, 512), (1, 40)) and calls[0][2:] == ((4, 3), (1, 4))
+    biased = Fp8Linear(512, 320, bias=True, backend="triton", bias_dtype=DTYPE, device=DEVICE)
+    biased.load_state_dict(layer.state_dict(), strict=False)
+    biased.bias.data.copy_(torch.randn(320, generator=g))
+    bias = biased.bias.double().cpu()
+    x = torch.randn(37, 512, generator=g).to(DEVICE, DTYPE)
+    assert _rel(biased(x), _quantized_rows(x).cpu() @ w.T + bias) < TOL
+    assert len(calls) == 1 and ran[-1] == "fp8_block_matmul"
     monkeypatch.setattr(lin, "scaled_mm_layout", lambda device: None)  # the probe failed
     x = torch.randn(37, 512, generator=g).to(DEVICE, DTYPE)
-    assert _rel(layer(x), _quantized_rows(x).cpu() @ w.T + bias) < TOL
-    assert len(calls) == 1 and ran[-1] == "fp8_block_matmul"
+    assert _rel(layer(x), _quantized_rows(x).cpu() @ w.T) < TOL
+    assert len(calls) == 1 and ran[-2:] == ["fp8_block_matmul", "fp8_block_matmul"]
 
 
 @pytest.mark.parametrize("lead", [(1,), (1, 1)])
