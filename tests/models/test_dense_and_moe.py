@@ -68,6 +68,7 @@ def test_bf16_runs_and_agrees_loosely(tiny_model):
     assert torch.isfinite(ours).all()
 
 
+@pytest.mark.usefixtures("fast_paths_unforced")  # a test of the fast path itself
 def test_cpu_kernels_run_by_default_and_match_the_torch_ops(tiny_model):
     """A CPU runner uses the C kernels unless told not to (so the parity tests above exercise
     them), and its bf16 decode agrees with the torch-op runner's on the same weights: logits
