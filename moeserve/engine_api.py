@@ -193,10 +193,9 @@ class Engine:
 
 
 def _multi_rank_core(cfg: MoeserveConfig):
-    from transformers import AutoTokenizer
-
     from moeserve.engine_client import MultiRankCore
     from moeserve.scheduler.setup import resolve_model_path
+    from moeserve.tokenizer.loading import load_tokenizer
 
     path = resolve_model_path(cfg)
-    return MultiRankCore(cfg, path, AutoTokenizer.from_pretrained(path))
+    return MultiRankCore(cfg, path, load_tokenizer(path))

@@ -41,10 +41,10 @@ def eos_token_ids(model_path: str, hf_config, tokenizer) -> set[int]:
 
 def build_scheduler(cfg: MoeserveConfig, io: SchedulerIO, mesh: ParallelMesh | None = None):
     """→ (Scheduler, tokenizer) for one rank (single-rank mesh by default)."""
-    from transformers import AutoTokenizer
+    from moeserve.tokenizer.loading import load_tokenizer
 
     path = resolve_model_path(cfg)
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer = load_tokenizer(path)
     runner = ModelRunner(cfg, path, mesh)
     eos = eos_token_ids(path, runner.hf_config, tokenizer)
 
