@@ -43,9 +43,11 @@ class InProcessCore:
 
     def __init__(self, cfg: MoeserveConfig):
         from moeserve.scheduler.setup import build_scheduler
+        from moeserve.tokenizer.loading import loaded
 
         self.io = InProcessIO()
-        self.scheduler, self.tokenizer = build_scheduler(cfg, self.io)
+        self.scheduler, tokenizer = build_scheduler(cfg, self.io)
+        self.tokenizer = loaded(tokenizer)  # the Engine tokenizes and renders chats
 
     def run(self, reqs: list[GenerateReq]) -> dict[str, list[TokenOutput]]:
         self.io.inbox.extend(reqs)
