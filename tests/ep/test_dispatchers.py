@@ -3,8 +3,8 @@
 On 2 and 4 gloo ranks with uneven token counts (one rank idle, then all idle), with and without the
 per-rank counts given, and with two dispatches in flight, plain and overlapped (the TBO path: the
 CUDA side-stream calls run through a recording stand-in, DeepEP gets its stream options). p2p runs
-over shared-memory files. deepep runs against the in-repo emulation in fake_deep_ep.py. The cases of a world size run in
-one pool of rank processes (RankPool).
+over shared-memory files. deepep runs against the in-repo emulation in fake_deep_ep.py. The
+cases of a world size run in one pool of rank processes (RankPool).
 """
 
 from __future__ import annotations
