@@ -15,7 +15,7 @@ from moeserve.models.embedded import embedded_model_path
 from moeserve.tokenizer.loading import LazyTokenizer, declared_eos_id, load_tokenizer, loaded
 
 
-@pytest.mark.parametrize("arch", [None, "llama", "deepseek_v3"])
+@pytest.mark.parametrize("arch", [None, "llama"])  # every tiny arch has make_tiny's tokenizer
 def test_declared_eos_is_what_transformers_loads(tiny_model, arch):
     path = embedded_model_path() if arch is None else tiny_model(arch)
     assert declared_eos_id(path) == AutoTokenizer.from_pretrained(path).eos_token_id
