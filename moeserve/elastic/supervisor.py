@@ -228,10 +228,11 @@ class ElasticSupervisor:
                 continue
             took = min(steps) - m.event_time
             kind = "rejoin" if m.joining else "failure"
-            self.metrics.recoveries.labels(kind).inc()
+            # ranks_alive first: a reader that sees the recovery counted sees its membership too
+            self.metrics.ranks_alive.set(len(m.ranks))
             self.metrics.recovery_seconds.observe(took)
             self.metrics.last_recovery_seconds.set(took)
-            self.metrics.ranks_alive.set(len(m.ranks))
+            self.metrics.recoveries.labels(kind).inc()
             for rank in m.joining:
                 self.joining.pop(rank, None)
                 self.to_controller.put(RankUp(rank=rank))
