@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 
 import pytest
+from fast_paths import unforce_fast_paths
 
 # Under pytest-xdist each worker (and every server it starts) runs one forward thread: two
 # workers of two OpenMP threads each on 2 cores spin in each other's barriers (env.usable_cpus).
@@ -37,15 +38,6 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords or "multigpu" in item.keywords:
             item.add_marker(skip)
-
-
-def unforce_fast_paths(mp: pytest.MonkeyPatch) -> None:
-    """Clear every MOESERVE_DISABLE_* variable: for the tests of the fast paths themselves, which
-    must test them even in a run that forces them off everywhere else."""
-    from moeserve.env import FAST_PATH_FLAGS
-
-    for var in FAST_PATH_FLAGS:
-        mp.delenv(var, raising=False)
 
 
 @pytest.fixture

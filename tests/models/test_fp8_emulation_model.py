@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import unforce_fast_paths
+from fast_paths import unforce_fast_paths
 
 from moeserve.bench.fp8_accuracy import TINY, compare, make_runner, model_path, run_variant
 from moeserve.env import FAST_PATH_FLAGS
