@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from moeserve.config import DisaggregationConfig
 from moeserve.core import Req
 from moeserve.disaggregation.bootstrap import fetch_route, probe
+from moeserve.disaggregation.heartbeat import Heartbeats
 from moeserve.disaggregation.link import ControlLink
 from moeserve.disaggregation.messages import KVDestination, KVDone
 from moeserve.disaggregation.regions import KVRegions
@@ -28,7 +29,6 @@ from moeserve.ipc.messages import Bootstrap
 logger = logging.getLogger(__name__)
 
 ROUTE_TIMEOUT_S = 5.0
-PROBE_TIMEOUT_S = 1.0
 
 
 @dataclass
@@ -73,8 +73,7 @@ class DecodeRole:
         # link thread only
         self._routes: dict[tuple[str, int], dict] = {}
         self._asked: dict[int, tuple[str, int]] = {}  # room → bootstrap of its prefill
-        self._misses: dict[tuple[str, int], int] = {}
-        self._next_probe = 0.0
+        self.heartbeats = Heartbeats(probe, cfg.heartbeat_interval_s, cfg.heartbeat_max_failures)
         self.link = ControlLink(cfg.host, self._on_message, self._on_tick)
 
     # ---- scheduler hooks (loop thread) ----------------------------------------------------------
@@ -128,6 +127,7 @@ class DecodeRole:
             len(s) for _, s, _ in self._quarantine.values())
 
     def close(self) -> None:
+        self.heartbeats.close()
         self.link.close()
         self.transfer.close()
 
@@ -240,22 +240,13 @@ class DecodeRole:
                                     dead_peer=not msg.ok, draft=draft))
 
     def _on_tick(self, now: float) -> None:
-        """Heartbeats: probe each prefill server that owes KV; after heartbeat_max_failures misses
-        in a row, fail its rooms and forget its route (a restarted server has new ranks)."""
-        if now < self._next_probe:
-            return
-        self._next_probe = now + self.cfg.heartbeat_interval_s
-        for peer in set(self._asked.values()):
-            if probe(*peer, PROBE_TIMEOUT_S):
-                self._misses.pop(peer, None)
-                continue
-            self._misses[peer] = self._misses.get(peer, 0) + 1
-            if self._misses[peer] < self.cfg.heartbeat_max_failures:
-                continue
+        """Fail the rooms of each prefill server the heartbeat thread declared dead, and forget
+        its route (a restarted server has new ranks); then tell it whom to watch."""
+        for peer in self.heartbeats.dead():
             self._routes.pop(peer, None)
-            self._misses.pop(peer, None)
             for room in [r for r, b in self._asked.items() if b == peer]:
                 del self._asked[room]
                 self._done.put(_Outcome(room, False, dead_peer=True, error=(
                     f"the prefill server at {peer[0]}:{peer[1]} stopped answering "
                     f"({self.cfg.heartbeat_max_failures} missed heartbeats)")))
+        self.heartbeats.watch(frozenset(self._asked.values()))

@@ -178,6 +178,7 @@ def chat_stream(url: str, **body) -> tuple[str, str]:
         assert resp.status_code == 200
         events = [json.loads(line[6:]) for line in resp.iter_lines()
                   if line.startswith("data: ") and line != "data: [DONE]"]
+    assert not [e for e in events if "error" in e], events
     text = "".join(e["choices"][0]["delta"].get("content") or "" for e in events if e["choices"])
     finish = [e["choices"][0].get("finish_reason") for e in events if e["choices"]][-1]
     return text, finish
