@@ -13,6 +13,7 @@ QUANTIZATIONS = ("auto", "none", "fp8")
 FP8_GEMMS = ("triton", "deep_gemm")
 ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")
 MLA_FORMS = ("auto", "absorbed", "mha")
+EXTEND_BLOCK_MS = (None, 64, 128)  # attention.extend_block_m
 MOE_BACKENDS = ("auto", "torch", "triton")
 DEVICES = ("auto", "cpu", "cuda")
 SCHEDULE_POLICIES = ("lpm", "fcfs")
@@ -202,6 +203,10 @@ class AttentionConfig:
     # KV positions decompressed at once by the MHA form (all requests of the step together):
     # bounds its K/V buffer, [chunk, heads, nope + v], whatever the prompt length
     mla_mha_chunk_tokens: int = 8192
+    # query rows per program of the Triton extend (prefill) attention for keys of <= 128
+    # channels: 64 | 128 (fewer K/V re-reads per FLOP, two warpgroups); None: the kernel's
+    # default (64). MLA's absorbed latent keeps 32 (kernels/triton/attention_extend.py)
+    extend_block_m: int | None = None
 
 
 @dataclass(frozen=True)

@@ -27,10 +27,11 @@ class ExtendMetadata:
     blk_m: torch.Tensor  # [NB] its block index within the request's new tokens
 
 
-def extend_block_m_of(pool: KVPool) -> int:
-    """The extend block table's granularity for a pool's key width (the kernel's BLOCK_M)."""
+def extend_block_m_of(pool: KVPool, rows: int | None = None) -> int:
+    """The extend block table's granularity for a pool's key width (the kernel's BLOCK_M);
+    `rows`: attention.extend_block_m."""
     main = pool.kv_lora_rank if isinstance(pool, MLAKVPool) else pool.key_buffer(0).shape[-1]
-    return extend_block_m(main)
+    return extend_block_m(main, rows)
 
 
 class TritonAttentionBackend(AttentionBackend):
@@ -47,9 +48,15 @@ class TritonAttentionBackend(AttentionBackend):
     graph_safe = True
     extend_graph_safe = True  # extend reads only ExtendMetadata tensors (static in a graph)
 
-    def __init__(self, num_kv_splits: int | None = None, pdl: bool = False):
+    def __init__(self, num_kv_splits: int | None = None, pdl: bool = False,
+                 extend_block_m: int | None = None):
         self.num_kv_splits = num_kv_splits  # None: by batch size (`kv_splits`)
         self.pdl = pdl  # decode kernels as programmatic dependent launches (kernels/triton/pdl.py)
+        self.extend_rows = extend_block_m  # attention.extend_block_m; None: the kernel's choice
+
+    def extend_block_m(self, pool: KVPool) -> int:
+        """Query rows per extend program (and block-table entry) for this pool."""
+        return extend_block_m_of(pool, self.extend_rows)
 
     def kv_splits(self, batch: int, programs_per_request: int, mla: bool = False) -> int:
         """The fewest splits (a power of two, 1 to 32) that give the decode kernel ~512 programs
@@ -71,7 +78,7 @@ class TritonAttentionBackend(AttentionBackend):
         starts = [0]
         for n in lens:
             starts.append(starts[-1] + n)
-        reqs, blocks = extend_blocks(lens, extend_block_m_of(fb.kv_pool))
+        reqs, blocks = extend_blocks(lens, self.extend_block_m(fb.kv_pool))
         host = torch.tensor(starts + fb.extend_prefix_lens_cpu + reqs + blocks, dtype=torch.int32)
         dev = to_device(host, fb.req_pool_indices.device)  # one copy, not waiting for the stream
         nb = len(reqs)
@@ -125,7 +132,7 @@ class TritonAttentionBackend(AttentionBackend):
         meta: ExtendMetadata = fb.attn_metadata
         extend_attention(q, k_buf, v_buf, table, fb.req_pool_indices, meta.qo_start,
                          meta.prefix_lens, meta.blk_req, meta.blk_m, spec.scaling, dk,
-                         spec.v_head_dim, out)
+                         spec.v_head_dim, out, block_m=self.extend_block_m(pool))
         return out
 
 

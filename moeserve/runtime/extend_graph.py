@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moeserve.attention.triton_backend import ExtendMetadata, extend_block_m_of
+from moeserve.attention.triton_backend import ExtendMetadata
 from moeserve.core import ForwardMode
 from moeserve.forward_batch import ForwardBatch
 from moeserve.host_copy import to_device
@@ -131,7 +131,7 @@ class ExtendGraphRunner:
         self.runner = runner
         self.max_tokens = max_tokens
         self.buckets = extend_buckets(max_tokens)
-        self.block_m = extend_block_m_of(runner.memory.pool)
+        self.block_m = runner.attn_backend.extend_block_m(runner.memory.pool)
         self.max_reqs = min(max_reqs, max_tokens)
         max_blocks = blocks_in_bucket(max_tokens, self.max_reqs, self.block_m)
         self.static = StaticExtendInputs.allocate(max_tokens, self.max_reqs, max_blocks,

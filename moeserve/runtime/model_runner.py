@@ -155,7 +155,8 @@ class ModelRunner:
         name = attention_backend_name(self.cfg, self.device, self.cpu_kernels is not None,
                                       env().triton_interpret)
         if name == "triton":
-            return create_attention_backend(name, pdl=self.pdl)
+            return create_attention_backend(name, pdl=self.pdl,
+                                            extend_block_m=self.cfg.attention.extend_block_m)
         return create_attention_backend(name, *([self.cpu_kernels] if name == "cpu" else []))
 
     def _gpu_ops(self):

@@ -95,12 +95,13 @@ class _World:
             attn_backend=backend)
 
     def step(self, rows: list[int], new: list[int] | None = None, tol: float = 1e-5,
-             splits: int = 4) -> torch.Tensor:
+             splits: int = 4, extend_rows: int | None = None) -> torch.Tensor:
         """One forward (decode when `new` is None): checks the stored K/V and the output against
-        the oracle and the torch backend; returns the triton output."""
+        the oracle and the torch backend; returns the triton output. `extend_rows`: the
+        backend's attention.extend_block_m."""
         decode = new is None
         new = [1] * len(rows) if decode else new
-        triton_be = TritonAttentionBackend(num_kv_splits=splits)
+        triton_be = TritonAttentionBackend(num_kv_splits=splits, extend_block_m=extend_rows)
         fb = self.batch(rows, new, decode, triton_be)
         t = sum(new)
         q = self._randn(t, self.h, self.spec.head_dim)
@@ -168,6 +169,20 @@ def test_mixed_step_one_token_requests(shape, device, dtype, tol):
     w = _World(shape, device, dtype, seed=6)
     w.step([0, 1, 2, 3], [3, 70, 1, 33], tol=tol)
     w.step([0, 1, 4, 2, 3], [1, 1, 40, 1, 1], tol=tol)
+
+
+@pytest.mark.parametrize("device,dtype,tol", DEVICES)
+@pytest.mark.parametrize("shape", ["gqa2", "gqa8", "mla_odd", "mla_wide"])
+def test_extend_in_128_row_blocks(shape, device, dtype, tol):
+    """attention.extend_block_m=128 (two warpgroups a program): a prompt of two blocks, then a
+    MIXED-shaped step whose chunk of two blocks starts on a prefix that is not a block multiple,
+    with one-token requests packed by heads; a latent wider than 128 keeps its 32-row blocks."""
+    w = _World(shape, device, dtype, seed=7)
+    be = TritonAttentionBackend(extend_block_m=128)
+    assert be.extend_block_m(w.pool) == (32 if w.d > 128 else 128)
+    w.step([0, 3], [150, 7], tol=tol, extend_rows=128)
+    w.step([0, 3, 5], [1, 140, 2], tol=tol, extend_rows=128)
+    w.step([0, 3], tol=tol, extend_rows=128)  # decode is untouched by the setting
 
 
 @pytest.mark.parametrize("device,dtype,tol", DEVICES)

@@ -40,6 +40,7 @@ def test_unknown_keys_and_wrong_types_fail_in_hydra(override):
     ("attention.backend=magic", "attention.backend"),
     ("attention.backend=cpu device=cuda", "attention.backend"),
     ("attention.backend=cpu model.cpu_kernels=false", "attention.backend"),
+    ("attention.extend_block_m=96", "attention.extend_block_m"),
 ])
 def test_invalid_values_name_the_key(override, key):
     with pytest.raises(ConfigError) as err:

@@ -22,10 +22,21 @@ PAD_BLOCK, NO_BLOCK = -1, -2  # block-table request entries: zero-fill padding r
 ONE_TOKEN = -1  # block-table block entry: a one-token request, its heads packed into the rows
 
 
-def extend_block_m(dk: int) -> int:
+def extend_block_m(dk: int, rows: int | None = None) -> int:
     """Query rows per program: 32 for wide keys (MLA's 512-channel latent) so the tiles fit in
-    registers, else 64."""
-    return 32 if dk > 128 else 64
+    registers, else `rows` (`attention.extend_block_m`: 64 or 128) or 64.
+    Why 128 is offered: at 64 rows each program reads a K/V block (32 KB at D = 128) for 2 MFLOP
+    of dots, so the heads' programs of a causal 4096-token prefill need ~12 TB/s of L2 traffic at
+    the matmul peak; 128 rows halve that (docs/gpu_decode.md, the prefill section)."""
+    if dk > 128:
+        return 32
+    return 64 if rows is None else rows
+
+
+def extend_launch(block_m: int) -> tuple[int, int]:
+    """(BLOCK_N, num_warps) of the extend kernel for its query rows: a 128-row tile takes two
+    warpgroups (each wgmma covers 64 rows)."""
+    return {32: (32, 8), 64: (64, 4), 128: (64, 8)}[block_m]
 
 
 def extend_blocks(extend_lens: list[int], block_m: int) -> tuple[list[int], list[int]]:
@@ -60,7 +71,8 @@ def extend_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor |
                      req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
                      qo_start: torch.Tensor, prefix_lens: torch.Tensor, blk_req: torch.Tensor,
                      blk_m: torch.Tensor, scale: float, dk: int, dv: int,
-                     out: torch.Tensor) -> None:
+                     out: torch.Tensor, block_m: int | None = None,
+                     tile: tuple[int, int, int] | None = None) -> None:
     """Causal attention of each request's new tokens over its pool KV.
 
     q: [T, H, Dq] (Dq = dk + dpe; token-major, request i owns rows qo_start[i]:qo_start[i+1]),
@@ -70,7 +82,10 @@ def extend_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor |
     PAD_BLOCK entry zero-fills rows [blk_m[j], blk_m[j] + block) of out (a CUDA graph's padding
     tokens) and a NO_BLOCK entry does nothing. Heads are the grid's fast axis, so the programs
     of one query block run together and share its K/V through L2. Every size is a tensor shape, so a graph can
-    capture it and replay it with other contents.
+    capture it and replay it with other contents. `block_m`: the block table's rows per block
+    (default `extend_block_m(dk)`; it must be the size the table was built with). `tile`:
+    (BLOCK_N, num_warps, num_stages) instead of `extend_launch`'s (bench.prefill_kernels sweeps
+    it); BLOCK_N and the stages still shrink to fit shared memory.
     """
     t, h, dq = q.shape
     nb = blk_req.shape[0]
@@ -81,11 +96,14 @@ def extend_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor |
     v_is_k = v_buf is None
     assert not v_is_k or dv == dk, "MLA: the value is the main part of the key"
     v_buf = k_buf if v_is_k else v_buf
-    block_m = extend_block_m(dk)
-    block_n, warps = (32, 8) if block_m == 32 else (64, 4)
+    block_m = extend_block_m(dk) if block_m is None else block_m
+    block_n, warps = extend_launch(block_m)
+    stages = 2
+    if tile is not None:
+        block_n, warps, stages = tile
     block_n, stages = fit_kv_tile(q.element_size(), block_m, block_n,
                                   block_dim(dk) + (block_dim(dpe) if dpe > 0 else 0),
-                                  block_dim(dv), v_is_k, 2)
+                                  block_dim(dv), v_is_k, stages)
     _extend_kernel[(h, nb)](
         q, k_buf, v_buf, out, req_to_token, req_pool_indices, qo_start, prefix_lens,
         blk_req, blk_m, t, h, heads_per_packed_program(h // hkv, block_m), scale * LOG2E, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
