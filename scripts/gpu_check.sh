@@ -32,6 +32,9 @@
 #   issue44 / issue44_bench: issue 44's GPU test matrix + MLA-chunk kernel tests / the MLA form
 #   tables (absorbed vs MHA by step tokens and prompt length) and one_batch prefill against the
 #   measured matmul peak; on an H200 either first writes $OUT/h200.json (bench.op_costs).
+#   prefill_ab: issue 44's Qwen3 prefill target in one call: bench.prefill_kernels (fused-MoE
+#   configs, extend attention tiles) and one_batch prefill at 4096 tokens, today's defaults
+#   against attention.extend_block_m=128 / another GPU's MoE tables / both (knobs in the mode).
 #   fp8acc: issue 44's FP8 accuracy tests (kernels vs their float64 emulation, per layer and
 #   whole model) and the bench.fp8_accuracy KL / top-1 table; on an H200 then bench.op_costs.
 #   pdl: programmatic dependent launch: its kernel-chain test, one_batch Qwen3-30B-A3B with PDL
@@ -104,6 +107,38 @@ if [[ $what == issue44_bench ]]; then
       -o cache.max_total_tokens=20000 -o cuda_graph.max_bs=4 2>&1 \
       | grep -v -E "Warning|warn|capturing" | tee -a "$OUT/i44_one_batch.log"
   done
+fi
+
+if [[ $what == prefill_ab ]]; then
+  # issue 44's Qwen3 prefill target, one call: bench.prefill_kernels (fused-MoE configs and extend
+  # attention tiles at 4096 tokens against the measured matmul peak), then one_batch prefill of
+  # Qwen3-30B-A3B at 4096 with today's defaults against each candidate setting, the same run:
+  # attention.extend_block_m=128, the shipped tables of another GPU (PA_TABLE_FROM, default
+  # NVIDIA_H200) under this GPU's name as moe.config_dir, and both. On an H200 first h200.json.
+  if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 && [ "${I44_OPCOSTS:-1}" = 1 ]; then
+    timeout ${I44_OPCOSTS_TIMEOUT:-200} python3 -m moeserve.bench.op_costs --out "$OUT/h200.json" \
+      2>&1 | grep -v -E "Warning|warn" | tail -5
+  fi
+  python3 -m moeserve.tools.make_random --shape qwen3_30b_a3b --config-only \
+    --out /tmp/q3moe_full >/dev/null
+  if [ "${PA_KERNELS:-1}" = 1 ]; then
+    timeout ${PA_KERNELS_TIMEOUT:-240} python3 -m moeserve.bench.prefill_kernels \
+      --out "$OUT/prefill_kernels.json" ${PA_KERNEL_ARGS:-} 2>&1 | grep -v -E "Warning|warn" \
+      | tee "$OUT/prefill_kernels.log"
+  fi
+  dev=$(python3 -c "from moeserve.kernels.triton.moe_config import device_name as d; print(d())")
+  mkdir -p /tmp/moe_alias
+  for f in moeserve/kernels/triton/moe_configs/*device=${PA_TABLE_FROM:-NVIDIA_H200}.json; do
+    b=$(basename "$f"); cp "$f" "/tmp/moe_alias/${b%device=*}device=$dev.json"
+  done
+  both="attention.extend_block_m=128 moe.config_dir=/tmp/moe_alias"
+  timeout ${PA_OB_TIMEOUT:-330} python3 -m moeserve.bench.one_batch --model /tmp/q3moe_full \
+    --batch ${PA_BATCHES:-1} --input-len 4096 --output-len 4 --warmup 1 \
+    --compare-with attention.extend_block_m=128 --compare-with moe.config_dir=/tmp/moe_alias \
+    --compare-with "$both" ${PA_OB_ARGS:-} -o model.load_format=dummy -o device=cuda \
+    -o scheduler.chunked_prefill_size=4096 -o cache.max_total_tokens=20000 \
+    -o cuda_graph.max_bs=4 2>&1 | grep -v -E "Warning|warn|capturing" \
+    | tee "$OUT/prefill_ab.log"
 fi
 
 if [[ $what == fp8acc ]]; then

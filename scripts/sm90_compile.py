@@ -12,12 +12,12 @@ Triton's compiler itself needs no GPU, only a target. So:
         [--set EXACT_E4M3=False] [--dtype float32=bfloat16]
 
 `compile` prints one row per distinct launch: shared memory against the limit, registers per
-thread, the matrix instructions in the SASS (HGMMA/QGMMA: wgmma; HMMA: mma.sync) and local-memory spills (LDL/STL),
-or the compile error. Tensor arguments are recorded by dtype (16-byte aligned, as the caching
-allocator gives them); integers by value, so the specialization on divisibility by 16 matches the
-real launch. What differs from a GPU run: configs chosen on the host from the device (moe_config
-tables, `x.is_cuda` switches) are the CPU ones unless `--set` overrides a constexpr, and the
-dtypes are the test's (`--dtype` remaps them).
+thread, the matrix instructions in the SASS (HGMMA/QGMMA: wgmma; HMMA: mma.sync) and
+local-memory spills (LDL/STL), or the compile error. Tensor arguments are recorded by dtype
+(16-byte aligned, as the caching allocator gives them); integers by value, so the specialization on
+divisibility by 16 matches the real launch. What differs from a GPU run: configs chosen on the
+host from the device (moe_config tables, `x.is_cuda` switches) are the CPU ones unless `--set`
+overrides a constexpr, and the dtypes are the test's (`--dtype` remaps them).
 """
 
 from __future__ import annotations

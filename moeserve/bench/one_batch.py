@@ -290,8 +290,9 @@ def main(argv: list[str] | None = None) -> None:
                    help="run as configured (e.g. FP8 from model.quantization=auto|fp8), then "
                         "again with model.quantization=none (bf16), and print the decode speedup")
     p.add_argument("--compare-with", action="append", default=[], metavar="OVERRIDE",
-                   help="run again with this extra override (e.g. model.pdl=false), rows "
-                        "labelled by it, and print the decode speedup against it; repeatable")
+                   help="run again with this extra override (e.g. model.pdl=false; several "
+                        "separated by spaces), rows labelled by it, and print the decode "
+                        "speedup against it; repeatable")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("-o", "--override", action="append", default=[])
     p.add_argument("--profile", action="store_true",
@@ -336,7 +337,7 @@ def main(argv: list[str] | None = None) -> None:
     for extra in args.compare_with:
         del runner
         _free(dev)
-        runner = ModelRunner(compose([*overrides, extra]), path)
+        runner = ModelRunner(compose([*overrides, *extra.split()]), path)
         print(_weights_line(runner), flush=True)
         _, decode_other = _bench_runner(runner, args, bw, extra)
         _speedup_table({label: decode, extra: decode_other})

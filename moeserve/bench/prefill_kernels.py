@@ -1,0 +1,239 @@
+"""`python -m moeserve.bench.prefill_kernels`: the two kernels that hold a Qwen3-30B-A3B prefill
+step back (issue 44), each launch config against the matmul peak that the same run measures.
+
+A 4096-token Qwen3-30B-A3B prefill step on an H100 (docs/gpu_decode.md): fused-MoE GEMMs 47.3 ms
+(313 TFLOP/s), the Triton extend attention 23.5 ms (280 TFLOP/s), against a 782 TFLOP/s 8192^3
+bf16 matmul. Both are tiles reading operands from L2 at a rate near its limit; this bench times
+the tiles that would read less per FLOP, so one device call can choose the defaults:
+
+- fused MoE (`fused_moe`, the whole call: align, gate/up GEMM with silu * up, down GEMM, top-k
+  sum), Qwen3's experts (E 128, H 2048, I 768, top-8), random routing: the shape heuristic
+  (`default_config`, what a GPU without a tuned table runs), each shipped table's entry for this
+  token count (tuned on another GPU), and PREFILL_SPACE; `pad` is the share of rows that the
+  expert blocks of BLOCK_SIZE_M add (they are multiplied like real rows);
+- extend attention (`extend_attention`): one prompt of T new tokens (plus a cached prefix with
+  --prefix) of Qwen3's heads (32 query, 4 KV, D 128), by (BLOCK_M, BLOCK_N, warps, stages).
+
+Every config's output is checked against the first row's (and the first row against torch) before
+it is timed; rows that do not compile, do not fit or disagree are listed as skipped. TFLOP/s
+counts the useful FLOPs (routed pairs, causal pairs); % peak divides by the measured matmul
+rate. Each call is timed replayed in a CUDA graph (as the extend graphs run prefill chunks).
+`--out FILE` writes every row as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+
+# (BLOCK_SIZE_M, BLOCK_SIZE_N, BLOCK_SIZE_K, GROUP_SIZE_M, num_warps, num_stages[, down
+# (BLOCK_SIZE_N, BLOCK_SIZE_K, GROUP_SIZE_M, num_warps, num_stages)]): 64- and 128-row blocks with
+# tiles from the heuristic's 64 x 64 (x 2 for gate and up) up to 128 x 128 (x 2) and down tiles
+# of 128-256 columns; all fit the H100's shared memory in bf16 (scripts/sm90_compile.py)
+PREFILL_SPACE = [
+    (64, 64, 64, 8, 4, 4), (64, 128, 64, 8, 4, 4), (64, 128, 64, 8, 8, 3),
+    (64, 128, 64, 8, 8, 3, (256, 64, 8, 8, 3)), (64, 256, 64, 8, 8, 3),
+    (128, 64, 64, 8, 4, 4), (128, 64, 64, 8, 8, 4), (128, 64, 128, 8, 8, 3),
+    (128, 128, 64, 8, 8, 3), (128, 128, 64, 8, 8, 4), (128, 128, 64, 1, 8, 3),
+    (128, 128, 64, 16, 8, 3), (128, 128, 128, 8, 8, 2),
+    (128, 128, 64, 8, 8, 3, (256, 64, 8, 8, 3)), (128, 128, 64, 8, 8, 3, (128, 64, 8, 8, 4)),
+    (128, 128, 64, 8, 8, 3, (128, 128, 8, 8, 3)), (128, 64, 64, 8, 8, 4, (256, 64, 8, 8, 3)),
+]
+# (BLOCK_M, BLOCK_N, num_warps, num_stages): the default (64, 64, 4, 2) first
+ATTENTION_TILES = [(64, 64, 4, 2), (64, 128, 4, 2), (64, 64, 8, 2), (128, 64, 8, 2),
+                   (128, 64, 8, 3), (128, 128, 8, 2), (128, 32, 8, 3)]
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+def _time_ms(fn) -> float:
+    """Median ms of fn replayed in a CUDA graph: eager, the host's launches of the fused-MoE
+    call (~0.1-0.2 ms each, docs/gpu_decode.md) would leave the GPU idle between kernels."""
+    import triton.testing
+
+    return triton.testing.do_bench_cudagraph(fn, rep=50, return_mode="median")
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _config(row: tuple) -> dict:
+    from moeserve.kernels.triton.moe_config import DOWN_KEYS, KEYS
+
+    cfg = dict(zip(KEYS, row[:6]))
+    if len(row) > 6:
+        cfg["down"] = dict(zip(DOWN_KEYS, row[6]))
+    return cfg
+
+
+def _label(cfg: dict) -> str:
+    s = "x".join(str(cfg[k]) for k in ("BLOCK_SIZE_M", "BLOCK_SIZE_N", "BLOCK_SIZE_K"))
+    s += f" g{cfg['GROUP_SIZE_M']} w{cfg['num_warps']} s{cfg['num_stages']}"
+    d = cfg.get("down")
+    return s + (f" down {d['BLOCK_SIZE_N']}x{d['BLOCK_SIZE_K']} w{d['num_warps']}"
+                f" s{d['num_stages']}" if d else "")
+
+
+def pad_share(ids: torch.Tensor, experts: int, block_m: int) -> float:
+    """Rows the expert blocks add over the routed pairs: sum(ceil(n_e / BM) * BM) / pairs - 1."""
+    counts = torch.bincount(ids.flatten().cpu(), minlength=experts)
+    return float(((counts + block_m - 1) // block_m * block_m).sum() / counts.sum() - 1)
+
+
+def bench_moe(tokens: int, peak: float, rows: list[dict], e: int = 128, h: int = 2048,
+              i: int = 768, k: int = 8) -> None:
+    from moeserve.kernels.triton.fused_moe import fused_moe
+    from moeserve.kernels.triton.moe_config import SHIPPED_DIR, default_config, load_table
+    from moeserve.tools.tune_moe import random_inputs
+
+    dtype = torch.bfloat16
+    x, w13, w2, ids, w = random_inputs(tokens, e, h, i, k, dtype, seed=tokens)
+    flops = 6.0 * tokens * k * h * i
+    cands = [("heuristic", default_config(e, h, i, k, dtype, tokens))]
+    for table_path in sorted(SHIPPED_DIR.glob(f"E={e},N={i},H={h},dtype=bfloat16,*.json")):
+        table = load_table(str(table_path))
+        near = min(table, key=lambda n: (abs(n - tokens), n))
+        cands.append((f"table {table_path.stem.split('device=')[-1]}@{near}", table[near]))
+    cands += [("space", _config(r)) for r in PREFILL_SPACE]
+    ref = None
+    print(f"\nfused MoE, E {e} H {h} I {i} top-{k}, {tokens} tokens, {flops / 1e9:.0f} GFLOP")
+    print("| config | source | ms | TFLOP/s | % peak | pad |")
+    print("|---|---|---|---|---|---|")
+    for source, cfg in cands:
+        def call(cfg=cfg):
+            return fused_moe(x, w13, w2, ids, w, config=cfg, small_path=False)
+        try:
+            out = call()
+            _sync()
+        except Exception as err:  # noqa: BLE001 - OutOfResources, compile errors: list and go on
+            print(f"| {_label(cfg)} | {source} | skipped: {type(err).__name__} | | | |")
+            continue
+        if ref is None:
+            ref = out
+            torch_ref = _moe_torch(x, w13, w2, ids, w)
+            err = _rel(out, torch_ref)
+            assert err < 2e-2, f"{source} config vs torch experts: {err:.2e}"
+        elif (err := _rel(out, ref)) > 2e-2:
+            print(f"| {_label(cfg)} | {source} | skipped: differs {err:.1e} | | | |")
+            continue
+        ms = _time_ms(call)
+        rate = flops / ms / 1e9
+        pad = pad_share(ids, e, cfg["BLOCK_SIZE_M"])
+        print(f"| {_label(cfg)} | {source} | {ms:.3f} | {rate:.0f} | "
+              f"{100 * rate * 1e12 / peak:.1f}% | {100 * pad:.1f}% |", flush=True)
+        rows.append({"kernel": "fused_moe", "tokens": tokens, "source": source, "config": cfg,
+                     "ms": ms, "tflops": rate, "peak_share": rate * 1e12 / peak, "pad": pad})
+
+
+def _moe_torch(x, w13, w2, ids, w) -> torch.Tensor:
+    """The routed experts in float32 torch ops, expert by expert (the reference)."""
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    inter = w2.shape[2]
+    for e in ids.unique().tolist():
+        tok, slot = (ids == e).nonzero(as_tuple=True)
+        gu = x[tok].float() @ w13[e].float().t()
+        y = (torch.nn.functional.silu(gu[:, :inter]) * gu[:, inter:]) @ w2[e].float().t()
+        out.index_add_(0, tok, y * w[tok, slot, None].float())
+    return out.to(x.dtype)
+
+
+def bench_attention(tokens: int, prefix: int, peak: float, rows: list[dict], heads: int = 32,
+                    kv_heads: int = 4, d: int = 128, device: str = "cuda",
+                    dtype: torch.dtype = torch.bfloat16) -> None:
+    from moeserve.kernels.triton.attention_extend import extend_attention, extend_blocks
+
+    dev = torch.device(device)
+    g = torch.Generator(device=dev).manual_seed(0)
+    seq = prefix + tokens
+    q = torch.randn(tokens, heads, d, generator=g, device=dev).to(dtype)
+    k_buf = torch.randn(seq + 1, kv_heads, d, generator=g, device=dev).to(dtype)
+    v_buf = torch.randn(seq + 1, kv_heads, d, generator=g, device=dev).to(dtype)
+    table = torch.arange(1, seq + 1, device=dev, dtype=torch.int32)[None]  # slot 0: the sink
+    rows_idx = torch.zeros(1, dtype=torch.int64, device=dev)
+    qo = torch.tensor([0, tokens], dtype=torch.int32, device=dev)
+    pre = torch.tensor([prefix], dtype=torch.int32, device=dev)
+    pairs = tokens * prefix + tokens * (tokens + 1) / 2
+    flops = 4.0 * pairs * heads * d
+    ref = None
+    print(f"\nextend attention, {heads} heads / {kv_heads} KV heads, D {d}, {tokens} new tokens "
+          f"on a {prefix}-token prefix, causal, {flops / 1e9:.0f} GFLOP")
+    print("| BLOCK_M x BLOCK_N | warps | stages | ms | TFLOP/s | % peak |")
+    print("|---|---|---|---|---|---|")
+    for bm, bn, warps, stages in ATTENTION_TILES:
+        reqs, blocks = extend_blocks([tokens], bm)
+        blk_req = torch.tensor(reqs, dtype=torch.int32, device=dev)
+        blk_m = torch.tensor(blocks, dtype=torch.int32, device=dev)
+        out = torch.full((tokens, heads, d), float("nan"), dtype=dtype, device=dev)
+
+        def call(bm=bm, tile=(bn, warps, stages), blk_req=blk_req, blk_m=blk_m, out=out):
+            extend_attention(q, k_buf, v_buf, table, rows_idx, qo, pre, blk_req, blk_m,
+                             d ** -0.5, d, d, out, block_m=bm, tile=tile)
+            return out
+        try:
+            call()
+            _sync()
+        except Exception as err:  # noqa: BLE001
+            print(f"| {bm} x {bn} | {warps} | {stages} | skipped: {type(err).__name__} | | |")
+            continue
+        if ref is None:
+            ref = out.clone()
+            err = _rel(out, _attention_torch(q, k_buf[1:], v_buf[1:], prefix))
+            assert err < 2e-2, f"extend attention vs torch: {err:.2e}"
+        elif (err := _rel(out, ref)) > 2e-2:
+            print(f"| {bm} x {bn} | {warps} | {stages} | skipped: differs {err:.1e} | | |")
+            continue
+        ms = _time_ms(call)
+        rate = flops / ms / 1e9
+        print(f"| {bm} x {bn} | {warps} | {stages} | {ms:.3f} | {rate:.0f} | "
+              f"{100 * rate * 1e12 / peak:.1f}% |", flush=True)
+        rows.append({"kernel": "extend_attention", "tokens": tokens, "prefix": prefix,
+                     "block_m": bm, "block_n": bn, "warps": warps, "stages": stages, "ms": ms,
+                     "tflops": rate, "peak_share": rate * 1e12 / peak})
+
+
+def _attention_torch(q, k, v, prefix) -> torch.Tensor:
+    """Causal GQA attention of the new tokens over prefix + new keys, by torch's SDPA."""
+    t, h, _ = q.shape
+    group = h // k.shape[1]
+    kk = k.repeat_interleave(group, 1).transpose(0, 1)  # [H, S, D]
+    vv = v.repeat_interleave(group, 1).transpose(0, 1)
+    mask = (torch.arange(k.shape[0], device=q.device)[None, :]
+            <= prefix + torch.arange(t, device=q.device)[:, None])
+    out = torch.nn.functional.scaled_dot_product_attention(q.transpose(0, 1), kk, vv,
+                                                           attn_mask=mask)
+    return out.transpose(0, 1)
+
+
+def main(argv: list[str] | None = None) -> None:
+    from moeserve.bench.prefill_flops import measure_matmul_peak
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--tokens", type=int, nargs="+", default=[4096])
+    p.add_argument("--prefix", type=int, default=0, help="cached tokens before the new ones")
+    p.add_argument("--only", choices=["moe", "attention"], default=None)
+    p.add_argument("--out", default=None, help="JSON of every row")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("prefill_kernels times compiled Triton kernels: it needs a CUDA GPU")
+    peak = measure_matmul_peak(torch.device("cuda"))
+    print(f"{torch.cuda.get_device_name()}: bf16 8192^3 matmul {peak / 1e12:.0f} TFLOP/s")
+    rows: list[dict] = []
+    for t in args.tokens:
+        if args.only != "attention":
+            bench_moe(t, peak, rows)
+        if args.only != "moe":
+            bench_attention(t, args.prefix, peak, rows)
+    if args.out:
+        Path(args.out).write_text(json.dumps({"device": torch.cuda.get_device_name(),
+                                              "peak": peak, "rows": rows}, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,50 @@
+"""bench.prefill_kernels on CPU (Triton's interpreter, tiny shapes, a stand-in timer): every
+attention tile and MoE config it would time on the GPU computes what torch computes, the rows
+carry the FLOP count, and the padding share is the expert blocks' count."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moeserve.bench import prefill_kernels as pk
+
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter case")
+
+
+def test_pad_share_counts_the_expert_blocks():
+    ids = torch.tensor([[0, 1], [0, 2], [0, 1], [3, 0]])  # counts 4, 2, 1, 1 over 8 pairs
+    assert pk.pad_share(ids, 4, 4) == pytest.approx(16 / 8 - 1)  # 4 + 4 + 4 + 4 rows
+    assert pk.pad_share(ids, 4, 2) == pytest.approx(10 / 8 - 1)  # 4 + 2 + 2 + 2
+    assert pk.pad_share(ids, 5, 1) == 0.0  # an expert with no pairs takes no block
+
+
+def test_attention_tiles_agree_with_torch(monkeypatch):
+    monkeypatch.setattr(pk, "_time_ms", lambda fn: 2.0)
+    rows: list[dict] = []
+    pk.bench_attention(70, 9, 1e12, rows, heads=4, kv_heads=2, d=16, device="cpu",
+                       dtype=torch.float32)
+    assert [(r["block_m"], r["block_n"], r["warps"]) for r in rows] == [
+        t[:3] for t in pk.ATTENTION_TILES]
+    pairs = 70 * 9 + 70 * 71 / 2
+    assert rows[0]["tflops"] == pytest.approx(4 * pairs * 4 * 16 / 2e-3 / 1e12)
+
+
+def test_moe_configs_agree_with_torch(monkeypatch, capsys):
+    def cpu_inputs(t, e, h, i, k, dtype, seed=0):
+        g = torch.Generator().manual_seed(seed)
+        x = torch.randn(t, h, generator=g)
+        w13 = torch.randn(e, 2 * i, h, generator=g) / h**0.5
+        w2 = torch.randn(e, h, i, generator=g) / i**0.5
+        logits, ids = torch.randn(t, e, generator=g).topk(k, dim=1)
+        return x, w13, w2, ids, logits.softmax(1)
+
+    monkeypatch.setattr("moeserve.tools.tune_moe.random_inputs", cpu_inputs)
+    monkeypatch.setattr(pk, "_time_ms", lambda fn: 1.0)
+    monkeypatch.setattr(pk, "PREFILL_SPACE", [(16, 32, 32, 1, 4, 2),
+                                              (32, 32, 32, 8, 4, 2, (32, 32, 1, 4, 2))])
+    rows: list[dict] = []
+    pk.bench_moe(40, 1e12, rows, e=8, h=64, i=32, k=2)
+    assert [r["source"] for r in rows] == ["heuristic", "space", "space"]
+    assert "skipped" not in capsys.readouterr().out
+    assert rows[1]["tflops"] == pytest.approx(6 * 40 * 2 * 64 * 32 / 1e-3 / 1e12)
