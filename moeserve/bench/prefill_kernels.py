@@ -42,9 +42,11 @@ PREFILL_SPACE = [
     (128, 128, 64, 8, 8, 3, (256, 64, 8, 8, 3)), (128, 128, 64, 8, 8, 3, (128, 64, 8, 8, 4)),
     (128, 128, 64, 8, 8, 3, (128, 128, 8, 8, 3)), (128, 64, 64, 8, 8, 4, (256, 64, 8, 8, 3)),
 ]
-# (BLOCK_M, BLOCK_N, num_warps, num_stages): the default (64, 64, 4, 2) first
-ATTENTION_TILES = [(64, 64, 4, 2), (64, 128, 4, 2), (64, 64, 8, 2), (128, 64, 8, 2),
-                   (128, 64, 8, 3), (128, 128, 8, 2), (128, 32, 8, 3)]
+# (BLOCK_M, BLOCK_N, num_warps, num_stages, split_causal): first the path before 2026-12-06
+# (every key block masked), then today's default, then the 128-row tiles
+ATTENTION_TILES = [(64, 64, 4, 2, False), (64, 64, 4, 2, True), (64, 128, 4, 2, True),
+                   (64, 64, 8, 2, True), (128, 64, 8, 2, False), (128, 64, 8, 2, True),
+                   (128, 64, 8, 3, True), (128, 128, 8, 2, True), (128, 32, 8, 3, True)]
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -164,37 +166,42 @@ def bench_attention(tokens: int, prefix: int, peak: float, rows: list[dict], hea
     ref = None
     print(f"\nextend attention, {heads} heads / {kv_heads} KV heads, D {d}, {tokens} new tokens "
           f"on a {prefix}-token prefix, causal, {flops / 1e9:.0f} GFLOP")
-    print("| BLOCK_M x BLOCK_N | warps | stages | ms | TFLOP/s | % peak |")
-    print("|---|---|---|---|---|---|")
-    for bm, bn, warps, stages in ATTENTION_TILES:
+    print("| BLOCK_M x BLOCK_N | warps | stages | causal mask | ms | TFLOP/s | % peak |")
+    print("|---|---|---|---|---|---|---|")
+    for bm, bn, warps, stages, split in ATTENTION_TILES:
+        mask = "diagonal only" if split else "every block"
         reqs, blocks = extend_blocks([tokens], bm)
         blk_req = torch.tensor(reqs, dtype=torch.int32, device=dev)
         blk_m = torch.tensor(blocks, dtype=torch.int32, device=dev)
         out = torch.full((tokens, heads, d), float("nan"), dtype=dtype, device=dev)
 
-        def call(bm=bm, tile=(bn, warps, stages), blk_req=blk_req, blk_m=blk_m, out=out):
+        def call(bm=bm, tile=(bn, warps, stages), blk_req=blk_req, blk_m=blk_m, out=out,
+                 split=split):
             extend_attention(q, k_buf, v_buf, table, rows_idx, qo, pre, blk_req, blk_m,
-                             d ** -0.5, d, d, out, block_m=bm, tile=tile)
+                             d ** -0.5, d, d, out, block_m=bm, tile=tile, split_causal=split)
             return out
         try:
             call()
             _sync()
         except Exception as err:  # noqa: BLE001
-            print(f"| {bm} x {bn} | {warps} | {stages} | skipped: {type(err).__name__} | | |")
+            print(f"| {bm} x {bn} | {warps} | {stages} | {mask} | skipped: "
+                  f"{type(err).__name__} | | |")
             continue
         if ref is None:
             ref = out.clone()
             err = _rel(out, _attention_torch(q, k_buf[1:], v_buf[1:], prefix))
             assert err < 2e-2, f"extend attention vs torch: {err:.2e}"
         elif (err := _rel(out, ref)) > 2e-2:
-            print(f"| {bm} x {bn} | {warps} | {stages} | skipped: differs {err:.1e} | | |")
+            print(f"| {bm} x {bn} | {warps} | {stages} | {mask} | skipped: differs {err:.1e} "
+                  "| | |")
             continue
         ms = _time_ms(call)
         rate = flops / ms / 1e9
-        print(f"| {bm} x {bn} | {warps} | {stages} | {ms:.3f} | {rate:.0f} | "
+        print(f"| {bm} x {bn} | {warps} | {stages} | {mask} | {ms:.3f} | {rate:.0f} | "
               f"{100 * rate * 1e12 / peak:.1f}% |", flush=True)
         rows.append({"kernel": "extend_attention", "tokens": tokens, "prefix": prefix,
-                     "block_m": bm, "block_n": bn, "warps": warps, "stages": stages, "ms": ms,
+                     "block_m": bm, "block_n": bn, "warps": warps, "stages": stages,
+                     "split_causal": split, "ms": ms,
                      "tflops": rate, "peak_share": rate * 1e12 / peak})
 
 

@@ -224,12 +224,14 @@ def test_decode_writes_every_element_and_padded_rows_are_safe(shape, fuse_reduce
 
 
 @CPU_ONLY
+@pytest.mark.parametrize("split_causal", [True, False])
 @pytest.mark.parametrize("shape", ["gqa8", "mla_odd"])
-def test_extend_writes_every_element(shape):
+def test_extend_writes_every_element(shape, split_causal):
     """Poisoned out: every new token's row is written, none past them; a request with no new
-    tokens between two that have some."""
+    tokens between two that have some. Both loops: unmasked whole key blocks then the diagonal
+    (split_causal, the default), or every block masked."""
     w = _World(shape, "cpu", torch.float32, seed=5)
-    w.step([1, 2], [20, 3])
+    w.step([1, 2], [70, 3])  # 70: a whole key block below the new rows
     fb = w.batch([1, 4, 2], [7, 0, 30], False, None)  # row 4: nothing cached, nothing new
     q = w._randn(37, w.h, w.spec.head_dim)
     k = w._randn(37, w.hkv, w.spec.head_dim)
@@ -242,9 +244,9 @@ def test_extend_writes_every_element(shape):
     extend_attention(q, w.pool.key_buffer(LAYER),
                      None if w.rope else w.pool.value_buffer(LAYER), w.table.req_to_token,
                      fb.req_pool_indices, meta.qo_start, meta.prefix_lens, meta.blk_req,
-                     meta.blk_m, w.spec.scaling, w.d, w.dv, out)
+                     meta.blk_m, w.spec.scaling, w.d, w.dv, out, split_causal=split_causal)
     assert out[37].isnan().all() and not out[:37].isnan().any()
-    torch.testing.assert_close(out[:37], w._oracle(q, [1, 4, 2], [20, 0, 3], [7, 0, 30]))
+    torch.testing.assert_close(out[:37], w._oracle(q, [1, 4, 2], [70, 0, 3], [7, 0, 30]))
 
 
 @CPU_ONLY

@@ -24,8 +24,8 @@ def test_attention_tiles_agree_with_torch(monkeypatch):
     rows: list[dict] = []
     pk.bench_attention(70, 9, 1e12, rows, heads=4, kv_heads=2, d=16, device="cpu",
                        dtype=torch.float32)
-    assert [(r["block_m"], r["block_n"], r["warps"]) for r in rows] == [
-        t[:3] for t in pk.ATTENTION_TILES]
+    assert [(r["block_m"], r["block_n"], r["warps"], r["split_causal"]) for r in rows] == [
+        (*t[:3], t[4]) for t in pk.ATTENTION_TILES]
     pairs = 70 * 9 + 70 * 71 / 2
     assert rows[0]["tflops"] == pytest.approx(4 * pairs * 4 * 16 / 2e-3 / 1e12)
 

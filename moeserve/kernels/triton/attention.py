@@ -221,10 +221,11 @@ if triton is not None:
     def attend_kv_block(q, q_pe, k_buf, v_buf, slots, mask_n, keep, kv_head, stride_kt,
                         stride_kh, stride_vt, stride_vh, dk, dpe, dv, scale_log2, m_i, l_i, acc,
                         BLOCK_D: tl.constexpr, BLOCK_DPE: tl.constexpr, BLOCK_DV: tl.constexpr,
-                        HAS_PE: tl.constexpr, V_IS_K: tl.constexpr):
+                        HAS_PE: tl.constexpr, V_IS_K: tl.constexpr, MASKED: tl.constexpr):
         """One block of BLOCK_N keys at `slots` (valid where mask_n) into the online softmax of
-        the query rows: `keep` [R, BLOCK_N] says which scores count (validity, causality).
-        Shared by the decode and extend kernels; returns the updated (m_i, l_i, acc)."""
+        the query rows: `keep` [R, BLOCK_N] says which scores count (validity, causality); not
+        MASKED: every score counts (`keep` unread). Shared by the decode and extend kernels;
+        returns the updated (m_i, l_i, acc)."""
         offs_d = tl.arange(0, BLOCK_D)
         k_rows = k_buf + slots.to(tl.int64)[:, None] * stride_kt + kv_head * stride_kh
         k = tl.load(k_rows + offs_d[None, :], mask=mask_n[:, None] & (offs_d[None, :] < dk),
@@ -236,7 +237,10 @@ if triton is not None:
                            mask=mask_n[:, None] & (offs_pe[None, :] < dk + dpe),
                            other=0.0).to(q.dtype)
             qk += tl.dot(q_pe, tl.trans(k_pe))
-        qk = tl.where(keep, qk * scale_log2, float("-inf"))
+        if MASKED:
+            qk = tl.where(keep, qk * scale_log2, float("-inf"))
+        else:
+            qk = qk * scale_log2
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(qk - m_new[:, None])
@@ -299,7 +303,7 @@ if triton is not None:
             m_i, l_i, acc = attend_kv_block(
                 q, q_pe, k_buf, v_buf, slots, mask_n, mask_n[None, :], kv_head, stride_kt,
                 stride_kh, stride_vt, stride_vh, dk, dpe, dv, scale_log2, m_i, l_i, acc,
-                BLOCK_D, BLOCK_DPE, BLOCK_DV, HAS_PE, V_IS_K)
+                BLOCK_D, BLOCK_DPE, BLOCK_DV, HAS_PE, V_IS_K, True)
 
         nonempty = l_i > 0
         out = acc / tl.where(nonempty, l_i, 1.0)[:, None]

@@ -72,7 +72,8 @@ def extend_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor |
                      qo_start: torch.Tensor, prefix_lens: torch.Tensor, blk_req: torch.Tensor,
                      blk_m: torch.Tensor, scale: float, dk: int, dv: int,
                      out: torch.Tensor, block_m: int | None = None,
-                     tile: tuple[int, int, int] | None = None) -> None:
+                     tile: tuple[int, int, int] | None = None, split_causal: bool = True
+                     ) -> None:
     """Causal attention of each request's new tokens over its pool KV.
 
     q: [T, H, Dq] (Dq = dk + dpe; token-major, request i owns rows qo_start[i]:qo_start[i+1]),
@@ -85,7 +86,9 @@ def extend_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor |
     capture it and replay it with other contents. `block_m`: the block table's rows per block
     (default `extend_block_m(dk)`; it must be the size the table was built with). `tile`:
     (BLOCK_N, num_warps, num_stages) instead of `extend_launch`'s (bench.prefill_kernels sweeps
-    it); BLOCK_N and the stages still shrink to fit shared memory.
+    it); BLOCK_N and the stages still shrink to fit shared memory. `split_causal`: the key blocks
+    that every row of a query block sees run without the causal mask (a second loop takes the
+    diagonal); False masks every block, as before 2026-12-06 (for the benchmark's comparison).
     """
     t, h, dq = q.shape
     nb = blk_req.shape[0]
@@ -110,7 +113,8 @@ def extend_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor |
         k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1),
         req_to_token.stride(0), h // hkv, dk, dpe, dv,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_dim(dk), BLOCK_DPE=block_dim(max(dpe, 1)),
-        BLOCK_DV=block_dim(dv), HAS_PE=dpe > 0, V_IS_K=v_is_k, num_warps=warps, num_stages=stages,
+        BLOCK_DV=block_dim(dv), HAS_PE=dpe > 0, V_IS_K=v_is_k, SPLIT_CAUSAL=split_causal,
+        num_warps=warps, num_stages=stages,
     )
 
 
@@ -123,7 +127,7 @@ if triton is not None:
         stride_kt, stride_kh, stride_vt, stride_vh, stride_rt, group, dk, dpe, dv,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
         BLOCK_DPE: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_PE: tl.constexpr,
-        V_IS_K: tl.constexpr,
+        V_IS_K: tl.constexpr, SPLIT_CAUSAL: tl.constexpr,
     ):
         """Program (head, block-table entry): BLOCK_M new tokens of one head over KV positions
         [0, prefix + last token of the block], causally masked; float32 online softmax. A
@@ -166,7 +170,21 @@ if triton is not None:
         acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
         # past the block's last token
         kv_end = prefix + tl.where(packed, 1, tl.minimum((m_blk + 1) * BLOCK_M, n_new))
-        for n0 in range(0, kv_end, BLOCK_N):
+        # SPLIT_CAUSAL: the whole key blocks below every row's position (all but the diagonal
+        # and the ragged end) go through a loop without the causal mask
+        if SPLIT_CAUSAL:
+            full = tl.where(packed, kv_end, prefix + m_blk * BLOCK_M) // BLOCK_N * BLOCK_N
+        else:
+            full = kv_end * 0
+        for n0 in range(0, full, BLOCK_N):
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            mask_n = offs_n < full  # all true
+            slots = tl.load(req_to_token + row * stride_rt + offs_n)
+            m_i, l_i, acc = attend_kv_block(
+                q, q_pe, k_buf, v_buf, slots, mask_n, mask_n[None, :], kv_head, stride_kt,
+                stride_kh, stride_vt, stride_vh, dk, dpe, dv, scale_log2, m_i, l_i, acc, BLOCK_D,
+                BLOCK_DPE, BLOCK_DV, HAS_PE, V_IS_K, False)
+        for n0 in range(full, kv_end, BLOCK_N):
             offs_n = n0 + tl.arange(0, BLOCK_N)
             mask_n = offs_n < kv_end
             slots = tl.load(req_to_token + row * stride_rt + offs_n, mask=mask_n, other=0)
@@ -175,7 +193,7 @@ if triton is not None:
             m_i, l_i, acc = attend_kv_block(
                 q, q_pe, k_buf, v_buf, slots, mask_n, causal, kv_head, stride_kt, stride_kh,
                 stride_vt, stride_vh, dk, dpe, dv, scale_log2, m_i, l_i, acc, BLOCK_D,
-                BLOCK_DPE, BLOCK_DV, HAS_PE, V_IS_K)
+                BLOCK_DPE, BLOCK_DV, HAS_PE, V_IS_K, True)
 
         res = acc / l_i[:, None]
         o_rows = out_ptr + (q0 + offs_m)[:, None] * stride_ot + heads[:, None] * stride_oh
