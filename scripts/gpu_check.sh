@@ -34,7 +34,8 @@
 #   measured matmul peak; on an H200 either first writes $OUT/h200.json (bench.op_costs).
 #   prefill_ab: issue 44's Qwen3 prefill target in one call: bench.prefill_kernels (fused-MoE
 #   configs, extend attention tiles) and one_batch prefill at 4096 tokens, today's defaults
-#   against attention.extend_block_m=128 / another GPU's MoE tables / both (knobs in the mode).
+#   against attention.extend_block_m=128 / another GPU's MoE tables / both (knobs in the mode;
+#   PA_KERNELS=0 or PA_OB=0 runs one half, if both do not fit one 10-minute call).
 #   fp8acc: issue 44's FP8 accuracy tests (kernels vs their float64 emulation, per layer and
 #   whole model) and the bench.fp8_accuracy KL / top-1 table; on an H200 then bench.op_costs.
 #   pdl: programmatic dependent launch: its kernel-chain test, one_batch Qwen3-30B-A3B with PDL
@@ -121,18 +122,19 @@ if [[ $what == prefill_ab ]]; then
   fi
   python3 -m moeserve.tools.make_random --shape qwen3_30b_a3b --config-only \
     --out /tmp/q3moe_full >/dev/null
-  if [ "${PA_KERNELS:-1}" = 1 ]; then
+  if [ "${PA_KERNELS:-1}" = 1 ]; then  # 4096: a prefill chunk; 1344: a served MIXED step
     timeout ${PA_KERNELS_TIMEOUT:-240} python3 -m moeserve.bench.prefill_kernels \
-      --out "$OUT/prefill_kernels.json" ${PA_KERNEL_ARGS:-} 2>&1 | grep -v -E "Warning|warn" \
-      | tee "$OUT/prefill_kernels.log"
+      --out "$OUT/prefill_kernels.json" ${PA_KERNEL_ARGS:---tokens 4096 1344} 2>&1 \
+      | grep -v -E "Warning|warn" | tee "$OUT/prefill_kernels.log"
   fi
+  [ "${PA_OB:-1}" = 1 ] || exit 0
   dev=$(python3 -c "from moeserve.kernels.triton.moe_config import device_name as d; print(d())")
   mkdir -p /tmp/moe_alias
   for f in moeserve/kernels/triton/moe_configs/*device=${PA_TABLE_FROM:-NVIDIA_H200}.json; do
     b=$(basename "$f"); cp "$f" "/tmp/moe_alias/${b%device=*}device=$dev.json"
   done
   both="attention.extend_block_m=128 moe.config_dir=/tmp/moe_alias"
-  timeout ${PA_OB_TIMEOUT:-330} python3 -m moeserve.bench.one_batch --model /tmp/q3moe_full \
+  timeout ${PA_OB_TIMEOUT:-300} python3 -m moeserve.bench.one_batch --model /tmp/q3moe_full \
     --batch ${PA_BATCHES:-1} --input-len 4096 --output-len 4 --warmup 1 \
     --compare-with attention.extend_block_m=128 --compare-with moe.config_dir=/tmp/moe_alias \
     --compare-with "$both" ${PA_OB_ARGS:-} -o model.load_format=dummy -o device=cuda \

@@ -17,8 +17,11 @@ the tiles that would read less per FLOP, so one device call can choose the defau
 Every config's output is checked against the first row's (and the first row against torch) before
 it is timed; rows that do not compile, do not fit or disagree are listed as skipped. TFLOP/s
 counts the useful FLOPs (routed pairs, causal pairs); % peak divides by the measured matmul
-rate. Each call is timed replayed in a CUDA graph (as the extend graphs run prefill chunks).
-`--out FILE` writes every row as JSON.
+rate; the MoE's % floor divides its floor (the larger of the FLOPs at that rate and the touched
+experts' bytes at the measured copy bandwidth) by its time: `--tokens 1344` is a served MIXED
+step's size, whose fused MoE issue 44 puts at 450 µs against a 286 µs byte floor. Each call is
+timed replayed in a CUDA graph (as the extend graphs run prefill chunks). `--out FILE` writes
+every row as JSON.
 """
 
 from __future__ import annotations
@@ -90,7 +93,9 @@ def pad_share(ids: torch.Tensor, experts: int, block_m: int) -> float:
 
 
 def bench_moe(tokens: int, peak: float, rows: list[dict], e: int = 128, h: int = 2048,
-              i: int = 768, k: int = 8) -> None:
+              i: int = 768, k: int = 8, bandwidth: float | None = None) -> None:
+    """`bandwidth`: copy bytes/s; the floor is then the larger of the FLOPs at `peak` and the
+    touched experts' bytes at it (a MIXED step's ~1.3k tokens sit near the crossover)."""
     from moeserve.kernels.triton.fused_moe import fused_moe
     from moeserve.kernels.triton.moe_config import SHIPPED_DIR, default_config, load_table
     from moeserve.tools.tune_moe import random_inputs
@@ -105,9 +110,12 @@ def bench_moe(tokens: int, peak: float, rows: list[dict], e: int = 128, h: int =
         cands.append((f"table {table_path.stem.split('device=')[-1]}@{near}", table[near]))
     cands += [("space", _config(r)) for r in PREFILL_SPACE]
     ref = None
-    print(f"\nfused MoE, E {e} H {h} I {i} top-{k}, {tokens} tokens, {flops / 1e9:.0f} GFLOP")
-    print("| config | source | ms | TFLOP/s | % peak | pad |")
-    print("|---|---|---|---|---|---|")
+    touched = int(torch.unique(ids).numel()) * 3 * h * i * x.element_size()
+    floor_ms = max(flops / peak, touched / bandwidth if bandwidth else 0.0) * 1e3
+    print(f"\nfused MoE, E {e} H {h} I {i} top-{k}, {tokens} tokens, {flops / 1e9:.0f} GFLOP, "
+          f"{touched / 1e9:.2f} GB of touched experts; floor {floor_ms:.3f} ms")
+    print("| config | source | ms | TFLOP/s | % peak | % floor | pad |")
+    print("|---|---|---|---|---|---|---|")
     for source, cfg in cands:
         def call(cfg=cfg):
             return fused_moe(x, w13, w2, ids, w, config=cfg, small_path=False)
@@ -115,7 +123,7 @@ def bench_moe(tokens: int, peak: float, rows: list[dict], e: int = 128, h: int =
             out = call()
             _sync()
         except Exception as err:  # noqa: BLE001 - OutOfResources, compile errors: list and go on
-            print(f"| {_label(cfg)} | {source} | skipped: {type(err).__name__} | | | |")
+            print(f"| {_label(cfg)} | {source} | skipped: {type(err).__name__} | | | | |")
             continue
         if ref is None:
             ref = out
@@ -123,15 +131,17 @@ def bench_moe(tokens: int, peak: float, rows: list[dict], e: int = 128, h: int =
             err = _rel(out, torch_ref)
             assert err < 2e-2, f"{source} config vs torch experts: {err:.2e}"
         elif (err := _rel(out, ref)) > 2e-2:
-            print(f"| {_label(cfg)} | {source} | skipped: differs {err:.1e} | | | |")
+            print(f"| {_label(cfg)} | {source} | skipped: differs {err:.1e} | | | | |")
             continue
         ms = _time_ms(call)
         rate = flops / ms / 1e9
         pad = pad_share(ids, e, cfg["BLOCK_SIZE_M"])
         print(f"| {_label(cfg)} | {source} | {ms:.3f} | {rate:.0f} | "
-              f"{100 * rate * 1e12 / peak:.1f}% | {100 * pad:.1f}% |", flush=True)
+              f"{100 * rate * 1e12 / peak:.1f}% | {100 * floor_ms / ms:.1f}% | "
+              f"{100 * pad:.1f}% |", flush=True)
         rows.append({"kernel": "fused_moe", "tokens": tokens, "source": source, "config": cfg,
-                     "ms": ms, "tflops": rate, "peak_share": rate * 1e12 / peak, "pad": pad})
+                     "ms": ms, "tflops": rate, "peak_share": rate * 1e12 / peak,
+                     "floor_ms": floor_ms, "pad": pad})
 
 
 def _moe_torch(x, w13, w2, ids, w) -> torch.Tensor:
@@ -220,6 +230,7 @@ def _attention_torch(q, k, v, prefix) -> torch.Tensor:
 
 def main(argv: list[str] | None = None) -> None:
     from moeserve.bench.prefill_flops import measure_matmul_peak
+    from moeserve.bench.roofline import measure_copy_bandwidth
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tokens", type=int, nargs="+", default=[4096])
@@ -230,16 +241,19 @@ def main(argv: list[str] | None = None) -> None:
     if not torch.cuda.is_available():
         raise SystemExit("prefill_kernels times compiled Triton kernels: it needs a CUDA GPU")
     peak = measure_matmul_peak(torch.device("cuda"))
-    print(f"{torch.cuda.get_device_name()}: bf16 8192^3 matmul {peak / 1e12:.0f} TFLOP/s")
+    bw = measure_copy_bandwidth(torch.device("cuda"))
+    print(f"{torch.cuda.get_device_name()}: bf16 8192^3 matmul {peak / 1e12:.0f} TFLOP/s, copy "
+          f"{bw / 1e12:.2f} TB/s (read + write)")
     rows: list[dict] = []
     for t in args.tokens:
         if args.only != "attention":
-            bench_moe(t, peak, rows)
+            bench_moe(t, peak, rows, bandwidth=bw)
         if args.only != "moe":
             bench_attention(t, args.prefix, peak, rows)
     if args.out:
         Path(args.out).write_text(json.dumps({"device": torch.cuda.get_device_name(),
-                                              "peak": peak, "rows": rows}, indent=1) + "\n")
+                                              "peak": peak, "bandwidth": bw, "rows": rows},
+                                             indent=1) + "\n")
 
 
 if __name__ == "__main__":
