@@ -24,6 +24,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def role_processes(pid: int) -> list:
+    """A launcher's role processes (scheduler ranks, DP controller, detokenizer) in start order:
+    its spawned children, or under `server.start_method=forkserver` (the default) the children of
+    its fork server. multiprocessing's resource tracker is neither."""
+    import psutil
+
+    out = []
+    for p in psutil.Process(pid).children():
+        cmd = " ".join(p.cmdline())
+        if "spawn_main" in cmd:
+            out.append(p)
+        elif "forkserver" in cmd:
+            out.extend(p.children())
+    return sorted(out, key=lambda p: p.pid)
+
+
 class LiveServer:
     """One server subprocess; its combined output goes to a log file shown on failures. `env`:
     extra environment variables of the server (e.g. MOESERVE_* test hooks)."""
