@@ -40,6 +40,26 @@ def role_processes(pid: int) -> list:
     return sorted(out, key=lambda p: p.pid)
 
 
+def still_running(procs: list, timeout: float = 15.0) -> list:
+    """The processes of `procs` not dead within `timeout` s. A zombie is dead (no memory, no GPU):
+    reaping it falls to its parent, or once that died to init or a subreaper (a CI runner, a
+    timing harness), which may not be prompt."""
+    import psutil
+
+    deadline = time.monotonic() + timeout
+    while True:
+        alive = []
+        for p in procs:
+            try:
+                if p.status() != psutil.STATUS_ZOMBIE:
+                    alive.append(p)
+            except psutil.NoSuchProcess:
+                pass
+        if not alive or time.monotonic() > deadline:
+            return alive
+        time.sleep(0.1)
+
+
 class LiveServer:
     """One server subprocess; its combined output goes to a log file shown on failures. `env`:
     extra environment variables of the server (e.g. MOESERVE_* test hooks)."""

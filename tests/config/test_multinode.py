@@ -13,7 +13,7 @@ import sys
 import time
 
 import pytest
-from live_server import assert_concurrent_chats_match_engine, role_processes
+from live_server import assert_concurrent_chats_match_engine, role_processes, still_running
 from parity import FP32_CPU
 
 import httpx
@@ -148,7 +148,6 @@ def test_killing_node1_brings_node0_down(two_nodes):
     assert len(node1_ranks) == 1  # node 1's tree: its one scheduler rank only
     node1.kill()
     assert proc.wait(60) == 1
-    _, alive = psutil.wait_procs(everything, timeout=15)
-    assert alive == []
+    assert still_running(everything, timeout=15) == []
     assert re.search(rf"child process 'node-1' \(pid {node1.pid}\) died with exit code -9",
                      tail()), tail()

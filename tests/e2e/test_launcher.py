@@ -10,7 +10,7 @@ import signal
 import pytest
 
 import httpx
-from live_server import role_processes
+from live_server import role_processes, still_running
 
 psutil = pytest.importorskip("psutil")
 
@@ -29,8 +29,7 @@ def scheduler_process(server, kids: list):
 
 
 def wait_gone(procs: list, timeout: float = 15.0) -> list:
-    _, alive = psutil.wait_procs(procs, timeout=timeout)
-    return alive
+    return still_running(procs, timeout)
 
 
 def test_sigterm_exits_zero_and_stops_children(launch):
