@@ -15,10 +15,10 @@ from hydra.core.config_store import ConfigStore
 from moeserve.config_schema import (  # noqa: F401 (re-exported: callers import them from here)
     DTYPES, MLA_FORMS, EXTEND_BLOCK_MS, FP8_GEMMS, LOAD_FORMATS, QUANTIZATIONS,
     ATTENTION_BACKENDS, MOE_BACKENDS, DEVICES, SCHEDULE_POLICIES, A2A_BACKENDS, DEEPEP_MODES,
-    DP_POLICIES, RECORD_MODES, TOOL_PARSERS,
-    REASONING_PARSERS, SPEC_ALGORITHMS, ConfigError, ModelConfig, CacheConfig, SchedulerConfig,
-    ServerConfig, ParallelConfig, EPLBConfig, AttentionConfig, MoEConfig, CudaGraphConfig, TBOConfig,
-    SPEC_STEP_ASIDE, SpecConfig, MoeserveConfig)
+    DP_POLICIES, RECORD_MODES, TOOL_PARSERS, REASONING_PARSERS, START_METHODS, SPEC_ALGORITHMS,
+    ConfigError, ModelConfig, CacheConfig, SchedulerConfig, ServerConfig, ParallelConfig,
+    EPLBConfig, AttentionConfig, MoEConfig, CudaGraphConfig, TBOConfig, SPEC_STEP_ASIDE,
+    SpecConfig, MoeserveConfig)
 from moeserve.deploy_schema import (  # noqa: F401 (re-exported as well)
     CLUSTER_KINDS, LWS_MODES, TRANSFER_BACKENDS, ROUTER_POLICIES, DISAGG_MODES, TRANSFER_PROTOCOLS,
     LWSRoleConfig, LWSConfig, ClusterConfig, DisaggregationConfig)
@@ -133,6 +133,7 @@ def validate(cfg: MoeserveConfig) -> MoeserveConfig:
         raise ConfigError("server.shutdown_timeout_s", "must be >= 0")
     _check_choice("server.tool_parser", cfg.server.tool_parser, TOOL_PARSERS)
     _check_choice("server.reasoning_parser", cfg.server.reasoning_parser, REASONING_PARSERS)
+    _check_choice("server.start_method", cfg.server.start_method, START_METHODS)
     if not 0 < cfg.server.port < 65536:
         raise ConfigError("server.port", f"{cfg.server.port} is not a TCP port")
     _validate_parallel(cfg.parallel)

@@ -36,10 +36,10 @@ class _Children:
     """What must be released even if the core is never shut down explicitly (no reference back
     to the core, so that an unused Engine can still be collected)."""
 
-    def __init__(self, log_level: str, endpoints: Endpoints):
+    def __init__(self, log_level: str, endpoints: Endpoints, start_method: str):
         import multiprocessing.util  # noqa: F401  (its atexit join must run after ours)
 
-        self.procs = ProcessGroup(log_level)
+        self.procs = ProcessGroup(log_level, start_method=start_method)
         self.ctx = zmq.Context()
         self.endpoints = endpoints
         self.queues: list[Any] = []  # held here: a collected core must not drop open sockets
@@ -81,7 +81,7 @@ class MultiRankCore:
         self.config = cfg = with_rendezvous(cfg)
         self.tokenizer = tokenizer
         endpoints = Endpoints.fresh(cfg.parallel.dp_size)
-        self._children = _Children(cfg.server.log_level, endpoints)
+        self._children = _Children(cfg.server.log_level, endpoints, cfg.server.start_method)
         ctx, add = self._children.ctx, self._children.add
         self._outputs: PullQueue = add(PullQueue(ctx, endpoints.detokenizer_in, DetokenizerInput))
         self._inbox: PullQueue = add(PullQueue(ctx, endpoints.manager_in, ManagerInput))

@@ -24,6 +24,42 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def role_processes(pid: int) -> list:
+    """A launcher's role processes (scheduler ranks, DP controller, detokenizer) in start order:
+    its spawned children, or under `server.start_method=forkserver` (the default) the children of
+    its fork server. multiprocessing's resource tracker is neither."""
+    import psutil
+
+    out = []
+    for p in psutil.Process(pid).children():
+        cmd = " ".join(p.cmdline())
+        if "spawn_main" in cmd:
+            out.append(p)
+        elif "forkserver" in cmd:
+            out.extend(p.children())
+    return sorted(out, key=lambda p: p.pid)
+
+
+def still_running(procs: list, timeout: float = 15.0) -> list:
+    """The processes of `procs` not dead within `timeout` s. A zombie is dead (no memory, no GPU):
+    reaping it falls to its parent, or once that died to init or a subreaper (a CI runner, a
+    timing harness), which may not be prompt."""
+    import psutil
+
+    deadline = time.monotonic() + timeout
+    while True:
+        alive = []
+        for p in procs:
+            try:
+                if p.status() != psutil.STATUS_ZOMBIE:
+                    alive.append(p)
+            except psutil.NoSuchProcess:
+                pass
+        if not alive or time.monotonic() > deadline:
+            return alive
+        time.sleep(0.1)
+
+
 class LiveServer:
     """One server subprocess; its combined output goes to a log file shown on failures. `env`:
     extra environment variables of the server (e.g. MOESERVE_* test hooks)."""

@@ -1,9 +1,9 @@
-"""Child processes of a launcher (the server, or the offline Engine's ranks): start (spawn),
-liveness checks, a watchdog, and no orphans.
+"""Child processes of a launcher (the server, or the offline Engine's ranks): start (a fork
+server's fork, or spawn), liveness checks, a watchdog, and no orphans.
 
 Why each piece:
-- spawn, not fork: the main process has an asyncio loop, ZMQ contexts and maybe CUDA state that must
-  not be duplicated into the children.
+- a fork server (forkserver.py) or spawn, never a fork of the launcher: the main process has an
+  asyncio loop, ZMQ contexts and maybe CUDA state that must not be duplicated into the children.
 - A child dies with its parent (PR_SET_PDEATHSIG on Linux, plus a thread that watches getppid() as a
   portable fallback), so a SIGKILLed launcher leaves no scheduler holding memory or a GPU.
 - Children ignore SIGINT and SIGTERM while their launcher lives: Ctrl-C reaches the whole process
@@ -28,6 +28,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+
+from moeserve.procs.forkserver import (PRELOAD, LauncherState, fork_server_guard,
+                                       release_fork_server)
 
 logger = logging.getLogger(__name__)
 
@@ -101,8 +104,18 @@ def _sigterm_handler(parent: int) -> Callable[[int, Any], None]:
 
 
 def child_entry(name: str, parent: int, log_level: str, target: Callable[..., Any],
-                args: tuple, log_file: str | None = None) -> None:
-    """Top-level entry of every child: guard against orphaning, then run the role's function."""
+                args: tuple, log_file: str | None = None,
+                launcher: LauncherState | None = None) -> None:
+    """Top-level entry of every child: guard against orphaning, then run the role's function.
+    `launcher`: forked by the launcher's fork server, whose own parent is the launcher and which
+    exits with it; the guard watches the fork server then."""
+    if launcher is not None:
+        release_fork_server()
+        launcher.apply()
+        guard = fork_server_guard(parent)
+        if guard is None:
+            os._exit(1)
+        parent = guard
     signal.pthread_sigmask(signal.SIG_BLOCK, {STOP_SIGNAL})  # before any thread: all inherit it
     signal.signal(STOP_SIGNAL, _exit_on_stop)
     threading.Thread(target=_stop_watcher, name="stop-watch", daemon=True).start()
@@ -122,8 +135,11 @@ class Child:
 class ProcessGroup:
     """The server's children; `stop()` is idempotent and silences the watchdog first."""
 
-    def __init__(self, log_level: str = "info", log_file: str | None = None):
-        self._ctx = mp.get_context("spawn")
+    def __init__(self, log_level: str = "info", log_file: str | None = None,
+                 start_method: str = "spawn"):
+        self._ctx = mp.get_context(start_method)
+        if start_method == "forkserver":
+            self._ctx.set_forkserver_preload(PRELOAD)  # no effect once this process' one started
         self._log_level = log_level
         self._log_file = log_file
         self.children: list[Child] = []
@@ -131,9 +147,11 @@ class ProcessGroup:
 
     def start(self, name: str, target: Callable[..., Any], args: tuple) -> None:
         """Start a child; call from the main thread (PDEATHSIG follows the forking thread)."""
+        forked = self._ctx.get_start_method() == "forkserver"
         proc = self._ctx.Process(target=child_entry, name=name, daemon=False,
                                  args=(name, os.getpid(), self._log_level, target, args,
-                                       self._log_file))
+                                       self._log_file,
+                                       LauncherState.capture() if forked else None))
         proc.start()
         logger.info("started %s (pid %d)", name, proc.pid)
         self.children.append(Child(name, proc))

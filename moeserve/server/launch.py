@@ -56,7 +56,7 @@ def serve(cfg: MoeserveConfig, scheduler_target: Callable[..., None] | None = No
     model_path = cfg.model.path or embedded_model_path()
     cfg = with_rendezvous(cfg)
     endpoints = endpoints or Endpoints.fresh(cfg.parallel.dp_size)
-    procs = ProcessGroup(cfg.server.log_level, log_file)
+    procs = ProcessGroup(cfg.server.log_level, log_file, cfg.server.start_method)
     interrupt_on_signals()
     store = None  # elastic EP: the launcher hosts the membership store (outlives any rank)
     try:
@@ -95,7 +95,7 @@ def serve_node(cfg: MoeserveConfig, endpoints: Endpoints, log_file: str | None =
         raise ValueError("serve_node runs a node_rank > 0 with parallel.dist_init_addr set")
     setup_logging(cfg.server.log_level, log_file)
     model_path = cfg.model.path or embedded_model_path()
-    procs = ProcessGroup(cfg.server.log_level, log_file)
+    procs = ProcessGroup(cfg.server.log_level, log_file, cfg.server.start_method)
     interrupt_on_signals()
     try:
         _start_ranks(procs, cfg, model_path, endpoints, scheduler_target)

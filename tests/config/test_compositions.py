@@ -115,6 +115,7 @@ def test_every_group_has_a_schema_and_its_options_compose():
     (["+cluster=local_2node"], "parallel.nnodes"),
     (["+cluster=slurm", "parallel=dp2_ep2_2node", "cluster.gpus_per_node=8"], "cluster.gpus_per_node"),
     (["parallel.tp_size=4", "parallel.dp_size=3"], "parallel.dp_size"),
+    (["server.start_method=fork"], "server.start_method"),
 ])
 def test_refused_combinations_name_the_key(bad, key):
     with pytest.raises(ConfigError) as e:

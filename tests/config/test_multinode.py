@@ -13,7 +13,7 @@ import sys
 import time
 
 import pytest
-from live_server import assert_concurrent_chats_match_engine
+from live_server import assert_concurrent_chats_match_engine, role_processes, still_running
 from parity import FP32_CPU
 
 import httpx
@@ -143,12 +143,11 @@ def test_killing_node1_brings_node0_down(two_nodes):
     proc, _, _, _, tail = two_nodes
     node0 = psutil.Process(proc.pid)
     everything = node0.children(recursive=True)
-    (node1,) = [p for p in node0.children() if "parallel.node_rank=1" in " ".join(p.cmdline())]
-    node1_ranks = [p for p in node1.children() if "spawn_main" in " ".join(p.cmdline())]
+    (node1,) = [p for p in everything if "parallel.node_rank=1" in " ".join(p.cmdline())]
+    node1_ranks = role_processes(node1.pid)
     assert len(node1_ranks) == 1  # node 1's tree: its one scheduler rank only
     node1.kill()
     assert proc.wait(60) == 1
-    _, alive = psutil.wait_procs(everything, timeout=15)
-    assert alive == []
+    assert still_running(everything, timeout=15) == []
     assert re.search(rf"child process 'node-1' \(pid {node1.pid}\) died with exit code -9",
                      tail()), tail()

@@ -16,7 +16,7 @@ import threading
 import time
 
 import pytest
-from live_server import LiveServer
+from live_server import LiveServer, role_processes
 
 import httpx
 
@@ -57,8 +57,7 @@ def role_pids(server: LiveServer) -> dict[str, int]:
     """Child role → pid: detokenizer and controller report theirs; the rest are schedulers."""
     ready = httpx.get(server.url + "/server_info", timeout=30).json()["ready"]
     pids = {name.split(":")[0]: info["pid"] for name, info in ready.items() if "pid" in info}
-    kids = [p for p in psutil.Process(server.proc.pid).children()
-            if "spawn_main" in " ".join(p.cmdline())]
+    kids = role_processes(server.proc.pid)
     ranks = sorted(p.pid for p in kids if p.pid not in pids.values())
     pids.update({f"scheduler-{r}": pid for r, pid in enumerate(ranks)})
     return pids

@@ -10,6 +10,7 @@ import signal
 import pytest
 
 import httpx
+from live_server import role_processes, still_running
 
 psutil = pytest.importorskip("psutil")
 
@@ -18,8 +19,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
 def children(server) -> list:
     """The server's role processes (multiprocessing's resource tracker excluded)."""
-    kids = psutil.Process(server.proc.pid).children()
-    return [p for p in kids if "spawn_main" in " ".join(p.cmdline())]
+    return role_processes(server.proc.pid)
 
 
 def scheduler_process(server, kids: list):
@@ -29,8 +29,7 @@ def scheduler_process(server, kids: list):
 
 
 def wait_gone(procs: list, timeout: float = 15.0) -> list:
-    _, alive = psutil.wait_procs(procs, timeout=timeout)
-    return alive
+    return still_running(procs, timeout)
 
 
 def test_sigterm_exits_zero_and_stops_children(launch):

@@ -16,7 +16,7 @@ import time
 import pytest
 from dp_workloads import (DP2, DP4, GREEDY, ONE, constrained, ep_overrides, ids_of,  # noqa: F401
                           skew_long_short, staggered, workload)
-from live_server import assert_concurrent_chats_match_engine
+from live_server import assert_concurrent_chats_match_engine, role_processes
 from parity import FP32_CPU
 
 import httpx
@@ -309,8 +309,7 @@ def test_http_killed_rank_brings_server_down(dp_server):
     live, _ = dp_server
     ready = httpx.get(live.url + "/server_info", timeout=30).json()["ready"]
     roles = {ready["detokenizer:0"]["pid"], ready["controller:0"]["pid"]}
-    kids = [p for p in psutil.Process(live.proc.pid).children()
-            if "spawn_main" in " ".join(p.cmdline())]
+    kids = role_processes(live.proc.pid)
     ranks = [p for p in kids if p.pid not in roles]
     assert len(kids) == 4 and len(ranks) == 2
     victim = ranks[-1]
