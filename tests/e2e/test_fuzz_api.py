@@ -18,7 +18,7 @@ from moeserve.tools.fuzz_api import check_baseline, schemathesis_cli  # noqa: E4
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 KEY = "sk-fuzz"
-FUZZ_SECONDS = 90
+FUZZ_SECONDS = 40
 
 
 @pytest.fixture(scope="module")

@@ -24,7 +24,7 @@ lm_eval = pytest.importorskip("lm_eval", reason="lm-eval (the test extra) is not
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
 
 MC_TASK, GEN_TASK = "moeserve_successor", "moeserve_chat_answers"
-NUM_ITEMS = 32
+NUM_ITEMS = 16
 TOL = 1e-3
 QUESTIONS = ["What is the capital of France?", "What colour is the sky on a clear day?",
              "How many legs does a spider have?", "What is 2 + 2?",

@@ -50,7 +50,7 @@ def test_aborts_under_retraction_keep_lockstep_and_outputs(tiny_model, case):
                          *overrides], env={"MOESERVE_TEST_SYNC_JITTER": f"3:{seed}"})
     try:
         server.wait_healthy()
-        report = asyncio.run(soak(server.url, minutes=0.2, concurrency=24, disconnect=0.3,
+        report = asyncio.run(soak(server.url, minutes=0.12, concurrency=24, disconnect=0.3,
                                   pid=None, prompts=12, seed=seed, lens=(8, 48), outs=(4, 16),
                                   mix=0.4, request_timeout_s=40))
         ranks = httpx.get(server.url + "/server_info", timeout=30).json()["ranks"]
