@@ -1,5 +1,6 @@
 """Launcher supervision: SIGTERM → clean exit 0; a child's death → exit 1 naming it; a child
-dying during start-up → exit 1; a SIGKILLed launcher leaves no orphan children."""
+dying during start-up → exit 1; a SIGKILLed launcher leaves no orphan children. On a tiny llama:
+supervision does not depend on the model, and a SmolLM2 start cost twice the CPU."""
 
 from __future__ import annotations
 
@@ -32,8 +33,13 @@ def wait_gone(procs: list, timeout: float = 15.0) -> list:
     return still_running(procs, timeout)
 
 
-def test_sigterm_exits_zero_and_stops_children(launch):
-    server = launch([]).wait_healthy()
+@pytest.fixture(scope="module")
+def tiny(tiny_model) -> str:
+    return tiny_model("llama")
+
+
+def test_sigterm_exits_zero_and_stops_children(launch, tiny):
+    server = launch([f"model.path={tiny}"]).wait_healthy()
     kids = children(server)
     assert len(kids) == 2
     server.proc.send_signal(signal.SIGTERM)
@@ -42,8 +48,8 @@ def test_sigterm_exits_zero_and_stops_children(launch):
     assert "shutting down" in server.log_tail()
 
 
-def test_child_death_brings_server_down(launch):
-    server = launch([]).wait_healthy()
+def test_child_death_brings_server_down(launch, tiny):
+    server = launch([f"model.path={tiny}"]).wait_healthy()
     kids = children(server)
     scheduler_process(server, kids).kill()
     assert server.proc.wait(30) == 1, server.log_tail()
@@ -52,10 +58,8 @@ def test_child_death_brings_server_down(launch):
     assert "child process 'scheduler-0'" in log and "died with exit code -9" in log
 
 
-def test_child_failing_at_start_up(launch, tmp_path):
-    from moeserve.models.embedded import embedded_model_path
-
-    src = embedded_model_path()
+def test_child_failing_at_start_up(launch, tiny, tmp_path):
+    src = tiny
     for name in os.listdir(src):  # tokenizer and config, but no weights: the scheduler fails
         if not name.endswith(".safetensors"):
             shutil.copy(os.path.join(src, name), tmp_path / name)
@@ -64,8 +68,8 @@ def test_child_failing_at_start_up(launch, tmp_path):
     assert "start-up failed: child process 'scheduler-0' exited with code" in server.log_tail()
 
 
-def test_killed_launcher_leaves_no_orphans(launch):
-    server = launch([]).wait_healthy()
+def test_killed_launcher_leaves_no_orphans(launch, tiny):
+    server = launch([f"model.path={tiny}"]).wait_healthy()
     kids = children(server)
     server.proc.kill()
     server.proc.wait(10)
