@@ -19,8 +19,6 @@ from omegaconf import DictConfig
 from launch.common import finish, resolved
 from moeserve.config import register_configs
 
-register_configs()
-
 
 @hydra.main(config_path="pkg://conf", config_name="config", version_base="1.3")
 def main(raw: DictConfig) -> int:
@@ -33,5 +31,6 @@ def main(raw: DictConfig) -> int:
     return finish(run(cfg, hc.runtime.output_dir, log_file, list(hc.overrides.task)))
 
 
-if __name__ == "__main__":
+if __name__ == "__main__":  # not at import: spawned children import this module again
+    register_configs()
     main()

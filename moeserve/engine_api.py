@@ -43,9 +43,11 @@ class InProcessCore:
 
     def __init__(self, cfg: MoeserveConfig):
         from moeserve.scheduler.setup import build_scheduler
+        from moeserve.tokenizer.loading import loaded
 
         self.io = InProcessIO()
-        self.scheduler, self.tokenizer = build_scheduler(cfg, self.io)
+        self.scheduler, tokenizer = build_scheduler(cfg, self.io)
+        self.tokenizer = loaded(tokenizer)  # the Engine tokenizes and renders chats
 
     def run(self, reqs: list[GenerateReq]) -> dict[str, list[TokenOutput]]:
         self.io.inbox.extend(reqs)
@@ -193,10 +195,9 @@ class Engine:
 
 
 def _multi_rank_core(cfg: MoeserveConfig):
-    from transformers import AutoTokenizer
-
     from moeserve.engine_client import MultiRankCore
     from moeserve.scheduler.setup import resolve_model_path
+    from moeserve.tokenizer.loading import load_tokenizer
 
     path = resolve_model_path(cfg)
-    return MultiRankCore(cfg, path, AutoTokenizer.from_pretrained(path))
+    return MultiRankCore(cfg, path, load_tokenizer(path))

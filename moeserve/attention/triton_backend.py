@@ -26,6 +26,8 @@ class ExtendMetadata:
     blk_req: torch.Tensor  # [NB] request of each query block (kernels: extend_blocks)
     blk_m: torch.Tensor  # [NB] its block index within the request's new tokens
 
+INTERPRETED_SPLITS = 2  # decode KV splits at most on CPU tensors (kv_splits)
+
 
 def extend_block_m_of(pool: KVPool, rows: int | None = None) -> int:
     """The extend block table's granularity for a pool's key width (the kernel's BLOCK_M);
@@ -58,16 +60,20 @@ class TritonAttentionBackend(AttentionBackend):
         """Query rows per extend program (and block-table entry) for this pool."""
         return extend_block_m_of(pool, self.extend_rows)
 
-    def kv_splits(self, batch: int, programs_per_request: int, mla: bool = False) -> int:
+    def kv_splits(self, batch: int, programs_per_request: int, mla: bool = False,
+                  interpreted: bool = False) -> int:
         """The fewest splits (a power of two, 1 to 32) that give the decode kernel ~512 programs
         (MLA's, 16 latent heads each, ~256): measured on an H200 (`bench.attention_kernels
         --num-kv-splits`), more and shorter programs only lost there, e.g. Qwen3-30B-A3B at
         batch 256 / 512 tokens 75.4 µs with 1 split, 86.6 with 4. A function of shapes only, so
-        a captured graph keeps its own."""
+        a captured graph keeps its own. `interpreted` (CPU tensors: Triton's interpreter runs the
+        programs one by one, each at a fixed cost of ~30 ms): at most INTERPRETED_SPLITS, which
+        still merge (a batch-4 MLA test spent 127 of its 137 s in 32 mostly empty splits)."""
         if self.num_kv_splits is not None:
             return self.num_kv_splits
         want = -(-(256 if mla else 512) // max(batch * programs_per_request, 1))
-        return min(32, 1 << (want - 1).bit_length())
+        splits = min(32, 1 << (want - 1).bit_length())
+        return min(splits, INTERPRETED_SPLITS) if interpreted else splits
 
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
         if fb.forward_mode.is_decode():
@@ -120,7 +126,8 @@ class TritonAttentionBackend(AttentionBackend):
         if fb.forward_mode.is_decode():
             b = q.shape[0]
             per_req = k_buf.shape[1] if v is not None else -(-spec.num_heads // 16)
-            splits = self.kv_splits(b, per_req, mla=v is None)
+            splits = self.kv_splits(b, per_req, mla=v is None,
+                                    interpreted=q.device.type == "cpu")
             part_out = torch.empty((b, spec.num_heads, splits, spec.v_head_dim),
                                    dtype=torch.float32, device=q.device)
             part_lse = torch.empty((b, spec.num_heads, splits), dtype=torch.float32,

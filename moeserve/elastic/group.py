@@ -30,6 +30,7 @@ def is_comm_failure(e: BaseException) -> bool:
     text = str(e)
     return isinstance(e, getattr(dist, "DistError", ())) or any(s in text for s in (
         "Connection closed", "Connection reset", "Timed out", "timed out", "Broken pipe",
+        "Application timeout",  # gloo: a pair closed by another op's timeout (async a2a wait)
         "gloo", "Socket", "NCCL"))
 
 

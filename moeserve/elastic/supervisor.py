@@ -10,8 +10,9 @@ One thread polls every POLL_S:
 - a loss publishes generation g+1 without the rank (membership.py), tells the DP controller
   (RankDown: stop routing, hand its requests back for a retry), and, with
   `parallel.elastic_relaunch`, starts the rank again; once the relaunched process has loaded
-  its weights, generation g+2 with it is published and the serving ranks are asked to regroup
-  (Regroup, taken at a step they agree on);
+  its weights and generation g+1 serves (every member took a step on it), generation g+2 with
+  it is published and the serving ranks are asked to regroup (Regroup, taken at a step they
+  agree on);
 - when every member of a generation reported its first step, one log line gives the recovery
   time (event to first step), and /metrics follows (metrics.py).
 Any other child's death still takes the server down (procs/supervise.py).
@@ -119,8 +120,8 @@ class ElasticSupervisor:
         for rank in self.current.ranks:
             self._check_heartbeat(rank, now)
         self._check_failures(now)
-        self._check_joining()
         self._check_first_steps()
+        self._check_joining()  # after: it waits for the current generation to serve
 
     # ---- losing a rank ----------------------------------------------------------------------
     def _kill(self, rank: int, why: str) -> None:
@@ -207,13 +208,23 @@ class ElasticSupervisor:
         self.relaunch(rank)
 
     def _check_joining(self) -> None:
-        for rank in [r for r in self.joining if self.store.is_ready(r)]:
+        """Ready relaunched ranks join, all in one generation, once the current one serves
+        (each member took its first step on it). Published while the survivors still form the
+        current one, the rejoin generation split them: a survivor still leaving the old group
+        (waiting out `elastic_timeout_s`) skipped to the newest generation while the others
+        waited for it in the one before, both sides timed out and were killed as stuck (a
+        relaunch ready within about that timeout of the loss did this in 1 run of 3)."""
+        ready = [r for r in self.joining if self.store.is_ready(r)]
+        if not ready or self.current.generation in self.pending:
+            return
+        for rank in ready:
             self.store.mark_ready(rank, False)
-            ranks = tuple(sorted((*self.current.ranks, rank)))
-            self._publish(ranks, f"rank {rank} rejoins", time.time(), joining=(rank,))
-            for r in self.current.ranks:
-                if r != rank:
-                    self.to_ranks[r].put(Regroup(generation=self.current.generation))
+        serving = self.current.ranks
+        cause = (f"rank {ready[0]} rejoins" if len(ready) == 1 else
+                 f"ranks {sorted(ready)} rejoin")
+        self._publish((*serving, *ready), cause, time.time(), joining=tuple(sorted(ready)))
+        for r in serving:
+            self.to_ranks[r].put(Regroup(generation=self.current.generation))
 
     def _check_first_steps(self) -> None:
         for g, m in list(self.pending.items()):

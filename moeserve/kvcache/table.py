@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from moeserve.kvcache.pool import zeros
+
 
 class ReqToTokenPool:
     """Two [max_reqs, max_context] device tables, one row per live request:
@@ -22,8 +24,8 @@ class ReqToTokenPool:
         self.size, self.scratch = size, scratch
         self.max_context_len = max_context_len
         rows = size + scratch
-        self.req_to_token = torch.zeros((rows, max_context_len), dtype=torch.int64, device=device)
-        self.token_ids = torch.zeros((rows, max_context_len + 1), dtype=torch.int64, device=device)
+        self.req_to_token = zeros((rows, max_context_len), torch.int64, device)
+        self.token_ids = zeros((rows, max_context_len + 1), torch.int64, device)
         self._free: list[int] = list(range(size))
 
     def available_size(self) -> int:

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from moeserve.host_copy import to_device
+from moeserve.tokenizer.loading import loaded
 
 KINDS = ("json_object", "json_schema", "regex", "ebnf")
 CACHE_SIZE = 256  # compiled grammars kept by GrammarCompiler (xgrammar keeps its own cache too)
@@ -97,7 +98,7 @@ class GrammarCompiler:
                     import xgrammar as xgr
                 except ImportError:
                     raise ValueError("structured outputs need the xgrammar package") from None
-                info = xgr.TokenizerInfo.from_huggingface(self._tokenizer,
+                info = xgr.TokenizerInfo.from_huggingface(loaded(self._tokenizer),
                                                           vocab_size=self.vocab_size)
                 self._compiler = xgr.GrammarCompiler(info)
             return self._compiler

@@ -19,7 +19,7 @@ from moeserve.kernels.cpu.ops import CpuKernels, supports
 from moeserve.env import env
 from moeserve.layers.linear import pack_bf16_linears, pack_linears
 from moeserve.layers.moe_parallel import ExpertRecorder
-from moeserve.models.loader import WeightLoadError
+from moeserve.models.loader import WeightLoadError, no_random_init
 from moeserve.models.quantization import resolve_quant_plan
 from moeserve.models.registry import model_class
 from moeserve.runtime.kernel_choice import (attention_backend_name, moe_backend_name, use_pdl,
@@ -91,7 +91,7 @@ class ModelRunner:
         cls = model_class(archs[0])
         quant = resolve_quant_plan(self.cfg.model, self.hf_config, path, self.device)
         quant.configure(self.moe_parallel)  # FP8 experts are built in FP8
-        with _default_dtype(self.dtype), self.device:
+        with _default_dtype(self.dtype), self.device, no_random_init():  # filled below
             model = quant.convert(cls(self.hf_config, **self._model_kwargs(cls)))
         if self.cfg.model.load_format == "dummy":
             _init_dummy(model, self.cfg.seed)

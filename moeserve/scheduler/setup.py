@@ -10,6 +10,7 @@ from moeserve.distributed import ParallelMesh
 from moeserve.runtime.grammar import GrammarCompiler
 from moeserve.runtime.model_runner import ModelRunner
 from moeserve.scheduler.scheduler import Scheduler, SchedulerIO
+from moeserve.tokenizer.loading import LazyTokenizer, declared_eos_id
 
 
 def resolve_model_path(cfg: MoeserveConfig) -> str:
@@ -35,16 +36,16 @@ def eos_token_ids(model_path: str, hf_config, tokenizer) -> set[int]:
     if os.path.exists(gen_path):
         with open(gen_path) as f:
             add(json.load(f).get("eos_token_id"))
-    add(tokenizer.eos_token_id)
+    declared = declared_eos_id(model_path)  # what the tokenizer says, without loading it
+    add(declared if declared is not None else tokenizer.eos_token_id)
     return ids
 
 
 def build_scheduler(cfg: MoeserveConfig, io: SchedulerIO, mesh: ParallelMesh | None = None):
-    """→ (Scheduler, tokenizer) for one rank (single-rank mesh by default)."""
-    from transformers import AutoTokenizer
-
+    """→ (Scheduler, tokenizer) for one rank (single-rank mesh by default); the tokenizer is a
+    LazyTokenizer, loaded once stop strings or a grammar need it."""
     path = resolve_model_path(cfg)
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer = LazyTokenizer(path)
     runner = ModelRunner(cfg, path, mesh)
     eos = eos_token_ids(path, runner.hf_config, tokenizer)
 

@@ -11,6 +11,7 @@ layer stored as `model.layers.{num_hidden_layers}.*`, which transformers itself 
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import json
 import os
@@ -365,8 +366,19 @@ def make_tiny(
     with open(os.path.join(out, "config.json"), "w") as f:
         json.dump(config, f, indent=2)
     model.generation_config.save_pretrained(out)
-    load_tokenizer().save_pretrained(out)
+    for name, data in _tokenizer_files().items():
+        with open(os.path.join(out, name), "wb") as f:
+            f.write(data)
     return out
+
+
+@functools.cache
+def _tokenizer_files() -> dict[str, bytes]:
+    """What `load_tokenizer().save_pretrained` writes, saved once per process: loading the
+    129k-token tokenizer costs ~1 s of a core, and a test session makes dozens of checkpoints."""
+    with tempfile.TemporaryDirectory() as tmp:
+        load_tokenizer().save_pretrained(tmp)
+        return {name: open(os.path.join(tmp, name), "rb").read() for name in os.listdir(tmp)}
 
 
 FP8_QUANTIZATION_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",

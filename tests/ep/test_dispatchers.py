@@ -3,7 +3,8 @@
 On 2 and 4 gloo ranks with uneven token counts (one rank idle, then all idle), with and without the
 per-rank counts given, and with two dispatches in flight, plain and overlapped (the TBO path: the
 CUDA side-stream calls run through a recording stand-in, DeepEP gets its stream options). p2p runs
-over shared-memory files. deepep runs against the in-repo emulation in fake_deep_ep.py.
+over shared-memory files. deepep runs against the in-repo emulation in fake_deep_ep.py. The
+cases of a world size run in one pool of rank processes (RankPool).
 """
 
 from __future__ import annotations
@@ -162,6 +163,65 @@ def _worker(rank: int, world: int, port: int, backend: str, results) -> None:
             torch.distributed.destroy_process_group()
 
 
+def _pool_worker(rank: int, world: int, port: int, tasks, results) -> None:
+    """One rank of a RankPool: one gloo group, then each backend the parent names in turn."""
+    torch.set_num_threads(1)
+    try:
+        torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}",
+                                             rank=rank, world_size=world)
+        while (backend := tasks.get()) is not None:
+            try:
+                _check(rank, world, backend)
+                results.put((rank, None))
+            except BaseException:  # reported to the parent, which fails the test
+                results.put((rank, traceback.format_exc()))
+    except BaseException:
+        results.put((rank, traceback.format_exc()))
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+
+class RankPool:
+    """`world` spawned gloo ranks that run one backend's checks per `run`: the cases of a world
+    size share their processes (a rank's start, torch and this module imported, is ~2 s of a
+    core; 36 of them were most of this file's time). A failed case ends the pool (its peers
+    may hang in a collective); the next case starts a fresh one."""
+
+    def __init__(self, world: int):
+        self.world = world
+        self.procs: list = []
+
+    def _start(self) -> None:
+        ctx = mp.get_context("spawn")
+        self.results, port = ctx.Queue(), _free_port()
+        self.tasks = [ctx.Queue() for _ in range(self.world)]
+        self.procs = [ctx.Process(target=_pool_worker, args=(r, self.world, port, self.tasks[r],
+                                                              self.results))
+                      for r in range(self.world)]
+        for p in self.procs:
+            p.start()
+
+    def run(self, backend: str, timeout_s: float = 90.0) -> None:
+        if not self.procs:
+            self._start()
+        for q in self.tasks:
+            q.put(backend)
+        errors = _collect(self.procs, self.results, timeout_s)
+        if errors:
+            self.close(join_s=5.0)
+            pytest.fail("\n".join(f"rank {r}:\n{e}" for r, e in sorted(errors.items())))
+
+    def close(self, join_s: float = 10.0) -> None:
+        for q in self.tasks if self.procs else ():
+            q.put(None)
+        for p in self.procs:
+            p.join(timeout=join_s)
+            if p.is_alive():
+                p.kill()
+        self.procs = []
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -209,12 +269,20 @@ def _collect(procs, results, timeout_s: float) -> dict[int, str]:
     return {r: e for r, e in done.items() if e}
 
 
+@pytest.fixture(scope="module")
+def rank_pools():
+    pools = {world: RankPool(world) for world in (2, 4)}
+    yield pools
+    for pool in pools.values():
+        pool.close()
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_dispatch_combine_equals_all_experts(world, backend):
-    run_ranks(world, backend)
+def test_dispatch_combine_equals_all_experts(rank_pools, world, backend):
+    rank_pools[world].run(backend)
 
 
 def test_expert_owner():

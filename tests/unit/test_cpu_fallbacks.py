@@ -15,6 +15,7 @@ from parity import (extend_batch, hf_logits, hf_model, make_runner, prefill_logi
                     prompts_of_lengths, rel_err)
 
 from moeserve.env import log_forced_off
+from moeserve.kernels.cpu import build
 from moeserve.kernels.cpu.build import NATIVE, _x86_tiers, build_and_probe, load_cpu_kernels
 from moeserve.layers.linear import Linear, onednn_bf16_linear_works
 
@@ -26,9 +27,24 @@ needs_cc = pytest.mark.skipif(CC is None, reason="no C compiler here")
 
 @pytest.fixture
 def cache(tmp_path, monkeypatch):
-    """A fresh kernel cache for this test (children inherit it), so nothing is reused."""
+    """A fresh kernel cache for this test (children inherit it), so nothing is reused: for the
+    tests of building and probing themselves."""
     monkeypatch.setenv("MOESERVE_CACHE_DIR", str(tmp_path))
     return str(tmp_path)
+
+
+@pytest.fixture(scope="module")
+def module_cache(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("kernel_cache"))
+
+
+@pytest.fixture
+def built(module_cache, monkeypatch):
+    """A kernel cache fresh for this module (nothing from an earlier run or version), shared by
+    its tests of what runs once the kernels are built: each build is compiled once here, not
+    once a test (a build of decode.c + linear.c at -O3 is ~3 s of a core, its probe ~2 s)."""
+    monkeypatch.setenv("MOESERVE_CACHE_DIR", module_cache)
+    return module_cache
 
 
 def test_disable_cpu_kernels_means_none(cache, monkeypatch, caplog):
@@ -48,12 +64,17 @@ def test_missing_compiler_means_none(cache, caplog):
 
 
 @needs_cc
-def test_probe_catches_a_build_that_crashes(cache, tmp_path, caplog):
+def test_probe_catches_a_build_that_crashes(cache, tmp_path, monkeypatch, caplog):
     """A library whose code traps when loaded (ud2: SIGILL, as an instruction this CPU lacks
     would): the probe's child dies, the server process does not, and both builds are refused."""
     header = tmp_path / "trap.h"
     header.write_text("__attribute__((constructor)) static void ms_trap(void) "
                       "{ __builtin_trap(); }\n")
+    # what the library holds besides the trap does not matter (it dies loading): a one-line
+    # source builds in milliseconds, the kernels' sources ~3 s each of the six builds
+    source = tmp_path / "one.c"
+    source.write_text("int ms_one(void) { return 1; }\n")
+    monkeypatch.setattr(build, "SOURCES", [source])
     with caplog.at_level(logging.INFO):
         assert load_cpu_kernels(cache, f"{CC} -include {header}") is None
     # -march=native (unless forced off), AVX2 + FMA (x86-64), then portable; each with OpenMP
@@ -79,14 +100,14 @@ def test_openmp_build_that_cannot_load_falls_back_to_simd_only(cache, tmp_path, 
 
 
 @needs_cc
-def test_disable_march_native_builds_portable(cache, monkeypatch, caplog):
+def test_disable_march_native_builds_portable(built, monkeypatch, caplog):
     monkeypatch.setenv("MOESERVE_DISABLE_MARCH_NATIVE", "1")
     log_forced_off.cache_clear()  # it logs once per process
     with caplog.at_level(logging.INFO):
-        k = load_cpu_kernels(cache)
+        k = load_cpu_kernels(built)
     assert k is not None and not k.has_bf16_dot  # AVX512-BF16 needs -march flags
     assert "MOESERVE_DISABLE_MARCH_NATIVE" in caplog.text
-    native = build_and_probe(cache, [CC], NATIVE)
+    native = build_and_probe(built, [CC], NATIVE)
     if native is None:
         pytest.skip("the -march=native build fails its probe here")
     x, w = torch.randn(5, 64), torch.randn(64)
@@ -94,9 +115,9 @@ def test_disable_march_native_builds_portable(cache, monkeypatch, caplog):
 
 
 @needs_cc
-def test_disable_bf16_head(cache, monkeypatch):
+def test_disable_bf16_head(built, monkeypatch):
     monkeypatch.setenv("MOESERVE_DISABLE_BF16_HEAD", "1")
-    assert not load_cpu_kernels(cache).has_bf16_dot
+    assert not load_cpu_kernels(built).has_bf16_dot
 
 
 def test_disable_onednn_bf16(monkeypatch):
@@ -118,7 +139,7 @@ def _greedy_and_logits(runner, prompts):
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])
-def test_no_compiler_runner_matches_transformers(tiny_model, cache, monkeypatch, arch):
+def test_no_compiler_runner_matches_transformers(tiny_model, built, monkeypatch, arch):
     """CC missing: the runner runs torch ops (torch attention backend) and equals transformers."""
     monkeypatch.setenv("CC", "/nonexistent/bin/cc")
     path = tiny_model(arch)
@@ -133,7 +154,7 @@ def test_no_compiler_runner_matches_transformers(tiny_model, cache, monkeypatch,
 
 @pytest.mark.parametrize("var", ["MOESERVE_DISABLE_CPU_KERNELS", "MOESERVE_DISABLE_MARCH_NATIVE",
                                  "MOESERVE_DISABLE_BF16_HEAD", "MOESERVE_DISABLE_ONEDNN_BF16"])
-def test_each_fallback_matches_the_fast_path_bf16(tiny_model, cache, monkeypatch, var):
+def test_each_fallback_matches_the_fast_path_bf16(tiny_model, built, monkeypatch, var):
     """bf16 (where every fast path applies): forcing one probe off gives the same greedy tokens
     as the runner with all of them on, logits within bf16 noise; greedy = argmax of the logits."""
     path = tiny_model("qwen3_moe")
@@ -161,14 +182,14 @@ def test_each_fallback_matches_the_fast_path_bf16(tiny_model, cache, monkeypatch
 
 # ---- bf16 weights with float32 arithmetic (CPUs without native bf16) ----------------------------
 @needs_cc
-def test_auto_dtype_without_fast_bf16(cache, monkeypatch):
+def test_auto_dtype_without_fast_bf16(built, monkeypatch):
     """As on an AVX2-only CPU (oneDNN's bf16 prepack off): model.dtype=auto is bfloat16 where the
     C bf16-weight linear is built for AVX2 + FMA, float32 once it (or every kernel) is off."""
     from moeserve.runtime.model_config import cpu_bf16_is_fast, resolve_dtype
 
     monkeypatch.delenv("CC", raising=False)  # the compiler found on PATH (needs_cc)
     monkeypatch.setenv("MOESERVE_DISABLE_ONEDNN_BF16", "1")
-    kernels = load_cpu_kernels(cache)
+    kernels = load_cpu_kernels(built)
     assert cpu_bf16_is_fast() == kernels.fast_linear == bool(_x86_tiers())
     assert not cpu_bf16_is_fast(use_cpu_kernels=False)  # model.cpu_kernels=false
     for var, value in (("MOESERVE_DISABLE_CPU_LINEAR", "1"), ("MOESERVE_DISABLE_CPU_KERNELS", "1"),
@@ -180,7 +201,7 @@ def test_auto_dtype_without_fast_bf16(cache, monkeypatch):
 
 @needs_cc
 @pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])
-def test_bf16_weight_linear_and_its_fallback(tiny_model, cache, monkeypatch, arch):
+def test_bf16_weight_linear_and_its_fallback(tiny_model, built, monkeypatch, arch):
     """oneDNN off: every bf16 Linear runs the C kernel (its packed weight is the parameter's);
     MOESERVE_DISABLE_CPU_LINEAR=1 on top: torch's bf16 F.linear. Same clear greedy tokens,
     logits within bf16 noise of each other and of transformers in float32, each run's greedy =

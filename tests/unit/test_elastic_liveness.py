@@ -3,14 +3,17 @@ stopped (SIGSTOP: alive, but its heartbeat stands still) or stuck (it heartbeats
 fails nor progresses while its peers' collectives fail) is killed by the launcher, so it cannot
 come back half-alive, and then treated as dead: the next membership leaves it out, the DP
 controller is told (RankDown) and the live-rank count follows. The rank processes are real
-(forked sleepers) so the kill and the exit it causes are the operating system's."""
+(forked sleepers) so the kill and the exit it causes are the operating system's. Last, the
+order of a rejoin: a relaunched rank is published only once the survivors serve."""
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import signal
 import time
+from types import SimpleNamespace
 
 import pytest
 from prometheus_client import CollectorRegistry
@@ -19,7 +22,7 @@ from moeserve.config import compose
 from moeserve.elastic.membership import MembershipStore, connect_store
 from moeserve.elastic.metrics import ElasticMetrics
 from moeserve.elastic.supervisor import ElasticSupervisor, host_store
-from moeserve.ipc.messages import RankDown
+from moeserve.ipc.messages import RankDown, RankUp, Regroup
 from moeserve.ipc.queues import Endpoints, PullQueue
 from moeserve.procs.children import Child, ProcessGroup
 from moeserve.procs.rendezvous import free_tcp_port
@@ -35,11 +38,14 @@ class FakeClock:
         return self.now
 
 
-@pytest.fixture
-def deployment():
-    """A supervisor over 4 forked sleeper 'ranks', its store, the controller's inbox, a clock."""
+@contextlib.contextmanager
+def supervised(relaunch: bool):
+    """A supervisor over 4 forked sleeper 'ranks', its store, the controller's inbox, a clock;
+    with `relaunch`, parallel.elastic_relaunch is on and the ranks it relaunches are recorded
+    (no process starts: the test plays the relaunched rank through the store)."""
     cfg = compose(["parallel.tp_size=4", "parallel.dp_size=4", "parallel.elastic_ep=true",
                    f"parallel.elastic_timeout_s={TIMEOUT_S}",
+                   f"parallel.elastic_relaunch={str(relaunch).lower()}",
                    f"parallel.dist_init_addr=127.0.0.1:{free_tcp_port()}"])
     server = host_store(cfg)
     endpoints = Endpoints.fresh(4)
@@ -52,22 +58,40 @@ def deployment():
     import zmq
 
     ctx = zmq.Context()
-    controller = PullQueue(ctx, endpoints.scheduler_in, RankDown)
+    controller = PullQueue(ctx, endpoints.scheduler_in, RankDown | RankUp)
+    ranks_in = [PullQueue(ctx, addr, Regroup) for addr in endpoints.rank_in]
     live: list[int] = []
     others: list[Child] = []
+    relaunched: list[int] = []
+
+    def on_relaunch(rank: int) -> None:
+        if not relaunch:
+            pytest.fail(f"relaunch of {rank} without relaunch on")
+        relaunched.append(rank)
+
     clock = FakeClock()
     sup = ElasticSupervisor(cfg, procs, endpoints,
                             ElasticMetrics(CollectorRegistry(), 4), others.append,
-                            lambda rank: pytest.fail(f"relaunch of {rank} without relaunch on"),
-                            live.append, clock=clock)
+                            on_relaunch, live.append, clock=clock)
     store = MembershipStore(connect_store(cfg.parallel.dist_init_addr))
-    yield sup, store, controller, clock, procs, live, others
-    for c in procs.children:
-        os.kill(c.process.pid, signal.SIGKILL)
-        c.process.join(5)
-    controller.socket.close()
-    ctx.term()
-    del server
+    try:
+        yield SimpleNamespace(sup=sup, store=store, controller=controller, clock=clock,
+                              procs=procs, live=live, others=others, relaunched=relaunched,
+                              ranks_in=ranks_in)
+    finally:
+        for c in procs.children:
+            os.kill(c.process.pid, signal.SIGKILL)
+            c.process.join(5)
+        for q in (controller, *ranks_in):
+            q.socket.close()
+        ctx.term()
+        del server
+
+
+@pytest.fixture
+def deployment():
+    with supervised(relaunch=False) as d:
+        yield d.sup, d.store, d.controller, d.clock, d.procs, d.live, d.others
 
 
 def pid_of(procs: ProcessGroup, rank: int) -> int:
@@ -144,3 +168,39 @@ def test_every_member_failing_regroups_without_a_kill(deployment):
     assert (m.generation, m.ranks) == (1, (0, 1, 2, 3)) and not sup.fenced
     assert all(c.process.is_alive() for c in procs.children)
     assert controller.get(timeout_ms=50) is None and live == [] and not others
+
+
+def test_relaunched_rank_joins_once_the_survivors_serve():
+    """A relaunched rank that is ready before the survivors have formed the generation that
+    left it out must wait for them: published at once, its generation split the survivors (one
+    still leaving the old group skipped to it, the others waited for it in the one before) and
+    the stuck ranks were killed. Two ranks ready together join in one generation."""
+    with supervised(relaunch=True) as d:
+        sup, store, clock = d.sup, d.store, d.clock
+        for rank in (2, 1):
+            victim = pid_of(d.procs, rank)
+            os.kill(victim, signal.SIGKILL)
+            wait_reaped(sup, d.procs, victim)
+        assert d.relaunched == [2, 1]
+        assert (store.latest().generation, store.latest().ranks) == (2, (0, 3))
+        store.mark_ready(2)  # rank 2's new process loaded its weights
+        store.first_step(2, 0, time.time())  # rank 0 serves on generation 2, rank 3 not yet
+        step(sup, store, clock, 1.0, beating=(0, 3))
+        assert store.latest().generation == 2  # not over a generation still forming
+        assert all(q.get(timeout_ms=0) is None for q in d.ranks_in)
+        store.mark_ready(1)
+        store.first_step(2, 3, time.time())  # generation 2 serves
+        step(sup, store, clock, 0.25, beating=(0, 3))
+        m = store.latest()
+        assert (m.generation, m.ranks, m.joining) == (3, (0, 1, 2, 3), (1, 2))
+        assert not store.is_ready(1) and not store.is_ready(2)
+        for r in (0, 3):  # the serving ranks are asked to leave for it at an agreed step
+            msg = d.ranks_in[r].get(timeout_ms=5000)
+            assert isinstance(msg, Regroup) and msg.generation == 3
+        for r in m.ranks:
+            store.first_step(3, r, time.time())
+        step(sup, store, clock, 0.25, beating=(0, 1, 2, 3))
+        assert sup.metrics.recoveries.labels("rejoin")._value.get() == 1
+        assert sup.metrics.ranks_alive._value.get() == 4
+        msgs = [d.controller.get(timeout_ms=5000) for _ in range(4)]  # 2 RankDown, 2 RankUp
+        assert sorted(m.rank for m in msgs if isinstance(m, RankUp)) == [1, 2]
