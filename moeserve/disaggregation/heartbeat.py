@@ -43,8 +43,9 @@ class Heartbeats:
                 return out
 
     def close(self) -> None:
+        """Does not wait out a probe in flight (up to the probe timeout): the thread is a daemon
+        and reports to nobody once closed."""
         self._stop.set()
-        self._thread.join(self._timeout + 1)
 
     def _run(self) -> None:
         misses: dict[Peer, int] = {}

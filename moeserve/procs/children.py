@@ -29,8 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from moeserve.procs.forkserver import (PRELOAD, LauncherState, fork_server_guard,
-                                       release_fork_server)
+from moeserve.procs.forkserver import PRELOAD, LauncherState, fork_server_guard, release_fork_server
 
 logger = logging.getLogger(__name__)
 
@@ -138,7 +137,8 @@ class ProcessGroup:
     def __init__(self, log_level: str = "info", log_file: str | None = None,
                  start_method: str = "spawn"):
         self._ctx = mp.get_context(start_method)
-        if start_method == "forkserver":
+        self._forked = start_method == "forkserver"
+        if self._forked:
             self._ctx.set_forkserver_preload(PRELOAD)  # no effect once this process' one started
         self._log_level = log_level
         self._log_file = log_file
@@ -147,11 +147,10 @@ class ProcessGroup:
 
     def start(self, name: str, target: Callable[..., Any], args: tuple) -> None:
         """Start a child; call from the main thread (PDEATHSIG follows the forking thread)."""
-        forked = self._ctx.get_start_method() == "forkserver"
         proc = self._ctx.Process(target=child_entry, name=name, daemon=False,
                                  args=(name, os.getpid(), self._log_level, target, args,
                                        self._log_file,
-                                       LauncherState.capture() if forked else None))
+                                       LauncherState.capture() if self._forked else None))
         proc.start()
         logger.info("started %s (pid %d)", name, proc.pid)
         self.children.append(Child(name, proc))

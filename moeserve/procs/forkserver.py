@@ -88,7 +88,7 @@ def release_fork_server() -> None:
     every child, running."""
     from multiprocessing import forkserver
 
-    server = forkserver._forkserver  # noqa: SLF001 (the process-wide server's state)
+    server = forkserver._forkserver
     fd = getattr(server, "_forkserver_alive_fd", None)
     if fd is not None:
         os.close(fd)

@@ -8,9 +8,8 @@ import os
 import shutil
 import signal
 
-import pytest
-
 import httpx
+import pytest
 from live_server import role_processes, still_running
 
 psutil = pytest.importorskip("psutil")
@@ -29,10 +28,6 @@ def scheduler_process(server, kids: list):
     return next(p for p in kids if p.pid != detok)
 
 
-def wait_gone(procs: list, timeout: float = 15.0) -> list:
-    return still_running(procs, timeout)
-
-
 @pytest.fixture(scope="module")
 def tiny(tiny_model) -> str:
     return tiny_model("llama")
@@ -44,7 +39,7 @@ def test_sigterm_exits_zero_and_stops_children(launch, tiny):
     assert len(kids) == 2
     server.proc.send_signal(signal.SIGTERM)
     assert server.proc.wait(30) == 0, server.log_tail()
-    assert wait_gone(kids) == []
+    assert still_running(kids) == []
     assert "shutting down" in server.log_tail()
 
 
@@ -53,7 +48,7 @@ def test_child_death_brings_server_down(launch, tiny):
     kids = children(server)
     scheduler_process(server, kids).kill()
     assert server.proc.wait(30) == 1, server.log_tail()
-    assert wait_gone(kids) == []
+    assert still_running(kids) == []
     log = server.log_tail()
     assert "child process 'scheduler-0'" in log and "died with exit code -9" in log
 
@@ -73,4 +68,4 @@ def test_killed_launcher_leaves_no_orphans(launch, tiny):
     kids = children(server)
     server.proc.kill()
     server.proc.wait(10)
-    assert wait_gone(kids, timeout=10) == []
+    assert still_running(kids, timeout=10) == []

@@ -13,16 +13,21 @@ from moeserve.disaggregation.bootstrap import probe
 from moeserve.disaggregation.heartbeat import Heartbeats
 
 
-class _Slow(http.server.BaseHTTPRequestHandler):
-    delay = 0.4
+def _serve(delay: float) -> http.server.ThreadingHTTPServer:
+    """A /health that answers 200 after `delay` s, on a free loopback port, served in a thread."""
 
-    def do_GET(self):  # noqa: N802 (http.server's name)
-        time.sleep(self.delay)
-        self.send_response(200)
-        self.end_headers()
+    class Slow(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            time.sleep(delay)
+            self.send_response(200)
+            self.end_headers()
 
-    def log_message(self, *args):
-        pass
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Slow)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
 
 
 def _closed_port() -> int:
@@ -40,8 +45,7 @@ def _wait_dead(hb: Heartbeats, seconds: float) -> list:
 
 
 def test_dead_peer_is_declared_and_slow_one_is_not():
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Slow)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
+    server = _serve(0.4)
     slow, gone = ("127.0.0.1", server.server_address[1]), ("127.0.0.1", _closed_port())
     hb = Heartbeats(probe, interval_s=0.05, max_failures=2, timeout_s=2.0)
     try:
@@ -56,9 +60,7 @@ def test_dead_peer_is_declared_and_slow_one_is_not():
 
 
 def test_timeouts_count_as_misses():
-    _Slow.delay = 0.5
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Slow)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
+    server = _serve(0.5)
     peer = ("127.0.0.1", server.server_address[1])
     hb = Heartbeats(probe, interval_s=0.05, max_failures=2, timeout_s=0.1)
     try:
@@ -67,4 +69,3 @@ def test_timeouts_count_as_misses():
     finally:
         hb.close()
         server.shutdown()
-        _Slow.delay = 0.4
