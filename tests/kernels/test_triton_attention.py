@@ -229,7 +229,7 @@ def test_decode_writes_every_element_and_padded_rows_are_safe(shape, fuse_reduce
 def test_extend_writes_every_element(shape, split_causal):
     """Poisoned out: every new token's row is written, none past them; a request with no new
     tokens between two that have some. Both loops: unmasked whole key blocks then the diagonal
-    (split_causal, the default), or every block masked."""
+    (split_causal), or every block masked (the default)."""
     w = _World(shape, "cpu", torch.float32, seed=5)
     w.step([1, 2], [70, 3])  # 70: a whole key block below the new rows
     fb = w.batch([1, 4, 2], [7, 0, 30], False, None)  # row 4: nothing cached, nothing new

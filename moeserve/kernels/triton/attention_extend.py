@@ -72,7 +72,7 @@ def extend_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor |
                      qo_start: torch.Tensor, prefix_lens: torch.Tensor, blk_req: torch.Tensor,
                      blk_m: torch.Tensor, scale: float, dk: int, dv: int,
                      out: torch.Tensor, block_m: int | None = None,
-                     tile: tuple[int, int, int] | None = None, split_causal: bool = True
+                     tile: tuple[int, int, int] | None = None, split_causal: bool = False
                      ) -> None:
     """Causal attention of each request's new tokens over its pool KV.
 
@@ -88,7 +88,8 @@ def extend_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor |
     (BLOCK_N, num_warps, num_stages) instead of `extend_launch`'s (bench.prefill_kernels sweeps
     it); BLOCK_N and the stages still shrink to fit shared memory. `split_causal`: the key blocks
     that every row of a query block sees run without the causal mask (a second loop takes the
-    diagonal); False masks every block, as before 2026-12-06 (for the benchmark's comparison).
+    diagonal); off by default: on an H100 it ran slower (docs/gpu_decode.md, 2026-12-06: 4096
+    causal tokens of Qwen3's heads 0.710 ms split against 0.478 ms masked at the 64 x 64 tile).
     """
     t, h, dq = q.shape
     nb = blk_req.shape[0]
