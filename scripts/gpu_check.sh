@@ -34,8 +34,9 @@
 #   measured matmul peak; on an H200 either first writes $OUT/h200.json (bench.op_costs).
 #   prefill_ab: issue 44's Qwen3 prefill target in one call: bench.prefill_kernels (fused-MoE
 #   configs, extend attention tiles) and one_batch prefill at 4096 tokens, today's defaults
-#   against attention.extend_block_m=128 / another GPU's MoE tables / both (knobs in the mode;
-#   PA_KERNELS=0 or PA_OB=0 runs one half, if both do not fit one 10-minute call).
+#   against the shape heuristic's MoE tiles (no tuned table) / attention.extend_block_m=128 /
+#   another GPU's MoE tables (knobs in the mode; PA_KERNELS=0 or PA_OB=0 runs one half, if
+#   both do not fit one 10-minute call).
 #   fp8acc: issue 44's FP8 accuracy tests (kernels vs their float64 emulation, per layer and
 #   whole model) and the bench.fp8_accuracy KL / top-1 table; on an H200 then bench.op_costs.
 #   pdl: programmatic dependent launch: its kernel-chain test, one_batch Qwen3-30B-A3B with PDL
@@ -114,8 +115,9 @@ if [[ $what == prefill_ab ]]; then
   # issue 44's Qwen3 prefill target, one call: bench.prefill_kernels (fused-MoE configs and extend
   # attention tiles at 4096 tokens against the measured matmul peak), then one_batch prefill of
   # Qwen3-30B-A3B at 4096 with today's defaults against each candidate setting, the same run:
-  # attention.extend_block_m=128, the shipped tables of another GPU (PA_TABLE_FROM, default
-  # NVIDIA_H200) under this GPU's name as moe.config_dir, and both. On an H200 first h200.json.
+  # the heuristic's MoE tiles (a moe.config_dir table of default_config at every token count:
+  # the before of a shipped table), attention.extend_block_m=128, the shipped tables of another
+  # GPU (PA_TABLE_FROM, default NVIDIA_H200) under this GPU's name. On an H200 first h200.json.
   if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 && [ "${I44_OPCOSTS:-1}" = 1 ]; then
     timeout ${I44_OPCOSTS_TIMEOUT:-200} python3 -m moeserve.bench.op_costs --out "$OUT/h200.json" \
       2>&1 | grep -v -E "Warning|warn" | tail -5
@@ -129,15 +131,18 @@ if [[ $what == prefill_ab ]]; then
   fi
   [ "${PA_OB:-1}" = 1 ] || exit 0
   dev=$(python3 -c "from moeserve.kernels.triton.moe_config import device_name as d; print(d())")
-  mkdir -p /tmp/moe_alias
+  mkdir -p /tmp/moe_alias /tmp/moe_heur
   for f in moeserve/kernels/triton/moe_configs/*device=${PA_TABLE_FROM:-NVIDIA_H200}.json; do
     b=$(basename "$f"); cp "$f" "/tmp/moe_alias/${b%device=*}device=$dev.json"
   done
-  both="attention.extend_block_m=128 moe.config_dir=/tmp/moe_alias"
+  # the heuristic's tiles at every token count: what a GPU without a shipped table runs
+  python3 -c "import json, torch; from moeserve.kernels.triton import moe_config as m
+t = {str(n): m.default_config(128, 2048, 768, 8, torch.bfloat16, n) for n in range(1, 8193)}
+open('/tmp/moe_heur/' + m.config_file_name(128, 2048, 768, torch.bfloat16), 'w').write(json.dumps(t))"
   timeout ${PA_OB_TIMEOUT:-300} python3 -m moeserve.bench.one_batch --model /tmp/q3moe_full \
     --batch ${PA_BATCHES:-1} --input-len 4096 --output-len 4 --warmup 1 \
-    --compare-with attention.extend_block_m=128 --compare-with moe.config_dir=/tmp/moe_alias \
-    --compare-with "$both" ${PA_OB_ARGS:-} -o model.load_format=dummy -o device=cuda \
+    --compare-with moe.config_dir=/tmp/moe_heur --compare-with attention.extend_block_m=128 \
+    --compare-with moe.config_dir=/tmp/moe_alias ${PA_OB_ARGS:-} -o model.load_format=dummy -o device=cuda \
     -o scheduler.chunked_prefill_size=4096 -o cache.max_total_tokens=20000 \
     -o cuda_graph.max_bs=4 2>&1 | grep -v -E "Warning|warn|capturing" \
     | tee "$OUT/prefill_ab.log"
