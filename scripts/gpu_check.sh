@@ -142,8 +142,8 @@ open('/tmp/moe_heur/' + m.config_file_name(128, 2048, 768, torch.bfloat16), 'w')
   timeout ${PA_OB_TIMEOUT:-300} python3 -m moeserve.bench.one_batch --model /tmp/q3moe_full \
     --batch ${PA_BATCHES:-1} --input-len 4096 --output-len 4 --warmup 1 \
     --compare-with moe.config_dir=/tmp/moe_heur --compare-with attention.extend_block_m=128 \
-    --compare-with moe.config_dir=/tmp/moe_alias ${PA_OB_ARGS:-} -o model.load_format=dummy -o device=cuda \
-    -o scheduler.chunked_prefill_size=4096 -o cache.max_total_tokens=20000 \
+    --compare-with moe.config_dir=/tmp/moe_alias ${PA_OB_ARGS:-} -o model.load_format=dummy \
+    -o device=cuda -o scheduler.chunked_prefill_size=4096 -o cache.max_total_tokens=20000 \
     -o cuda_graph.max_bs=4 2>&1 | grep -v -E "Warning|warn|capturing" \
     | tee "$OUT/prefill_ab.log"
 fi
