@@ -36,6 +36,11 @@ GEMMS = [
     ("llama3_8b", 4096, 4096, ("bf16",)),
     ("llama3_8b", 4096, 28672, ("bf16",)),
     ("llama3_8b", 14336, 4096, ("bf16",)),
+    ("deepseek_v2_lite", 2048, 3648, ("bf16",)),  # fused q + kv_a (16 x 192 + 576)
+    ("deepseek_v2_lite", 2048, 2048, ("bf16",)),  # o_proj
+    ("deepseek_v2_lite", 2048, 5632, ("bf16",)),  # shared experts gate_up (2 x 1408)
+    ("deepseek_v2_lite", 2816, 2048, ("bf16",)),  # shared experts down
+    ("deepseek_v2_lite", 2048, 129280, ("bf16",)),  # LM head (the benchmarks' vocabulary)
 ]
 # (model, experts in the table, hidden, intermediate, topk, dtypes, token counts)
 MOES = [
@@ -43,12 +48,14 @@ MOES = [
     # all of a layer's experts on one GPU: the sorted path over many experts streams better
     ("deepseek_v3", 256, 7168, 2048, 8, ("fp8", "bf16"), [16, 64, 256, 1024]),
     ("qwen3_30b_a3b", 128, 2048, 768, 8, ("bf16",), [1, 4, 16, 64, 256, 1024, 4096]),
+    ("deepseek_v2_lite", 64, 2048, 1408, 6, ("bf16",), [1, 4, 16, 64, 256, 1024, 4096]),
 ]
 # (model, kind, heads, kv_heads, head_dim, v_head_dim, rope)
 ATTN = [
     ("deepseek_v3", "mla", 128, 1, 576, 512, 64),
     ("qwen3_30b_a3b", "gqa", 32, 4, 128, 128, 0),
     ("llama3_8b", "gqa", 32, 8, 128, 128, 0),
+    ("deepseek_v2_lite", "mla", 16, 1, 576, 512, 64),  # 16 heads: a program per 16 heads
 ]
 BATCHES, CONTEXTS = [1, 16, 64, 256], [512, 2048, 8192]
 PDL = [True]  # programmatic dependent launches, as the runtime on sm90 (off under the interpreter)
