@@ -8,8 +8,7 @@ from xdist.scheduler import LoadFileScheduling
 
 # tests/e2e/conftest.py `smollm2_tools_server` (its users are checked at collection)
 SMOLLM2_TOOLS_FILES = frozenset(f"tests/e2e/{name}.py" for name in (
-    "test_harness_api", "test_lm_eval", "test_openai_api", "test_openai_extras",
-    "test_structured_outputs"))
+    "test_harness_api", "test_lm_eval", "test_openai_api", "test_openai_extras"))
 
 
 class SharedServerScheduling(LoadFileScheduling):

@@ -141,30 +141,6 @@ def test_openai_client_raises_bad_request(server):
         client.completions.create(model="", prompt="x", presence_penalty=3.0)
 
 
-def test_forced_tool_call_needs_no_tool_parser(http):
-    """The counterpart of "tools without a parser" above: tool_choice required and named work on
-    this server without a tool parser (the grammar's own parser reads the call); the constrained
-    calls' full checks, streamed too, are test_structured_outputs.py's."""
-    import json
-
-    import jsonschema
-
-    params = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}},
-              "required": ["city"]}
-    tool = {"type": "function", "function": {"name": "get_weather", "parameters": params}}
-    for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
-        r = http.post("/v1/chat/completions", json={
-            "messages": [{"role": "user", "content": "Weather in Rome?"}], "tools": [tool],
-            "tool_choice": choice, "parallel_tool_calls": False, "temperature": 0,
-            "max_tokens": 40})
-        assert r.status_code == 200, r.text
-        out = r.json()["choices"][0]
-        assert out["finish_reason"] == "tool_calls", out
-        (call,) = out["message"]["tool_calls"]
-        assert call["function"]["name"] == "get_weather"
-        jsonschema.validate(json.loads(call["function"]["arguments"]), params)
-
-
 def test_unknown_route_and_method(http):
     assert_error(http.get("/v1/nothing"), 404)
     assert_error(http.get("/v1/chat/completions"), 405)

@@ -1,13 +1,7 @@
 """Structured outputs (issue 18) through the official `openai` client on one live server (embedded
 SmolLM2): json_schema outputs validate with `jsonschema`, json_object parses, regex/ebnf extras
 hold on the completions and native routes, and an invalid schema is a 400 naming the problem;
-tool_choice required and named are constrained by the tools' schemas (no tool parser needed:
-test_bad_input.py forces one on a server without any).
-
-The server is the session's shared float32 one (conftest.SMOLLM2_TOOLS_ARGS): the grammar masks
-float32 logits whatever the model's dtype (the scheduler casts them before sampling), a forced
-tool call takes the grammar's own parser, not the server's tool parser, and a JSON reply never
-opens with the reasoning parser's `<think>`."""
+tool_choice required and named are constrained by the tools' schemas (no tool parser needed)."""
 
 from __future__ import annotations
 
@@ -23,6 +17,7 @@ from moeserve.bench.grammar_schemas import hand_written, schemas  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
+SERVER_ARGS: list[str] = []
 MODEL = "smollm2-135m-instruct"
 
 
@@ -41,11 +36,6 @@ def _valid(text: str, schema: dict) -> bool:
     except (ValueError, jsonschema.ValidationError):
         return False
     return True
-
-
-@pytest.fixture(scope="module")
-def server(smollm2_tools_server):
-    return smollm2_tools_server
 
 
 @pytest.fixture(scope="module")
@@ -164,8 +154,8 @@ FLIGHT_ASK = [{"role": "user", "content": "Book a flight from Paris to Rome for 
 
 @pytest.mark.parametrize("choice", ["named", "required"])
 def test_forced_tool_calls_validate(client, choice):
-    """tool_choice named / required (parallel_tool_calls false): the grammar ends the reply, and
-    each call's arguments validate, whole and streamed alike."""
+    """tool_choice named / required (parallel_tool_calls false) on a server without a tool parser:
+    the grammar ends the reply, and each call's arguments validate, whole and streamed alike."""
     tools = _tools()
     params = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
     tool_choice = {"type": "function", "function": {"name": "book_flight"}} \
