@@ -24,11 +24,13 @@ from dataclasses import dataclass
 from multiprocessing import reduction
 
 # imported once by each launcher's fork server: the import floor of a rank (torch, transformers'
-# config and tokenizer classes); no moeserve module, so that each child imports ours under its
-# launcher's environment
+# config and tokenizer classes, and what a model's config module imports on first use:
+# type_validators pulls in activations, hub kernels, accelerate and sympy, 700 modules and
+# 1.0 CPU-s that each rank paid in AutoConfig); no moeserve module, so that each child imports
+# ours under its launcher's environment
 PRELOAD = ["torch", "torch.distributed", "transformers",
            "transformers.models.auto.configuration_auto",
-           "transformers.models.auto.tokenization_auto"]
+           "transformers.models.auto.tokenization_auto", "transformers.utils.type_validators"]
 
 
 class _InheritFd:
