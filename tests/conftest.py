@@ -31,6 +31,17 @@ def pytest_xdist_auto_num_workers(config):
     return 1 if torch.cuda.is_available() else min(4, usable_cpus())
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_xdist_make_scheduler(config, log):
+    """`--dist loadfile` (pyproject's addopts) with the files that share a session server in one
+    work unit (xdist_scopes.py); any other mode is xdist's own."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist_scopes import SharedServerScheduling
+
+    return SharedServerScheduling(config, log)
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

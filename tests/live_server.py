@@ -111,10 +111,13 @@ class LiveServer:
 
 
 def assert_concurrent_chats_match_engine(url: str, model_path: str, questions: list[str],
-                                         lens: list[int], engine_overrides: list[str]) -> None:
+                                         lens: list[int], engine_overrides: list[str],
+                                         engine=None) -> None:
     """len(lens) concurrent greedy chat requests through the official openai client produce the
-    same text and token counts as the single-process Engine on the same chat prompts."""
+    same text and token counts as the single-process Engine on the same chat prompts (`engine`:
+    one already running, else one is started on model_path with engine_overrides)."""
     import concurrent.futures as cf
+    import contextlib
 
     import openai
 
@@ -130,7 +133,7 @@ def assert_concurrent_chats_match_engine(url: str, model_path: str, questions: l
 
     with cf.ThreadPoolExecutor(len(lens)) as pool:
         answers = list(pool.map(ask, range(len(lens))))
-    with Engine(model_path, engine_overrides) as eng:
+    with contextlib.nullcontext(engine) if engine else Engine(model_path, engine_overrides) as eng:
         chats = [eng.apply_chat_template([{"role": "user", "content": q}])
                  for q in questions[: len(lens)]]
         expected = eng.generate(input_ids=chats, sampling_params=[

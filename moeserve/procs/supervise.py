@@ -11,6 +11,7 @@ from typing import Any
 
 from moeserve.ipc.queues import Endpoints
 from moeserve.procs.children import Child, ProcessGroup
+from moeserve.procs.forkserver import end_fork_server
 from moeserve.procs.ipc_files import remove_ipc_files
 
 logger = logging.getLogger(__name__)
@@ -34,5 +35,6 @@ def exit_on_child_death(child: Child, procs: ProcessGroup, endpoints: Endpoints)
                  child.name, child.process.pid, child.process.exitcode)
     procs.stop(timeout=2.0)  # ranks blocked in a collective with the dead one never answer
     remove_ipc_files(endpoints)
+    end_fork_server()
     logging.shutdown()
     os._exit(1)

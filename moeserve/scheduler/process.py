@@ -122,9 +122,10 @@ def run_scheduler_process(cfg: MoeserveConfig, model_path: str, endpoints: Endpo
 
     from moeserve.distributed import init_mesh
     from moeserve.models.weight_bytes import weight_bytes
-    from moeserve.scheduler.setup import build_scheduler
-    from moeserve.scheduler.shutdown import StopRequest, exit_process, release_rank
     from moeserve.procs.children import STOP_SIGNAL
+    from moeserve.procs.exit import exit_now
+    from moeserve.scheduler.setup import build_scheduler
+    from moeserve.scheduler.shutdown import StopRequest, release_rank
 
     device = rank_device(cfg.device, rank)
     local_ranks = cfg.parallel.world_size // cfg.parallel.nnodes
@@ -165,4 +166,4 @@ def run_scheduler_process(cfg: MoeserveConfig, model_path: str, endpoints: Endpo
         scheduler.run_forever(should_stop=stop)
     release_rank(scheduler)
     io.close()
-    exit_process(0)
+    exit_now(0)

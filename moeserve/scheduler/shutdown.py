@@ -19,23 +19,21 @@ The order, per rank (`release_rank`):
   4. the process groups are destroyed (`distributed.destroy_mesh`: a barrier on the gloo group
      first, so no rank tears down while a peer still runs a collective);
   5. the ZMQ sockets close (the caller's `io.close()`), logs are flushed, and the process ends
-     at once (`exit_process`): nothing is left that needs a finalizer, and the interpreter's
-     finalization (collecting the whole torch heap, then libtorch's static destructors, where
-     exit-time C++ errors come from) took 2-3 s on the 2-core CI machine under load, racing
-     the launcher's 5 s stop limit (a rank still finalizing there was SIGKILLed).
+     at once (`procs/exit.exit_now`): nothing is left that needs a finalizer, and the
+     interpreter's finalization (collecting the whole torch heap, then libtorch's static
+     destructors, where exit-time C++ errors come from) took 2-3 s on the 2-core CI machine
+     under load, racing the launcher's 5 s stop limit (a rank still finalizing there was
+     SIGKILLed).
 A rank whose peer died never gets through step 0's DP sync: the stop watcher of
 procs/children.py ends it after its grace, skipping finalizers (nothing is printed either).
 """
 
 from __future__ import annotations
 
-import atexit
 import gc
 import logging
-import os
 import re
 import signal
-import sys
 from typing import Any
 
 import torch
@@ -106,13 +104,3 @@ def release_rank(scheduler: Any) -> None:
     destroy_mesh(runner.mesh)
     if runner.mesh.distributed:
         logger.info(TEARDOWN_DONE, runner.mesh.rank)
-
-
-def exit_process(code: int = 0) -> None:
-    """Step 5's end: run the atexit hooks (logging's flush, multiprocessing's finalizers, which
-    unlink named semaphores such as tqdm's lock: skipped, the resource tracker warns of leaked
-    semaphores), flush stdio, then leave without the rest of interpreter finalization."""
-    atexit._run_exitfuncs()
-    for stream in (sys.stdout, sys.stderr):
-        stream.flush()
-    os._exit(code)

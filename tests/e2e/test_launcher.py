@@ -1,16 +1,18 @@
-"""Launcher supervision: SIGTERM → clean exit 0; a child's death → exit 1 naming it; a child
-dying during start-up → exit 1; a SIGKILLed launcher leaves no orphan children. On a tiny llama:
-supervision does not depend on the model, and a SmolLM2 start cost twice the CPU."""
+"""Launcher supervision: SIGTERM → clean exit 0; a child dying during start-up → exit 1; a
+SIGKILLed launcher leaves no orphan children. On a tiny llama: supervision does not depend on the
+model, and a SmolLM2 start cost twice the CPU. A child's death (exit 1 naming it, every other
+child stopped) is test_faults.py's `kill -9` of each role, the scheduler's included."""
 
 from __future__ import annotations
 
 import os
 import shutil
 import signal
+import subprocess
+import sys
 
-import httpx
 import pytest
-from live_server import role_processes, still_running
+from live_server import REPO, role_processes, still_running
 
 psutil = pytest.importorskip("psutil")
 
@@ -22,35 +24,36 @@ def children(server) -> list:
     return role_processes(server.proc.pid)
 
 
-def scheduler_process(server, kids: list):
-    """The child that is not the detokenizer (which reports its pid when ready)."""
-    detok = httpx.get(server.url + "/server_info").json()["ready"]["detokenizer:0"]["pid"]
-    return next(p for p in kids if p.pid != detok)
-
-
 @pytest.fixture(scope="module")
 def tiny(tiny_model) -> str:
     return tiny_model("llama")
 
 
 def test_sigterm_exits_zero_and_stops_children(launch, tiny):
+    """...and its fork server: ended and reaped by the launcher before it exits (left alone, it
+    tore its interpreter down for seconds after)."""
     server = launch([f"model.path={tiny}"]).wait_healthy()
     kids = children(server)
     assert len(kids) == 2
+    (fork_server,) = [p for p in psutil.Process(server.proc.pid).children()
+                      if "forkserver" in " ".join(p.cmdline())]
     server.proc.send_signal(signal.SIGTERM)
     assert server.proc.wait(30) == 0, server.log_tail()
+    assert not psutil.pid_exists(fork_server.pid)
     assert still_running(kids) == []
     assert "shutting down" in server.log_tail()
+    assert server.log_tail().rstrip().endswith("all child processes stopped")  # log flushed
 
 
-def test_child_death_brings_server_down(launch, tiny):
-    server = launch([f"model.path={tiny}"]).wait_healthy()
-    kids = children(server)
-    scheduler_process(server, kids).kill()
-    assert server.proc.wait(30) == 1, server.log_tail()
-    assert still_running(kids) == []
-    log = server.log_tail()
-    assert "child process 'scheduler-0'" in log and "died with exit code -9" in log
+def test_exit_now_runs_atexit_hooks_and_flushes():
+    """procs/exit.exit_now, the launchers' and the ranks' exit: the code, the atexit hooks, and
+    whatever stdout still buffered."""
+    script = ("import atexit, sys; from moeserve.procs.exit import exit_now; "
+              "atexit.register(lambda: sys.stdout.write(' atexit ran')); "
+              "sys.stdout.write('buffered'); exit_now(3)")
+    done = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True,
+                          text=True, timeout=60)
+    assert (done.returncode, done.stdout) == (3, "buffered atexit ran"), done.stderr
 
 
 def test_child_failing_at_start_up(launch, tiny, tmp_path):

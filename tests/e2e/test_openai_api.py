@@ -1,4 +1,6 @@
-"""The official `openai` client against a live server on the embedded SmolLM2-135M-Instruct."""
+"""The official `openai` client against a live server on the embedded SmolLM2-135M-Instruct: the
+session's shared float32 server (conftest.SMOLLM2_TOOLS_ARGS). Its tool and reasoning parsers act
+only on requests with tools, and on replies that open with `<think>`, which none here does."""
 
 from __future__ import annotations
 
@@ -10,11 +12,17 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 # float32: these tests compare greedy texts across requests batched differently, which bf16 (the
 # CPU default where it is native) does not keep bit-identical; the default dtype is covered by
-# tests/models/test_smollm2.py::test_default_dtype_says_paris.
-SERVER_ARGS: list[str] = ["model.dtype=float32"]
+# tests/models/test_smollm2.py::test_default_dtype_says_paris. The offline Engine runs as the
+# server's scheduler does (float32, one forward thread).
+ENGINE_ARGS = ["model.dtype=float32", "scheduler.cpu_threads=1"]
 MODEL = "smollm2-135m-instruct"
 PARIS = [{"role": "user", "content": "What is the capital of France?"}]
 GREEDY = {"temperature": 0.0}
+
+
+@pytest.fixture(scope="module")
+def server(smollm2_tools_server):
+    return smollm2_tools_server
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +65,7 @@ def test_chat_paris_usage_and_offline_engine_parity(client, server, tokenizer):
     assert out.usage.total_tokens == len(ids) + out.usage.completion_tokens
     native = httpx.post(server.url + "/generate", timeout=120, json={
         "input_ids": ids, "sampling_params": {"max_new_tokens": 24, "temperature": 0.0}}).json()
-    with Engine(overrides=SERVER_ARGS) as engine:
+    with Engine(overrides=ENGINE_ARGS) as engine:
         offline = engine.generate(input_ids=[ids], sampling_params={"max_new_tokens": 24,
                                                                      "temperature": 0.0})[0]
     assert native["output_ids"] == offline["output_ids"]  # token-identical

@@ -25,24 +25,30 @@ def spec_server(tiny_model):
     live.stop(keep_log=live.proc.returncode not in (None, 0, 1))
 
 
+@pytest.fixture(scope="module")
+def plain_engine(spec_server):
+    """The plain Engine (no speculation) on the same checkpoint: the oracle of both tests."""
+    with Engine(spec_server[1], FP32_CPU) as eng:
+        yield eng
+
+
 @pytest.mark.timeout(300)
-def test_concurrent_chats_equal_plain_engine(spec_server):
+def test_concurrent_chats_equal_plain_engine(spec_server, plain_engine):
     live, path = spec_server
     assert_concurrent_chats_match_engine(live.url, path, QUESTIONS, [3, 9, 14, 6, 11, 1],
-                                         FP32_CPU)
+                                         FP32_CPU, engine=plain_engine)
 
 
 @pytest.mark.timeout(300)
-def test_stream_n_stop_and_usage(spec_server):
-    live, path = spec_server
+def test_stream_n_stop_and_usage(spec_server, plain_engine):
+    live, _ = spec_server
     client = openai.OpenAI(api_key="unused", base_url=live.url + "/v1", timeout=120,
                            max_retries=0)
     model = client.models.list().data[0].id
     messages = [{"role": "user", "content": QUESTIONS[2]}]
-    with Engine(path, FP32_CPU) as eng:
-        chat = eng.apply_chat_template(messages)
-        plain = eng.generate(input_ids=[chat], sampling_params={
-            "temperature": 0, "ignore_eos": True, "max_new_tokens": 16})[0]["text"]
+    chat = plain_engine.apply_chat_template(messages)
+    plain = plain_engine.generate(input_ids=[chat], sampling_params={
+        "temperature": 0, "ignore_eos": True, "max_new_tokens": 16})[0]["text"]
     full = client.chat.completions.create(model=model, messages=messages, temperature=0,
                                           max_tokens=16, n=2, extra_body={"ignore_eos": True})
     assert [c.message.content for c in full.choices] == [plain, plain]
