@@ -21,6 +21,10 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 # not). It must be set before a kernel module is imported: @triton.jit reads it at decoration.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+if os.environ.get("TRITON_INTERPRET") == "1":
+    from triton_interpreter import patch_once_per_launch
+
+    patch_once_per_launch()
 
 
 def pytest_xdist_auto_num_workers(config):
