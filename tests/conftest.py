@@ -35,6 +35,23 @@ def pytest_xdist_auto_num_workers(config):
     return 1 if torch.cuda.is_available() else min(4, usable_cpus())
 
 
+def pytest_collection_finish(session):
+    """Everything imported and collected so far (torch, transformers, the test modules) lives
+    for the whole run: frozen out of the garbage collector, so the full collections that follow
+    (automatic ones, and each offline Engine's stop: scheduler/shutdown.py) scan only what the
+    tests made since. An Engine's stop collected for ~0.3 s of a core in a test worker."""
+    import gc
+
+    gc.collect()
+    gc.freeze()
+
+
+def pytest_sessionfinish(session):
+    import gc
+
+    gc.unfreeze()  # collectable again at exit (nanobind reports what is left as leaked)
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return
