@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import os
 from typing import Any
@@ -76,15 +77,32 @@ def declared_eos_id(path: str) -> int | None:
         eos = eos.get("content") if isinstance(eos, dict) else eos
         if not isinstance(eos, str):
             return None
-        with open(os.path.join(path, "tokenizer.json")) as f:
-            spec = json.load(f)
+        with open(os.path.join(path, "tokenizer.json"), "rb") as f:
+            data = f.read()
     except (OSError, ValueError):
         return None
-    for token in spec.get("added_tokens") or []:
-        if token.get("content") == eos:
-            return int(token["id"])
+    key = (hashlib.blake2b(data, digest_size=16).digest(), eos)
+    if key not in _TOKEN_IDS:
+        _TOKEN_IDS[key] = _token_id(data, eos)
+    return _TOKEN_IDS[key]
+
+
+# (tokenizer.json's digest, token) -> its id: each content parsed once per process. DeepSeek's
+# tokenizer.json is 10 MB of JSON, ~0.2 s of a core to parse and ~10 ms to hash, which every
+# offline Engine built again (and every tiny test model: they share one tokenizer) paid.
+_TOKEN_IDS: dict[tuple[bytes, str], int | None] = {}
+
+
+def _token_id(data: bytes, token: str) -> int | None:
+    try:
+        spec = json.loads(data)
+    except ValueError:
+        return None
+    for added in spec.get("added_tokens") or []:
+        if added.get("content") == token:
+            return int(added["id"])
     vocab = (spec.get("model") or {}).get("vocab")
-    return int(vocab[eos]) if isinstance(vocab, dict) and eos in vocab else None
+    return int(vocab[token]) if isinstance(vocab, dict) and token in vocab else None
 
 
 # tokenizer classes that AutoTokenizer loads from tokenizer.json as they are

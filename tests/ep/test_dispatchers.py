@@ -193,7 +193,7 @@ class RankPool:
         self.procs: list = []
 
     def _start(self) -> None:
-        ctx = mp.get_context("spawn")
+        ctx = rank_context()
         self.results, port = ctx.Queue(), _free_port()
         self.tasks = [ctx.Queue() for _ in range(self.world)]
         self.procs = [ctx.Process(target=_pool_worker, args=(r, self.world, port, self.tasks[r],
@@ -220,6 +220,16 @@ class RankPool:
             if p.is_alive():
                 p.kill()
         self.procs = []
+
+
+def rank_context():
+    """Ranks forked from this process' fork server, which imported torch once (the launchers'
+    PRELOAD, so moeserve's own children share it), not spawned into fresh interpreters."""
+    from moeserve.procs.forkserver import PRELOAD
+
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)  # no effect once this process' one started
+    return ctx
 
 
 def _free_port() -> int:

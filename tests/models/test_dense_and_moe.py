@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from parity import (FP32_CPU, decode_vs_recompute, extend_batch, hf_greedy, hf_logits, hf_model,
-                    make_runner, prefill_logits, prompts_of_lengths, rel_err)
+from parity import (FP32_CPU, ID_VOCAB, decode_vs_recompute, extend_batch, hf_greedy, hf_logits,
+                    hf_model, make_runner, prefill_logits, prompts_of_lengths, rel_err)
 
 from moeserve import Engine
 
@@ -17,7 +17,7 @@ ALL_ARCHS = ARCHS + ["deepseek_v2", "deepseek_v3"]
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_prefill_logits_match_transformers(tiny_model, arch):
-    path = tiny_model(arch)
+    path = tiny_model(arch, vocab_size=ID_VOCAB)
     runner, ref = make_runner(path), hf_model(path)
     prompts = prompts_of_lengths([5, 17, 9], runner.hf_config.vocab_size)
     for ours, prompt in zip(prefill_logits(runner, prompts), prompts):  # one batch, 3 requests
@@ -26,7 +26,7 @@ def test_prefill_logits_match_transformers(tiny_model, arch):
 
 @pytest.mark.parametrize("arch", ALL_ARCHS)
 def test_greedy_batch_matches_transformers(tiny_model, arch):
-    path = tiny_model(arch)
+    path = tiny_model(arch, vocab_size=ID_VOCAB)
     ref = hf_model(path)
     prompts = prompts_of_lengths([3, 11, 6, 20], ref.config.vocab_size, seed=1)
     with Engine(path, overrides=FP32_CPU) as engine:
@@ -40,7 +40,7 @@ def test_greedy_batch_matches_transformers(tiny_model, arch):
 
 @pytest.mark.parametrize("arch", ALL_ARCHS)
 def test_decode_over_paged_kv_equals_recompute(tiny_model, arch):
-    runner = make_runner(tiny_model(arch))
+    runner = make_runner(tiny_model(arch, vocab_size=ID_VOCAB))
     prompt = prompts_of_lengths([7], runner.hf_config.vocab_size, seed=2)[0]
     decoded, recomputed = decode_vs_recompute(runner, prompt, steps=12)
     assert rel_err(decoded, recomputed) < 1e-4
@@ -48,7 +48,7 @@ def test_decode_over_paged_kv_equals_recompute(tiny_model, arch):
 
 
 def test_memory_returns_to_baseline(tiny_model):
-    with Engine(tiny_model("qwen3_moe"), overrides=FP32_CPU) as engine:
+    with Engine(tiny_model("qwen3_moe", vocab_size=ID_VOCAB), overrides=FP32_CPU) as engine:
         sched = engine.scheduler
         baseline = sched.cache.available()
         engine.generate(input_ids=[[5, 6, 7], [8, 9]], sampling_params={"max_new_tokens": 5})

@@ -7,7 +7,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from parity import FP32_CPU
+from parity import FP32_CPU, ID_VOCAB
 
 from moeserve import Engine
 from moeserve.core import ForwardMode, SamplingParams
@@ -46,7 +46,7 @@ def drive(eng: Engine, prompts: list[list[int]], lengths: list[int]) -> tuple[li
 
 @pytest.fixture(scope="module")
 def expected(tiny_model):
-    path = tiny_model("qwen3")
+    path = tiny_model("qwen3", vocab_size=ID_VOCAB)
     prompts, lengths = workload()
     with Engine(path, FP32_CPU + ["scheduler.disable_radix_cache=true"]) as eng:
         outs = [eng.generate(input_ids=[p], sampling_params={

@@ -6,7 +6,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from parity import FP32_CPU
+from parity import FP32_CPU, ID_VOCAB
 
 from moeserve import Engine
 
@@ -28,7 +28,7 @@ def workload(n: int, seed: int = 0) -> tuple[list[list[int]], list[dict]]:
 @pytest.fixture(scope="module")
 def sequential(tiny_model):
     """Reference: one request at a time, no prefix cache, no overlap."""
-    path = tiny_model("qwen3")
+    path = tiny_model("qwen3", vocab_size=ID_VOCAB)
     prompts, params = workload(24)
     with Engine(path, FP32_CPU + ["scheduler.overlap=false",
                                   "scheduler.disable_radix_cache=true"]) as eng:
@@ -65,7 +65,7 @@ def test_batched_equals_sequential(sequential, overrides):
 @pytest.fixture(scope="module")
 def pressure_workload(tiny_model):
     """64 prompts and their outputs run one at a time (computed once for every loop variant)."""
-    path = tiny_model("llama")
+    path = tiny_model("llama", vocab_size=ID_VOCAB)
     rng = random.Random(1)
     prompts = [[rng.randrange(100, 5000) for _ in range(rng.randrange(4, 20))] for _ in range(64)]
     params = {**GREEDY, "max_new_tokens": 24}

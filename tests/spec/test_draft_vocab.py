@@ -10,7 +10,7 @@ import os
 
 import pytest
 import torch
-from parity import FP32_CPU, prompts_of_lengths
+from parity import FP32_CPU, ID_VOCAB, prompts_of_lengths
 from safetensors.torch import load_file, save_file
 from test_nextn_head import write_head
 
@@ -77,7 +77,7 @@ def test_serving_with_vocab_equals_plain_and_full_head(tiny_model, tmp_path):
     """The full head's drafted tokens plus random others as the vocabulary: the restricted head
     drafts the same tokens (so the index → id map is right), accepts the same counts, and every
     output equals plain decoding; a vocabulary missing them still gives the plain outputs."""
-    model_dir = tiny_model("llama")
+    model_dir = tiny_model("llama", vocab_size=ID_VOCAB)
     prompts = prompts_of_lengths([5, 17, 9, 30], 1000, seed=1)
     params = [{**GREEDY, "max_new_tokens": n} for n in (12, 3, 20, 7)]
     with Engine(model_dir, FP32_CPU) as eng:

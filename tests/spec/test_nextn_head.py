@@ -9,7 +9,7 @@ import os
 
 import pytest
 import torch
-from parity import FP32_CPU, hf_model, make_runner, prompts_of_lengths, rel_err
+from parity import FP32_CPU, ID_VOCAB, hf_model, make_runner, prompts_of_lengths, rel_err
 from safetensors.torch import save_file
 
 from moeserve import Engine
@@ -113,7 +113,7 @@ def test_head_for_another_model_is_refused(tiny_model, tmp_path):
 
 @pytest.mark.parametrize("arch,overlap", [("llama", False), ("llama", True), ("qwen3_moe", True)])
 def test_serving_with_head_equals_plain(tiny_model, tmp_path, arch, overlap):
-    model_dir = tiny_model(arch)
+    model_dir = tiny_model(arch, vocab_size=ID_VOCAB)
     head_dir = write_head(str(tmp_path / "head"), model_dir)
     prompts = prompts_of_lengths([5, 17, 9, 30], 1000, seed=1)
     params = [{"temperature": 0, "ignore_eos": True, "max_new_tokens": n} for n in (12, 3, 20, 7)]

@@ -12,7 +12,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from parity import FP32_CPU
+from parity import FP32_CPU, ID_VOCAB
 
 from moeserve import Engine
 from spec_oracle import (assert_same_distribution, install_mode_draft, install_oracle_draft,
@@ -36,7 +36,7 @@ def workload(n: int, vocab: int, seed: int = 0) -> tuple[list[list[int]], list[d
 
 @pytest.fixture(scope="module")
 def dsv3(tiny_model):
-    path = tiny_model("deepseek_v3")
+    path = tiny_model("deepseek_v3", vocab_size=ID_VOCAB)
     with Engine(path, FP32_CPU) as eng:
         vocab = eng.runner.hf_config.vocab_size
         prompts, params = workload(12, vocab)

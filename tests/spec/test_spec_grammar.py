@@ -39,13 +39,7 @@ def case(tiny_model):
     return path, prompts, params, outs
 
 
-def _accepted(path: str, spec: tuple[str, str], ids: list[int], complete: bool) -> bool:
-    from transformers import AutoConfig, AutoTokenizer
-
-    from moeserve.runtime.grammar import GrammarCompiler
-
-    compiler = GrammarCompiler(AutoTokenizer.from_pretrained(path),
-                               AutoConfig.from_pretrained(path).vocab_size)
+def _accepted(compiler, spec: tuple[str, str], ids: list[int], complete: bool) -> bool:
     m = xgr.GrammarMatcher(compiler.compile(spec))
     ok = all(m.accept_token(t) for t in ids)
     return ok and (m.is_terminated() or not complete)
@@ -94,9 +88,15 @@ def test_sampled_constrained_outputs_follow_the_grammar(case):
         install_oracle_draft(eng, reference, 0.2, seed=5)
         outs = eng.generate(input_ids=prompts[: len(GRAMMARS)], sampling_params=params)
         assert eng.scheduler.is_memory_clean()
+    from transformers import AutoConfig, AutoTokenizer
+
+    from moeserve.runtime.grammar import GrammarCompiler
+
+    compiler = GrammarCompiler(AutoTokenizer.from_pretrained(path),  # one for the four grammars
+                               AutoConfig.from_pretrained(path).vocab_size)
     for o, g in zip(outs, GRAMMARS):
         done = o["meta"]["finish_reason"] == "stop"
-        assert _accepted(path, g, o["output_ids"], done), (g, o["text"])
+        assert _accepted(compiler, g, o["output_ids"], done), (g, o["text"])
 
 
 def test_draft_tree_batches_with_grammars_take_plain_steps(case):

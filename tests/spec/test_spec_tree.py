@@ -9,7 +9,7 @@ import random
 
 import pytest
 import torch
-from parity import FP32_CPU
+from parity import FP32_CPU, ID_VOCAB
 from scipy.stats import chisquare
 
 from moeserve import Engine
@@ -147,7 +147,7 @@ def test_tree_config_errors_name_the_key():
 
 @pytest.fixture(scope="module")
 def dsv3(tiny_model):
-    path = tiny_model("deepseek_v3")
+    path = tiny_model("deepseek_v3", vocab_size=ID_VOCAB)
     rng = random.Random(0)
     with Engine(path, FP32_CPU) as eng:
         vocab = eng.runner.hf_config.vocab_size
@@ -177,7 +177,7 @@ def test_mtp_layer_tree_equals_plain(dsv3, overrides):
 def test_nextn_head_tree_equals_plain(tiny_model):
     """A NextN head (random) drafting trees on Llama: its chain passes over tree levels run the
     head's own kernels (rope on each level's positions), and the outputs are plain decoding's."""
-    path = tiny_model("llama")
+    path = tiny_model("llama", vocab_size=ID_VOCAB)
     rng = random.Random(5)
     prompts = [[rng.randrange(3, 200) for _ in range(rng.randrange(2, 25))] for _ in range(6)]
     params = {**GREEDY, "max_new_tokens": 14}

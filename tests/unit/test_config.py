@@ -22,6 +22,28 @@ def test_overrides_apply():
     assert cfg.model.dtype == "float32" and not cfg.scheduler.overlap and cfg.cache.page_size == 4
 
 
+def test_compose_once_per_override_list_and_a_copy_each_time(monkeypatch):
+    """The same overrides compose once per process; each caller gets its own equal copy (the
+    frozen tree's lists are not shared), and a refused override is refused every time."""
+    import hydra
+
+    from moeserve import config
+
+    calls = []
+    real = hydra.compose
+    monkeypatch.setattr(hydra, "compose", lambda *a, **kw: calls.append(kw) or real(*a, **kw))
+    overrides = ["cache.page_size=3", "cluster.setup=[a]"]
+    first, second = compose(overrides), compose(tuple(overrides))
+    assert len(calls) <= 1 and first == second and first is not second
+    first.cluster.setup.append("b")
+    assert compose(overrides).cluster.setup == ["a"] and len(calls) <= 1
+    assert compose(["cache.page_size=5"]).cache.page_size == 5 and len(calls) <= 2
+    for _ in range(2):
+        with pytest.raises(ConfigError, match="cache.page_size"):
+            compose(["cache.page_size=0"])
+    assert config._compose.cache_info().hits >= 2
+
+
 @pytest.mark.parametrize("override", ["model.nonexistent=1", "cache.max_running_requests=abc",
                                       "scheduler.overlap=maybe"])
 def test_unknown_keys_and_wrong_types_fail_in_hydra(override):

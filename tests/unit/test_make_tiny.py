@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 
@@ -17,14 +18,17 @@ PROMPT = [{"role": "user", "content": "Hello, what is two plus two?"}]
 
 
 @pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    cache: dict[tuple, str] = {}
+def ckpt(tiny_model, tmp_path_factory):
+    """make_tiny(arch, seed=0) checkpoints: the session's (conftest), the sharded ones here."""
+    cache: dict[str, str] = {}
 
     def get(arch: str, shard: bool = False) -> str:
-        if (arch, shard) not in cache:
-            out = tmp_path_factory.mktemp(f"{arch}{'_shard' if shard else ''}")
-            cache[(arch, shard)] = make_tiny(arch, str(out), seed=0, shard=shard)
-        return cache[(arch, shard)]
+        if not shard:
+            return tiny_model(arch)
+        if arch not in cache:
+            out = tmp_path_factory.mktemp(f"{arch}_shard")
+            cache[arch] = make_tiny(arch, str(out), seed=0, shard=True)
+        return cache[arch]
 
     return get
 
@@ -34,9 +38,23 @@ def _load(path: str, **kwargs):
 
 
 def _chat_ids(path: str) -> torch.Tensor:
-    tok = transformers.AutoTokenizer.from_pretrained(path)
-    ids = tok.apply_chat_template(PROMPT, add_generation_prompt=True, return_dict=True)["input_ids"]
-    return torch.tensor([ids])
+    """PROMPT's ids by `path`'s tokenizer, loaded once per content of its files: every tiny
+    checkpoint holds the same tokenizer (test_tokenizer_and_config loads each folder's), and
+    loading the 129k-token tokenizer takes ~0.7 s of a core."""
+    digest = hashlib.sha256()
+    for name in sorted(os.listdir(path)):
+        if name.startswith(("tokenizer", "chat_template", "special_tokens")):
+            with open(os.path.join(path, name), "rb") as f:
+                digest.update(name.encode() + b"\0" + f.read())
+    key = digest.hexdigest()
+    if key not in _CHAT_IDS:
+        tok = transformers.AutoTokenizer.from_pretrained(path)
+        _CHAT_IDS[key] = tok.apply_chat_template(PROMPT, add_generation_prompt=True,
+                                                 return_dict=True)["input_ids"]
+    return torch.tensor([_CHAT_IDS[key]])
+
+
+_CHAT_IDS: dict[str, list[int]] = {}  # by the digest of a folder's tokenizer files
 
 
 @pytest.mark.parametrize("arch", sorted(ARCHS))

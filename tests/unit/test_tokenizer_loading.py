@@ -50,3 +50,27 @@ def test_lazy_tokenizer_loads_at_first_use_and_cache_follows_the_files(tiny_mode
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({**config, "model_max_length": 7}))
     again = load_tokenizer(str(tmp_path))
     assert again is not lazy.get() and again.model_max_length == 7
+
+
+def test_declared_eos_parses_a_tokenizer_json_once_per_content(tiny_model, tmp_path, monkeypatch):
+    """The 10 MB tokenizer.json is parsed once per content and process (every Engine start reads
+    the EOS id), in whichever folder; a folder whose file says otherwise gets its own id."""
+    from moeserve.tokenizer import loading
+
+    src = tiny_model("llama")
+    eos = declared_eos_id(src)
+    with open(os.path.join(src, "tokenizer.json")) as f:
+        spec = json.load(f)
+    (entry,) = [t for t in spec["added_tokens"] if t["id"] == eos]
+    entry["id"] = eos + 5  # content the process has not seen: parsed once for both folders
+    parsed = []
+    parse = loading._token_id
+    monkeypatch.setattr(loading, "_token_id", lambda data, token: parsed.append(token) or
+                        parse(data, token))
+    for name in ("a", "b"):
+        os.makedirs(tmp_path / name)
+        shutil.copy(os.path.join(src, "tokenizer_config.json"), tmp_path / name)
+        (tmp_path / name / "tokenizer.json").write_text(json.dumps(spec))
+        assert declared_eos_id(str(tmp_path / name)) == eos + 5
+    assert parsed == [entry["content"]]
+    assert declared_eos_id(src) == eos
