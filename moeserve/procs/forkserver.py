@@ -23,11 +23,13 @@ from dataclasses import dataclass
 from multiprocessing import reduction
 
 # imported once by each launcher's fork server: the import floor of a rank (torch, transformers'
-# config and tokenizer classes); no moeserve module, so that each child imports ours under its
-# launcher's environment
+# config and tokenizer classes, Hydra's config store that moeserve.config imports: 0.3 s of a
+# core per child, Triton where installed: 0.15 s; a missing one is skipped); no moeserve module,
+# so that each child imports ours under its launcher's environment (Triton reads its knobs, e.g.
+# TRITON_INTERPRET, from the environment when they are used, not at import)
 PRELOAD = ["torch", "torch.distributed", "transformers",
            "transformers.models.auto.configuration_auto",
-           "transformers.models.auto.tokenization_auto"]
+           "transformers.models.auto.tokenization_auto", "hydra.core.config_store", "triton"]
 
 
 class _InheritFd:
