@@ -21,6 +21,24 @@ def test_declared_eos_is_what_transformers_loads(tiny_model, arch):
     assert declared_eos_id(path) == AutoTokenizer.from_pretrained(path).eos_token_id
 
 
+def test_added_tokens_read_from_the_head_equal_the_whole_parse(tiny_model, tmp_path):
+    from moeserve.tokenizer.loading import _leading_added_tokens
+
+    for path in (embedded_model_path(), tiny_model("llama")):
+        name = os.path.join(path, "tokenizer.json")
+        with open(name) as f:
+            whole = json.load(f)
+        for first_read in (64, 1 << 18):  # the head read grows until the list is whole
+            assert _leading_added_tokens(name, first_read) == whole["added_tokens"]
+    # a file that puts the vocabulary first is parsed whole: the same EOS id
+    src = tiny_model("llama")
+    shutil.copy(os.path.join(src, "tokenizer_config.json"), tmp_path / "tokenizer_config.json")
+    reordered = {"model": whole["model"], **{k: v for k, v in whole.items() if k != "model"}}
+    (tmp_path / "tokenizer.json").write_text(json.dumps(reordered))
+    assert _leading_added_tokens(str(tmp_path / "tokenizer.json")) is None
+    assert declared_eos_id(str(tmp_path)) == declared_eos_id(src) is not None
+
+
 def test_declared_eos_declines_what_it_cannot_vouch_for(tiny_model, tmp_path):
     src = tiny_model("llama")
     for name in ("tokenizer.json", "tokenizer_config.json"):
