@@ -8,8 +8,8 @@ import os
 import re
 from typing import Any
 
-# the files whose change makes a cached tokenizer stale
-_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+# the files whose change makes a cached tokenizer stale (and xgrammar's view of it: grammar_vocab)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
           "chat_template.jinja", "chat_template.json", "config.json", "tokenizer.model")
 
 
@@ -20,7 +20,7 @@ def load_tokenizer(path: str) -> Any:
     load). Nothing in moeserve changes a tokenizer after loading it; callers must not either."""
     real = os.path.realpath(path)
     stamps = []
-    for name in _FILES:
+    for name in TOKENIZER_FILES:
         try:
             st = os.stat(os.path.join(real, name))
         except OSError:
