@@ -18,19 +18,21 @@ every child (`release_fork_server`): while one held it, the server never saw its
 from __future__ import annotations
 
 import os
-import signal
 import sys
 from dataclasses import dataclass
 from multiprocessing import reduction
 
 # imported once by each launcher's fork server: the import floor of a rank (torch, transformers'
-# config and tokenizer classes, and what a model's config module imports on first use:
+# config and tokenizer classes; what a model's config module imports on first use:
 # type_validators pulls in activations, hub kernels, accelerate and sympy, 700 modules and
-# 1.0 CPU-s that each rank paid in AutoConfig); no moeserve module, so that each child imports
-# ours under its launcher's environment
+# 1.0 CPU-s that each rank paid in AutoConfig; Hydra's config store that moeserve.config
+# imports: 0.3 s of a core per child; Triton where installed: 0.15 s; a missing one is skipped);
+# no moeserve module, so that each child imports ours under its launcher's environment (Triton
+# reads its knobs, e.g. TRITON_INTERPRET, from the environment when they are used, not at import)
 PRELOAD = ["torch", "torch.distributed", "transformers",
            "transformers.models.auto.configuration_auto",
-           "transformers.models.auto.tokenization_auto", "transformers.utils.type_validators"]
+           "transformers.models.auto.tokenization_auto", "transformers.utils.type_validators",
+           "hydra.core.config_store", "triton"]
 
 
 class _InheritFd:
@@ -96,20 +98,3 @@ def release_fork_server() -> None:
     if fd is not None:
         os.close(fd)
         server._forkserver_alive_fd = None
-
-
-def end_fork_server() -> None:
-    """In a launcher about to exit, its children stopped: end its fork server now (SIGKILL).
-    Left alone, it sees the launcher gone and exits through the interpreter's teardown (torch and
-    transformers loaded: 0.75 CPU-s a server); it holds nothing that needs it (its socket file's
-    folder goes with the launcher's atexit hooks)."""
-    from multiprocessing import forkserver
-
-    pid = getattr(forkserver._forkserver, "_forkserver_pid", None)
-    if pid is None:
-        return
-    try:
-        os.kill(pid, signal.SIGKILL)
-        os.waitpid(pid, 0)
-    except (ProcessLookupError, ChildProcessError):
-        pass

@@ -17,8 +17,8 @@ more (tokens of a dropped step, after a retraction) is rolled back to that count
 
 from __future__ import annotations
 
-import functools
 import json
+import os
 import re
 import threading
 from collections import OrderedDict
@@ -27,8 +27,10 @@ from typing import Any
 
 import torch
 
+from moeserve.env import env
 from moeserve.host_copy import to_device
-from moeserve.tokenizer.loading import loaded
+from moeserve.runtime.grammar_vocab import tokenizer_info
+from moeserve.tokenizer.loading import LazyTokenizer, loaded
 
 KINDS = ("json_object", "json_schema", "regex", "ebnf")
 CACHE_SIZE = 256  # compiled grammars kept by GrammarCompiler (xgrammar keeps its own cache too)
@@ -36,7 +38,8 @@ _NOISE = re.compile(r"\[[\d:]+\] \S+:\d+: |Check failed: \(.*?\) is false: ")
 
 
 class GrammarCompiler:
-    """(kind, source) → xgrammar CompiledGrammar, cached; tokenizer info is built on first use.
+    """(kind, source) → xgrammar CompiledGrammar, cached; tokenizer info is made on first use
+    (grammar_vocab.py: read from the disk cache, else built from the tokenizer).
 
     `compile` runs on the caller's thread (the server's 400s); `compile_async` on one helper
     thread (xgrammar releases the GIL while it compiles), so the scheduler's loop goes on."""
@@ -99,8 +102,9 @@ class GrammarCompiler:
                     import xgrammar as xgr
                 except ImportError:
                     raise ValueError("structured outputs need the xgrammar package") from None
-                self._compiler = xgr.GrammarCompiler(
-                    tokenizer_info(loaded(self._tokenizer), self.vocab_size))
+                info = tokenizer_info(_folder(self._tokenizer), self.vocab_size,
+                                      lambda: loaded(self._tokenizer), env().cache_dir)
+                self._compiler = xgr.GrammarCompiler(info)
             return self._compiler
 
     def shutdown(self) -> None:
@@ -108,15 +112,12 @@ class GrammarCompiler:
             self._pool.shutdown(wait=False, cancel_futures=True)
 
 
-@functools.lru_cache(maxsize=4)
-def tokenizer_info(tokenizer: Any, vocab_size: int | None) -> Any:
-    """xgrammar's TokenizerInfo of a tokenizer object, built once per process: every offline
-    Engine on a model gets the same tokenizer object (tokenizer/loading.py), and building the
-    info of DeepSeek's 129k tokens takes ~0.7 s of a core, which each Engine's first grammar
-    paid (the info is read-only, so compilers share it)."""
-    import xgrammar as xgr
-
-    return xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
+def _folder(tokenizer: Any) -> str | None:
+    """The folder a tokenizer was loaded from (a LazyTokenizer's, or transformers' name_or_path),
+    None where it is not one."""
+    path = tokenizer.path if isinstance(tokenizer, LazyTokenizer) else getattr(
+        tokenizer, "name_or_path", None)
+    return path if isinstance(path, str) and os.path.isdir(path) else None
 
 
 class GrammarMatch:

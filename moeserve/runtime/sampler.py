@@ -113,6 +113,11 @@ def target_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
 def filter_probs(probs: torch.Tensor, top_k: int, top_p: float, min_p: float) -> torch.Tensor:
     """Zero out tokens outside top-k, then outside the top-p nucleus of what remains (renormalised,
     as transformers and vLLM do), then below min_p × the max prob; returns a distribution."""
+    if (top_k <= 0 or top_k >= probs.numel()) and top_p >= 1.0:
+        # no filter needs the order: skip the sort (129k probs: ~10-50 ms of a CPU core per
+        # sampled token). The same values and the same sum as the path below, bit for bit.
+        kept = probs * (probs >= min_p * probs.max()) if min_p > 0.0 else probs
+        return kept / kept.sum()
     sorted_probs, order = probs.sort(descending=True)
     keep = torch.ones_like(sorted_probs, dtype=torch.bool)
     if top_k > 0:

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import functools
-import hashlib
 import json
 import os
+import re
 from typing import Any
 
-# the files whose change makes a cached tokenizer stale
-_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+# the files whose change makes a cached tokenizer stale (and xgrammar's view of it: grammar_vocab)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
           "chat_template.jinja", "chat_template.json", "config.json", "tokenizer.model")
 
 
@@ -20,7 +20,7 @@ def load_tokenizer(path: str) -> Any:
     load). Nothing in moeserve changes a tokenizer after loading it; callers must not either."""
     real = os.path.realpath(path)
     stamps = []
-    for name in _FILES:
+    for name in TOKENIZER_FILES:
         try:
             st = os.stat(os.path.join(real, name))
         except OSError:
@@ -77,33 +77,69 @@ def declared_eos_id(path: str) -> int | None:
         eos = eos.get("content") if isinstance(eos, dict) else eos
         if not isinstance(eos, str):
             return None
-        with open(os.path.join(path, "tokenizer.json"), "rb") as f:
-            data = f.read()
+        tokenizer_json = os.path.join(path, "tokenizer.json")
+        added = _leading_added_tokens(tokenizer_json)
+        for token in added or []:
+            if token.get("content") == eos:
+                return int(token["id"])
+        with open(tokenizer_json) as f:
+            spec = json.load(f)
     except (OSError, ValueError):
         return None
-    key = (hashlib.blake2b(data, digest_size=16).digest(), eos)
-    if key not in _TOKEN_IDS:
-        _TOKEN_IDS[key] = _token_id(data, eos)
-    return _TOKEN_IDS[key]
-
-
-# (tokenizer.json's digest, token) -> its id: each content parsed once per process. DeepSeek's
-# tokenizer.json is 10 MB of JSON, ~0.2 s of a core to parse and ~10 ms to hash, which every
-# offline Engine built again (and every tiny test model: they share one tokenizer) paid.
-_TOKEN_IDS: dict[tuple[bytes, str], int | None] = {}
-
-
-def _token_id(data: bytes, token: str) -> int | None:
-    try:
-        spec = json.loads(data)
-    except ValueError:
-        return None
-    for added in spec.get("added_tokens") or []:
-        if added.get("content") == token:
-            return int(added["id"])
+    for token in spec.get("added_tokens") or []:
+        if token.get("content") == eos:
+            return int(token["id"])
     vocab = (spec.get("model") or {}).get("vocab")
-    return int(vocab[token]) if isinstance(vocab, dict) and token in vocab else None
+    return int(vocab[eos]) if isinstance(vocab, dict) and eos in vocab else None
 
+
+def _leading_added_tokens(path: str, first_read: int = 1 << 18) -> list | None:
+    """The top-level "added_tokens" of a tokenizer.json parsed from the file's head, where the
+    tokenizers library writes it (after "version", "truncation" and "padding", before the
+    vocabulary): every scheduler rank reads the EOS id, and a 129k-token file (10 MB) took 0.17 s
+    of a core to parse whole. None where it does not come before "model" (then parse it all)."""
+    decoder = json.JSONDecoder()
+    size = first_read
+    with open(path, "rb") as f:
+        head = b""
+        while True:
+            head += f.read(size - len(head))
+            text = head.decode("utf-8", errors="ignore")  # only a cut last character is lost
+            try:
+                return _top_level_value(decoder, text, "added_tokens")
+            except ValueError:
+                if len(head) < size:  # the whole file: not where expected
+                    return None
+                size *= 4
+
+
+def _top_level_value(decoder: json.JSONDecoder, text: str, key: str):
+    """The value of `key` in the JSON object that `text` starts, decoding only the values before
+    it; None if "model" comes first or the object has no `key`. Raises ValueError where `text`
+    ends too early."""
+    m = _OPEN.match(text)
+    if m is None:
+        raise ValueError("not an object")
+    i = m.end()
+    while True:
+        name, i = decoder.raw_decode(text, i)
+        m = _COLON.match(text, i)
+        if m is None:
+            raise ValueError("no ':' after a key")
+        if name == "model":
+            return None
+        value, i = decoder.raw_decode(text, m.end())
+        if name == key:
+            return value
+        m = _NEXT.match(text, i)
+        if m is None:
+            raise ValueError("the object is cut short")
+        if m.group(1) == "}":
+            return None
+        i = m.end()
+
+
+_OPEN, _COLON, _NEXT = re.compile(r"\s*\{\s*"), re.compile(r"\s*:\s*"), re.compile(r"\s*([,}])\s*")
 
 # tokenizer classes that AutoTokenizer loads from tokenizer.json as they are
 _PLAIN_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")

@@ -1,6 +1,6 @@
 """Workloads of the multi-rank tests and their single-process reference outputs' inputs: shared by
 test_dp, test_tbo_dp, test_spec_dp (the reference fixture in conftest.py computes each model's
-outputs once per session)."""
+outputs once per session, the HTTP tests' chat texts included)."""
 
 from __future__ import annotations
 
@@ -58,6 +58,11 @@ def constrained(seed: int = 3) -> tuple[list[list[int]], list[dict]]:
               {"temperature": 0, "max_new_tokens": 20, "grammar": ebnf},
               {**GREEDY, "max_new_tokens": 9}, {**GREEDY, "max_new_tokens": 14}]
     return [prompts[0], prompts[0]] + prompts[2:], params
+
+
+# the HTTP tests' concurrent chats (test_dp, test_tbo_dp) and their token counts
+QUESTIONS = [f"Question {i}: {'tell me something ' * (i % 3 + 1)}" for i in range(8)]
+CHAT_LENS = [4 + 3 * (i % 4) for i in range(8)]
 
 
 def ids_of(outs: list[dict]) -> list[list[int]]:

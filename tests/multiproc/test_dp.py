@@ -14,9 +14,9 @@ import re
 import time
 
 import pytest
-from dp_workloads import (DP2, DP4, GREEDY, ONE, constrained, ep_overrides, ids_of,  # noqa: F401
-                          skew_long_short, staggered, workload)
-from live_server import assert_concurrent_chats_match_engine, role_processes
+from dp_workloads import (CHAT_LENS, DP2, DP4, GREEDY, ONE, QUESTIONS,  # noqa: F401
+                          constrained, ep_overrides, ids_of, skew_long_short, staggered, workload)
+from live_server import assert_chats_equal, concurrent_chats, role_processes
 from parity import FP32_CPU
 
 import httpx
@@ -272,25 +272,23 @@ def test_smollm2_dp2_chat_matches_single_process():
 
 
 # ---- HTTP server with tp2/dp2 -------------------------------------------------------------------
-QUESTIONS = [f"Question {i}: {'tell me something ' * (i % 3 + 1)}" for i in range(8)]
-
-
 @pytest.fixture(scope="module")
-def dp_server(tiny_model):
+def dp_server(reference):
     from live_server import LiveServer
 
-    path = tiny_model("deepseek_v3")
-    live = LiveServer([f"model.path={path}", *FP32_CPU, *DP2, *ep_overrides("a2a"),
+    ref = reference("deepseek_v3")  # before the server: its ranks do not idle through it
+    live = LiveServer([f"model.path={ref['path']}", *FP32_CPU, *DP2, *ep_overrides("a2a"),
                        "parallel.dp_policy=shortest_queue"]).wait_healthy()
-    yield live, path
+    yield live, ref
     live.stop(keep_log=live.proc.returncode not in (None, 0, 1))
 
 
 @pytest.mark.timeout(240)
 def test_http_dp2_concurrent_chat_matches_engine(dp_server):
-    live, path = dp_server
-    assert_concurrent_chats_match_engine(live.url, path, QUESTIONS,
-                                         [4 + 3 * (i % 4) for i in range(8)], FP32_CPU)
+    """8 concurrent greedy chats through the official openai client: the single-process
+    Engine's texts and token counts (the session's reference)."""
+    live, ref = dp_server
+    assert_chats_equal(concurrent_chats(live.url, QUESTIONS, CHAT_LENS), CHAT_LENS, ref["chats"])
 
 
 @pytest.mark.timeout(60)

@@ -14,7 +14,8 @@ import os
 
 import pytest
 from parity import FP32_CPU
-from dp_workloads import DP2, DP4, ONE, ep_overrides, ids_of, skew_long_short, workload
+from dp_workloads import (CHAT_LENS, DP2, DP4, ONE, QUESTIONS, ep_overrides, ids_of,
+                          skew_long_short, workload)
 from test_dp import one_thread_per_rank  # noqa: F401
 
 from moeserve import Engine
@@ -88,18 +89,17 @@ def test_tbo_dp4_ep4_matches_single_process(reference):
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("arch,backend", [("deepseek_v3", "a2a"), ("qwen3_moe", "p2p")])
-def test_tbo_http_dp2_concurrent_chat_matches_engine(tiny_model, arch, backend):
+def test_tbo_http_dp2_concurrent_chat_matches_engine(reference, arch, backend):
     """The HTTP server at dp2×ep2 with TBO on every step, 8 concurrent greedy chats through the
     official openai client: the same texts and token counts as the single-process Engine (no EP,
-    no TBO)."""
-    from live_server import LiveServer, assert_concurrent_chats_match_engine
-    from test_dp import QUESTIONS
+    no TBO; the session's reference)."""
+    from live_server import LiveServer, assert_chats_equal, concurrent_chats
 
-    path = tiny_model(arch)
-    live = LiveServer([f"model.path={path}", *FP32_CPU, *DP2, *ep_overrides(backend),
+    ref = reference(arch)
+    live = LiveServer([f"model.path={ref['path']}", *FP32_CPU, *DP2, *ep_overrides(backend),
                        *TBO_ON]).wait_healthy()
     try:
-        assert_concurrent_chats_match_engine(live.url, path, QUESTIONS,
-                                             [4 + 3 * (i % 4) for i in range(8)], FP32_CPU)
+        assert_chats_equal(concurrent_chats(live.url, QUESTIONS, CHAT_LENS), CHAT_LENS,
+                           ref["chats"])
     finally:
         live.stop(keep_log=live.proc.returncode not in (None, 0, 1))

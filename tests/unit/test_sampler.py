@@ -11,8 +11,11 @@ from moeserve.core import SamplingParams
 from moeserve.runtime.sampler import filter_probs, make_generator, sample
 
 
+# (-1, 1.0, 0.0), (-1, 1.0, 0.1) and (200, 1.0, 0.05) (top-k of the whole vocabulary) take the
+# path that does not sort
 @pytest.mark.parametrize("top_k,top_p,min_p", [(5, 1.0, 0.0), (-1, 0.9, 0.0), (-1, 1.0, 0.1),
-                                               (20, 0.8, 0.05), (1, 1.0, 0.0)])
+                                               (20, 0.8, 0.05), (1, 1.0, 0.0), (-1, 1.0, 0.0),
+                                               (200, 1.0, 0.05)])
 def test_filter_support_matches_transformers(top_k, top_p, min_p):
     g = torch.Generator().manual_seed(0)
     for _ in range(20):

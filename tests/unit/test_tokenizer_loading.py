@@ -21,6 +21,24 @@ def test_declared_eos_is_what_transformers_loads(tiny_model, arch):
     assert declared_eos_id(path) == AutoTokenizer.from_pretrained(path).eos_token_id
 
 
+def test_added_tokens_read_from_the_head_equal_the_whole_parse(tiny_model, tmp_path):
+    from moeserve.tokenizer.loading import _leading_added_tokens
+
+    for path in (embedded_model_path(), tiny_model("llama")):
+        name = os.path.join(path, "tokenizer.json")
+        with open(name) as f:
+            whole = json.load(f)
+        for first_read in (64, 1 << 18):  # the head read grows until the list is whole
+            assert _leading_added_tokens(name, first_read) == whole["added_tokens"]
+    # a file that puts the vocabulary first is parsed whole: the same EOS id
+    src = tiny_model("llama")
+    shutil.copy(os.path.join(src, "tokenizer_config.json"), tmp_path / "tokenizer_config.json")
+    reordered = {"model": whole["model"], **{k: v for k, v in whole.items() if k != "model"}}
+    (tmp_path / "tokenizer.json").write_text(json.dumps(reordered))
+    assert _leading_added_tokens(str(tmp_path / "tokenizer.json")) is None
+    assert declared_eos_id(str(tmp_path)) == declared_eos_id(src) is not None
+
+
 def test_declared_eos_declines_what_it_cannot_vouch_for(tiny_model, tmp_path):
     src = tiny_model("llama")
     for name in ("tokenizer.json", "tokenizer_config.json"):
@@ -51,26 +69,3 @@ def test_lazy_tokenizer_loads_at_first_use_and_cache_follows_the_files(tiny_mode
     again = load_tokenizer(str(tmp_path))
     assert again is not lazy.get() and again.model_max_length == 7
 
-
-def test_declared_eos_parses_a_tokenizer_json_once_per_content(tiny_model, tmp_path, monkeypatch):
-    """The 10 MB tokenizer.json is parsed once per content and process (every Engine start reads
-    the EOS id), in whichever folder; a folder whose file says otherwise gets its own id."""
-    from moeserve.tokenizer import loading
-
-    src = tiny_model("llama")
-    eos = declared_eos_id(src)
-    with open(os.path.join(src, "tokenizer.json")) as f:
-        spec = json.load(f)
-    (entry,) = [t for t in spec["added_tokens"] if t["id"] == eos]
-    entry["id"] = eos + 5  # content the process has not seen: parsed once for both folders
-    parsed = []
-    parse = loading._token_id
-    monkeypatch.setattr(loading, "_token_id", lambda data, token: parsed.append(token) or
-                        parse(data, token))
-    for name in ("a", "b"):
-        os.makedirs(tmp_path / name)
-        shutil.copy(os.path.join(src, "tokenizer_config.json"), tmp_path / name)
-        (tmp_path / name / "tokenizer.json").write_text(json.dumps(spec))
-        assert declared_eos_id(str(tmp_path / name)) == eos + 5
-    assert parsed == [entry["content"]]
-    assert declared_eos_id(src) == eos
