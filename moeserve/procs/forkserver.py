@@ -18,6 +18,7 @@ every child (`release_fork_server`): while one held it, the server never saw its
 from __future__ import annotations
 
 import os
+import signal
 import sys
 from dataclasses import dataclass
 from multiprocessing import reduction
@@ -98,3 +99,20 @@ def release_fork_server() -> None:
     if fd is not None:
         os.close(fd)
         server._forkserver_alive_fd = None
+
+
+def end_fork_server() -> None:
+    """In a launcher about to exit, its children stopped: end its fork server now (SIGKILL).
+    Left alone, it sees the launcher gone and exits through the interpreter's teardown (torch and
+    transformers loaded: 0.75 CPU-s a server); it holds nothing that needs it (its socket file's
+    folder goes with the launcher's atexit hooks)."""
+    from multiprocessing import forkserver
+
+    pid = getattr(forkserver._forkserver, "_forkserver_pid", None)
+    if pid is None:
+        return
+    try:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+    except (ProcessLookupError, ChildProcessError):
+        pass
