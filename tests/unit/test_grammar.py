@@ -108,26 +108,6 @@ def test_compiler_caches_and_compiles_in_background(compiler):
         compiler.compile_async(("json_schema", "{nope")).result()
 
 
-def test_compilers_of_one_tokenizer_share_its_tokenizer_info(compiler, monkeypatch):
-    """A second compiler on the same tokenizer object (each offline Engine makes one) builds no
-    TokenizerInfo of its own; its compiled grammars mask as the first one's do."""
-    spec = ("regex", "(yes|no)")
-    first = compiler.compile(spec)
-    built = []
-    real = xgr.TokenizerInfo.from_huggingface
-    monkeypatch.setattr(xgr.TokenizerInfo, "from_huggingface",
-                        lambda *a, **kw: built.append(a) or real(*a, **kw))
-    second = GrammarCompiler(compiler._tokenizer, compiler.vocab_size).compile(spec)
-    assert built == [] and second is not first
-    bits = [xgr.allocate_token_bitmask(1, compiler.vocab_size) for _ in range(2)]
-    for compiled, b in zip((first, second), bits):
-        GrammarMatch(compiled, [0]).matcher.fill_next_token_bitmask(b)
-    assert torch.equal(bits[0], bits[1])
-    other = GrammarCompiler(compiler._tokenizer, compiler.vocab_size - 1)  # another vocab size
-    other.compile(spec)
-    assert len(built) == 1
-
-
 def test_intake_parks_until_compiled_and_reports_errors(compiler):
     intake = GrammarIntake(compiler, {2})
 
