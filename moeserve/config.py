@@ -364,6 +364,7 @@ def compose(overrides: list[str] | tuple[str, ...] = ()) -> MoeserveConfig:
     """Compose `conf/config.yaml` with Hydra overrides into a validated MoeserveConfig: once per
     process and override list (Hydra's composition took ~0.15 s of a core, at every offline
     Engine's start), a deep copy each call (the frozen tree still holds lists)."""
+    register_configs()  # as before, whether or not the list was composed already
     return copy.deepcopy(_compose(tuple(overrides)))
 
 
@@ -373,7 +374,6 @@ def _compose(overrides: tuple[str, ...]) -> MoeserveConfig:
     from hydra import initialize_config_module
     from hydra.core.global_hydra import GlobalHydra
 
-    register_configs()
     GlobalHydra.instance().clear()
     with initialize_config_module(config_module="conf", version_base="1.3"):
         raw = hydra_compose(config_name="config", overrides=list(overrides))
