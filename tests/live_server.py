@@ -124,7 +124,8 @@ def assert_concurrent_chats_match_engine(url: str, model_path: str, questions: l
     from moeserve import Engine
 
     answers = concurrent_chats(url, questions, lens)
-    with contextlib.nullcontext(engine) if engine else Engine(model_path, engine_overrides) as eng:
+    with (contextlib.nullcontext(engine) if engine is not None
+          else Engine(model_path, engine_overrides)) as eng:
         expected = engine_chat_texts(eng, questions, lens)
     assert_chats_equal(answers, lens, expected)
 
