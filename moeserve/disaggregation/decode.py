@@ -81,6 +81,10 @@ class DecodeRole:
         return {"endpoint": self.link.endpoint, "engine": self.transfer.address,
                 "backend": self.transfer.name}
 
+    def stats(self) -> dict:
+        """Counters plus the requests still waiting for their KV (a gauge, for /server_info)."""
+        return {**self.counters.as_dict(self.mode), "in_flight": len(self._pending)}
+
     def on_request(self, req: Req, bootstrap: Bootstrap | None) -> bool:
         if not wants_pd(req, bootstrap):
             return False

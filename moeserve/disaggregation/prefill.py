@@ -75,6 +75,10 @@ class PrefillRole:
         return {"endpoint": self.link.endpoint, "engine": self.transfer.address,
                 "backend": self.transfer.name, "slot_bytes": self.regions.slot_bytes}
 
+    def stats(self) -> dict:
+        """Counters plus the prefilled requests whose KV is not yet written (a gauge)."""
+        return {**self.counters.as_dict(self.mode), "in_flight": len(self._held)}
+
     def on_request(self, req: Req, bootstrap: Bootstrap | None) -> bool:
         """Prefill it here, generating only the first token; the decode server does the rest."""
         if wants_pd(req, bootstrap):

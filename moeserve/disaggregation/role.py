@@ -3,8 +3,8 @@
 The scheduler calls these hooks: `on_request` (a request with a bootstrap room arrives; True: the
 role owns it from now on), `on_reject` (a request refused before it ran: the peer is told),
 `on_finish` (True: the role keeps the request's KV slots for now),
-`poll` (each loop iteration: apply what the link thread finished) and `info`/`counters` (ready
-handshake, metrics).
+`poll` (each loop iteration: apply what the link thread finished), `info` (the ready
+handshake) and `stats` (the counters and in-flight gauge for /server_info and metrics).
 """
 
 from __future__ import annotations

@@ -164,7 +164,7 @@ class Scheduler:
                 "used_tokens": self.cache.used_tokens(),
                 "max_total_tokens": self.runner.memory.allocator.size, **self.stats,
                 **(self.spec.totals() if self.spec is not None else {}),
-                **({"disagg": self.pd.counters.as_dict(self.pd.mode)} if self.pd else {})}
+                **({"disagg": self.pd.stats()} if self.pd else {})}
 
     # ---- scheduling -------------------------------------------------------------------------
     def get_next_batch(self) -> ScheduledBatch | None:

@@ -16,6 +16,8 @@ token for token. Two pairs, started together once for the module:
 from __future__ import annotations
 
 import json
+import os
+import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -256,10 +258,12 @@ def _used(url: str) -> list[int]:
 
 
 def test_prefill_killed_under_load(pd):
-    """32 streams; the prefill server is SIGKILLed while the last 16 are being prefilled: each
+    """32 streams; the prefill server is SIGKILLed while the last 16 wait for its KV: each
     request either completes with the colocated tokens or ends with an error (no third outcome),
     requests already decoding all complete, and the decode pool's used slots return to where they
-    were. Ends the Qwen prefill server."""
+    were. The prefill's front process is stopped (SIGSTOP) before the last 16 are sent, so that
+    the kill finds them in flight however fast the machine (a fixed sleep let a fast one finish
+    them first). Ends the Qwen prefill server."""
     p, d, url = pd.qwen_p, pd.qwen_d, pd.qwen.url
     prompts = [f"Request {i} says" for i in range(32)]
     with ThreadPoolExecutor(16) as pool:  # long enough to be decoding when the prefill dies
@@ -276,8 +280,10 @@ def test_prefill_killed_under_load(pd):
     with ThreadPoolExecutor(32) as pool:
         early = [pool.submit(run, q, 100) for q in prompts[:16]]
         _wait_decoding(d.url, 16)
+        failures0 = sum(r["disagg"]["failures"] for r in ranks(d.url))
+        os.kill(p.proc.pid, signal.SIGSTOP)
         late = [pool.submit(run, q, 16) for q in prompts[16:]]
-        time.sleep(0.3)
+        _wait_waiting_for_kv(d.url, 16, failures0)
         p.proc.kill()
         results = [f.result() for f in early + late]
     for q, ids, err in results[:16]:
@@ -294,6 +300,17 @@ def test_prefill_killed_under_load(pd):
     assert [r["used_tokens"] for r in info] == used0, info
     assert sum(r["disagg"]["failures"] for r in info) >= 1
     assert generate(d.url, "still serving")["output_ids"]  # colocated requests still work
+
+
+def _wait_waiting_for_kv(url: str, n: int, failures0: int, timeout: float = 60) -> None:
+    """Until `n` requests wait at the decode server for their KV (or have failed waiting)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        info = ranks(url)
+        if sum(r["disagg"]["in_flight"] + r["disagg"]["failures"] for r in info) - failures0 >= n:
+            return
+        time.sleep(0.05)
+    pytest.fail(f"the last {n} requests never reached the decode server: {info}")
 
 
 def _wait_decoding(url: str, n: int, timeout: float = 60) -> None:
