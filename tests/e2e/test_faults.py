@@ -1,24 +1,32 @@
 """Injected faults against a live server (tiny Llama with a 4k context, so a stream lasts seconds):
 SIGTERM drains (in-flight streams finish, new requests get 503), the drain's time limit, 413 for
-oversized bodies, the API key check, garbage on every ZMQ endpoint, and `kill -9` of the
-detokenizer, of the scheduler and (dp2) of the DP controller and of one rank mid-stream, and of
-one rank during a live EPLB rebalance (tiny DeepSeek-V3, dp2 x ep2): exit 1 within 10 s naming
-the process, the client's stream (or the /rebalance_experts call) fails instead of hanging, and
-no child process is left."""
+oversized bodies, the API key check, garbage on every ZMQ endpoint, slow clients (one that never
+reads, one that trickles: the others are served meanwhile, their generations are aborted once
+they close), and `kill -9` of the detokenizer, of the scheduler and (dp2) of the DP controller
+and of one rank mid-stream, and of one rank during a live EPLB rebalance (tiny DeepSeek-V3,
+dp2 x ep2): exit 1 within 10 s naming the process, the client's stream (or the
+/rebalance_experts call) fails instead of hanging, and no child process is left."""
 
 from __future__ import annotations
 
+import fcntl
+import json
 import os
 import pickle
 import re
 import signal
+import socket
+import struct
+import termios
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from live_server import LiveServer, role_processes, still_running
 
 import httpx
+from moeserve.tools.fuzz_api import check_baseline
 
 openai = pytest.importorskip("openai")
 psutil = pytest.importorskip("psutil")
@@ -103,7 +111,7 @@ def test_dp2_clean_shutdown_prints_no_error(model):
     assert "did not stop" not in log and not CRASH.search(log), log[-3000:]
 
 
-# ---- request limits, auth, ZMQ garbage, then the SIGTERM drain (one server) ----------------------
+# ---- request limits, auth, ZMQ garbage, slow clients, then the SIGTERM drain (one server) ------
 KEY = "sk-fault-test"
 GUARDED = ["server.max_request_bytes=4096", f"server.api_key={KEY}",
            "server.shutdown_timeout_s=60"]
@@ -178,6 +186,84 @@ def test_garbage_on_zmq_endpoints_is_logged_and_ignored(guarded, tmp_path):
     assert not (tmp_path / "unpickled").exists()  # nothing was unpickled
     log = guarded.log_tail(100_000)
     assert log.count("undecodable message(s)") >= len(paths), log[-3000:]
+
+
+# ---- slow clients (the same server) -------------------------------------------------------------
+SLOW_TOKENS = 4000  # ~25 s of decoding here: far longer than the test keeps the sockets open
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
+def slow_socket(server: LiveServer) -> socket.socket:
+    """A streaming completion sent on a raw socket with a 4 kB receive buffer; nothing read."""
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect(("127.0.0.1", server.port))
+    body = json.dumps({"model": "m", "prompt": "Once upon a time", "max_tokens": SLOW_TOKENS,
+                       "temperature": 0, "stream": True, "ignore_eos": True}).encode()
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: test\r\nContent-Type: application/json"
+                 b"\r\nAuthorization: Bearer %s\r\nContent-Length: %d\r\n\r\n%s"
+                 % (KEY.encode(), len(body), body))
+    return sock
+
+
+def unread_bytes(sock: socket.socket) -> int:
+    return struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.FIONREAD, b"\0\0\0\0"))[0]
+
+
+def timed_stream(server: LiveServer, max_tokens: int = 64) -> float:
+    """Seconds for one greedy completion stream of `max_tokens` through the openai client."""
+    t0 = time.monotonic()
+    chunks = list(client(server, KEY).completions.create(
+        model="m", prompt="The weather today", max_tokens=max_tokens, temperature=0, stream=True,
+        stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))
+    assert chunks[-1].usage.completion_tokens == max_tokens
+    return time.monotonic() - t0
+
+
+def running(server: LiveServer) -> int:
+    return sum(r["running"] for r in httpx.get(server.url + "/server_info", timeout=10)
+               .json()["ranks"])
+
+
+def test_slow_clients_do_not_block_others(guarded):
+    """One raw socket sends a long streaming completion and never reads (its receive buffer
+    fills, so the server's writes wait), one reads a little now and then. Meanwhile other
+    streams and /health are served in normal time, and once the slow sockets close their
+    generations are aborted and the server is back to its baseline."""
+    baseline = max(timed_stream(guarded) for _ in range(3))
+    stalled, trickle = slow_socket(guarded), slow_socket(guarded)
+    stop = threading.Event()
+
+    def read_slowly() -> None:  # 512 bytes every 0.2 s: far slower than the tokens come
+        while not stop.wait(0.2):
+            trickle.recv(512)
+
+    reader = threading.Thread(target=read_slowly, daemon=True)
+    reader.start()
+    try:
+        deadline = time.monotonic() + 30
+        while unread_bytes(stalled) < 2048 or running(guarded) < 2:  # buffer filling, both run
+            assert time.monotonic() < deadline, (unread_bytes(stalled), running(guarded))
+            time.sleep(0.2)
+        with ThreadPoolExecutor(3) as pool:
+            loaded = [f.result() for f in [pool.submit(timed_stream, guarded) for _ in range(6)]]
+        assert httpx.get(guarded.url + "/health", timeout=5).status_code == 200
+        full = unread_bytes(stalled)
+        time.sleep(1.0)
+        assert unread_bytes(stalled) == full  # the server's writes to it wait (backpressure)
+        assert running(guarded) == 2  # both slow generations still running: none finished early
+        print(f"slow clients: 64-token streams {baseline:.2f} s alone (slowest of 3), "
+              f"{max(loaded):.2f} s at most with the slow sockets open (6 streams, 3 at a time); "
+              f"{full} bytes unread on the stalled socket")
+        assert max(loaded) < max(10 * baseline, baseline + 15), (baseline, loaded)
+    finally:
+        stop.set()
+        reader.join(5)
+        t0 = time.monotonic()
+        stalled.close()
+        trickle.close()
+    assert check_baseline(guarded.url, AUTH, settle_s=10) == []
+    print(f"slow sockets closed: back to baseline after {time.monotonic() - t0:.2f} s")
 
 
 # the drained stream's length: long enough to still run while the refusal is checked (right
