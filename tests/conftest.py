@@ -38,10 +38,10 @@ def pytest_xdist_auto_num_workers(config):
 @pytest.hookimpl(tryfirst=True)
 def pytest_xdist_make_scheduler(config, log):
     """`--dist loadfile` (pyproject's addopts) with the files that share a session server in one
-    work unit (xdist_scopes.py); any other mode is xdist's own."""
+    work unit (shared_servers.py); any other mode is xdist's own."""
     if config.getvalue("dist") != "loadfile":
         return None
-    from xdist_scopes import SharedServerScheduling
+    from shared_servers import SharedServerScheduling
 
     return SharedServerScheduling(config, log)
 

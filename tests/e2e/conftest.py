@@ -1,7 +1,8 @@
 """A live `python -m launch.server` per test module, on a free loopback port.
 
 A module sets `SERVER_ARGS = [...]` (Hydra overrides) to configure its server; the `server` fixture
-starts it once, waits for /health and stops it (SIGTERM, then SIGKILL) after the module.
+starts it once, waits for /health and stops it (SIGTERM, then SIGKILL) after the module. The
+session's shared servers (shared_servers.py) serve the modules listed there.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import os
 
 import pytest
 from live_server import LiveServer
+from shared_servers import SMOLLM2_LIMITS_ARGS, SMOLLM2_TOOLS_ARGS, USERS
 
 
 @pytest.fixture(scope="module")
@@ -21,34 +23,35 @@ def server(request):
         os.unlink(live.log.name)
 
 
-# float32 SmolLM2 with the Hermes tool parser and the qwen3 reasoning parser: the float32 SmolLM2
-# modules share one server for the session (a start costs ~20 s on 2 cores), and under xdist one
-# worker (xdist_scopes.py). Not test_structured_outputs.py: on bf16 (the default here) its long
-# generations took 25 CPU-s fewer than on this server, more than a start costs. One forward thread: on 2 cores shared with the test process, two threads
-# made a 16-prompt prefill 4-8x slower (0.75 s vs 3.4-6.3 s).
-SMOLLM2_TOOLS_ARGS = ["model.dtype=float32", "server.tool_parser=hermes",
-                      "server.reasoning_parser=qwen3", "scheduler.cpu_threads=1"]
-
-
-@pytest.fixture(scope="session")
-def smollm2_tools_server():
-    live = LiveServer(SMOLLM2_TOOLS_ARGS).wait_healthy()
+def _shared(args: list[str]):
+    live = LiveServer(args).wait_healthy()
     yield live
     code = live.stop(keep_log=True)
     if code == 0:
         os.unlink(live.log.name)
 
 
-def pytest_collection_modifyitems(config, items):
-    """A file that uses smollm2_tools_server must be in xdist_scopes.SMOLLM2_TOOLS_FILES: else
-    xdist may run it in another worker, which starts the server once more."""
-    from xdist_scopes import SMOLLM2_TOOLS_FILES
+@pytest.fixture(scope="session")
+def smollm2_tools_server():
+    """shared_servers.SMOLLM2_TOOLS_ARGS: float32, Hermes tools, qwen3 reasoning."""
+    yield from _shared(SMOLLM2_TOOLS_ARGS)
 
-    users = {item.nodeid.split("::")[0] for item in items
-             if "smollm2_tools_server" in getattr(item, "fixturenames", ())}
-    if users - SMOLLM2_TOOLS_FILES:
-        raise pytest.UsageError(f"add {sorted(users - SMOLLM2_TOOLS_FILES)} to "
-                                "tests/xdist_scopes.py SMOLLM2_TOOLS_FILES")
+
+@pytest.fixture(scope="session")
+def smollm2_limits_server():
+    """shared_servers.SMOLLM2_LIMITS_ARGS: default dtype, short context, API key."""
+    yield from _shared(SMOLLM2_LIMITS_ARGS)
+
+
+def pytest_collection_modifyitems(config, items):
+    """A file that uses a shared server must be among shared_servers.USERS: else xdist may run it
+    in another worker, which starts the server once more."""
+    for fixture, files in USERS.items():
+        users = {item.nodeid.split("::")[0] for item in items
+                 if fixture in getattr(item, "fixturenames", ())}
+        if users - files:
+            raise pytest.UsageError(f"add {sorted(users - files)} to tests/shared_servers.py "
+                                    f"USERS[{fixture!r}]")
 
 
 @pytest.fixture

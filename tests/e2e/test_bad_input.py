@@ -6,15 +6,22 @@ from __future__ import annotations
 import time
 
 import pytest
+from shared_servers import SMOLLM2_CONTEXT, SMOLLM2_KEY
 
 import httpx
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
-KEY = "sk-test"
-SERVER_ARGS = ["model.context_length=256", f"server.api_key={KEY}"]
+KEY, CONTEXT = SMOLLM2_KEY, SMOLLM2_CONTEXT
 AUTH = {"Authorization": f"Bearer {KEY}"}
 MSG = [{"role": "user", "content": "Hi"}]
+
+
+@pytest.fixture(scope="module")
+def server(smollm2_limits_server):
+    """Shared with test_structured_outputs.py (shared_servers.SMOLLM2_LIMITS_ARGS): SmolLM2, its
+    context cut to CONTEXT tokens, an API key, no tool parser."""
+    return smollm2_limits_server
 
 
 @pytest.fixture(scope="module")
@@ -90,17 +97,17 @@ def test_bad_completion_bodies(http, body):
 
 
 def test_prompt_longer_than_context(http):
-    long_text = "word " * 400  # > 256 tokens
+    long_text = "word " * (CONTEXT + 100)  # > CONTEXT tokens
     err = assert_error(http.post("/v1/completions", json={"prompt": long_text, "max_tokens": 4}),
                        code="context_length_exceeded")
-    assert "256" in err["message"]
+    assert str(CONTEXT) in err["message"]
     assert_error(http.post("/v1/chat/completions", json={
         "messages": [{"role": "user", "content": long_text}]}), code="context_length_exceeded")
     assert_error(http.post("/generate", json={"text": long_text}))
 
 
 def test_prompt_plus_max_tokens_over_context(http):
-    assert_error(http.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 256}),
+    assert_error(http.post("/v1/completions", json={"prompt": "Hello", "max_tokens": CONTEXT}),
                  code="context_length_exceeded")
 
 
@@ -221,7 +228,7 @@ def test_tokenize_detokenize_and_model_info(http):
     tok = AutoTokenizer.from_pretrained(embedded_model_path())
     out = http.post("/tokenize", json={"prompt": "Hello world"}).json()
     assert out["tokens"] == tok("Hello world")["input_ids"] and out["count"] == len(out["tokens"])
-    assert out["max_model_len"] == 256
+    assert out["max_model_len"] == CONTEXT
     chat = http.post("/tokenize", json={"messages": MSG}).json()["tokens"]
     assert chat == tok.apply_chat_template(MSG, add_generation_prompt=True, tokenize=True,
                                            return_dict=True)["input_ids"]

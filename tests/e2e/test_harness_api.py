@@ -1,5 +1,5 @@
 """Issue 45 through the official `openai` client on a live float32 SmolLM2 server (shared, see
-conftest.SMOLLM2_TOOLS_ARGS): prompt logprobs (echo + logprobs with max_tokens 0, vLLM's
+shared_servers.SMOLLM2_TOOLS_ARGS): prompt logprobs (echo + logprobs with max_tokens 0, vLLM's
 prompt_logprobs, /generate's logprob_start_len) against transformers' log_softmax on the same
 weights; logprob bytes of tokens that are partial UTF-8; the SDK's two-turn tool loop; the
 router's model name and /model_info."""

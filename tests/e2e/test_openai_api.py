@@ -1,6 +1,6 @@
 """The official `openai` client against a live server on the embedded SmolLM2-135M-Instruct: the
-session's shared float32 server (conftest.SMOLLM2_TOOLS_ARGS). Its tool and reasoning parsers act
-only on requests with tools, and on replies that open with `<think>`, which none here does."""
+session's shared float32 server (shared_servers.SMOLLM2_TOOLS_ARGS). Its tool and reasoning
+parsers act only on requests with tools, and on replies that open with `<think>`: none here."""
 
 from __future__ import annotations
 

@@ -17,7 +17,7 @@ N = 16
 
 @pytest.fixture(scope="module")
 def server(smollm2_tools_server):
-    """conftest.SMOLLM2_TOOLS_ARGS: float32, Hermes tools, qwen3 reasoning (shared)."""
+    """shared_servers.SMOLLM2_TOOLS_ARGS: float32, Hermes tools, qwen3 reasoning (shared)."""
     return smollm2_tools_server
 
 

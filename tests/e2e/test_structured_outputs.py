@@ -13,12 +13,14 @@ import pytest
 pytest.importorskip("xgrammar")
 jsonschema = pytest.importorskip("jsonschema")
 
+from shared_servers import SMOLLM2_KEY  # noqa: E402
+
 from moeserve.bench.grammar_schemas import hand_written, schemas  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
-SERVER_ARGS: list[str] = []
 MODEL = "smollm2-135m-instruct"
+AUTH = {"Authorization": f"Bearer {SMOLLM2_KEY}"}
 
 
 def _ask(schema: dict) -> list[dict]:
@@ -39,10 +41,18 @@ def _valid(text: str, schema: dict) -> bool:
 
 
 @pytest.fixture(scope="module")
+def server(smollm2_limits_server):
+    """Shared with test_bad_input.py (shared_servers.SMOLLM2_LIMITS_ARGS): SmolLM2 in its default
+    dtype, no tool parser; its context (1024) and API key do not matter here."""
+    return smollm2_limits_server
+
+
+@pytest.fixture(scope="module")
 def client(server):
     import openai
 
-    return openai.OpenAI(api_key="unused", base_url=server.url + "/v1", timeout=120, max_retries=0)
+    return openai.OpenAI(api_key=SMOLLM2_KEY, base_url=server.url + "/v1", timeout=120,
+                         max_retries=0)
 
 
 def _create_all(client, requests: list[dict]) -> list:
@@ -111,7 +121,7 @@ def test_native_generate_ebnf(server):
 
     grammar = 'root ::= ("cat" | "dog") " " [0-9]'
     r = httpx.post(server.url + "/generate", json={"text": "My pet: ", "sampling_params": {
-        "ebnf": grammar, "temperature": 0, "max_new_tokens": 10}}, timeout=60)
+        "ebnf": grammar, "temperature": 0, "max_new_tokens": 10}}, headers=AUTH, timeout=60)
     assert r.status_code == 200, r.text
     assert __import__("re").fullmatch("(cat|dog) [0-9]", r.json()["text"])
 
