@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 
 import pytest
 from fast_paths import unforce_fast_paths
@@ -21,10 +22,6 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 # not). It must be set before a kernel module is imported: @triton.jit reads it at decoration.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
-if os.environ.get("TRITON_INTERPRET") == "1":
-    from triton_interpreter import patch_once_per_launch
-
-    patch_once_per_launch()
 
 
 def pytest_xdist_auto_num_workers(config):
@@ -61,6 +58,16 @@ def pytest_sessionfinish(session):
     import gc
 
     gc.unfreeze()  # collectable again at exit (nanobind reports what is left as leaked)
+
+
+def pytest_runtest_setup(item):
+    """Triton's interpreter without the work it repeats (tests/triton_interpreter.py), once a
+    test module or an earlier test imported triton (importing it here would cost every worker
+    that runs no kernel 0.2 s)."""
+    if os.environ.get("TRITON_INTERPRET") == "1" and "triton.runtime.interpreter" in sys.modules:
+        from triton_interpreter import patch_once_per_launch
+
+        patch_once_per_launch()
 
 
 def pytest_collection_modifyitems(config, items):
