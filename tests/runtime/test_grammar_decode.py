@@ -29,11 +29,9 @@ GRAMMARS = [("json_schema", json.dumps(ITEM)),
 MAX_NEW = 40
 
 
-def _hf_constrained(model, tokenizer, ids: list[int], spec: tuple[str, str]) -> list[int]:
+def _hf_constrained(model, c, ids: list[int], spec: tuple[str, str]) -> list[int]:
     from xgrammar.contrib.hf import LogitsProcessor
 
-    info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=model.config.vocab_size)
-    c = xgr.GrammarCompiler(info)
     kind, source = spec
     compiled = (c.compile_json_schema(source, any_whitespace=False) if kind == "json_schema"
                 else c.compile_regex(source) if kind == "regex" else c.compile_grammar(source))
@@ -59,7 +57,9 @@ def reference() -> tuple[list[list[int]], list[list[int]]]:
         [{"role": "user", "content": f"Describe item {i} as JSON."}], add_generation_prompt=True,
         tokenize=True, return_dict=True)["input_ids"]) for i in range(len(GRAMMARS))]
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    return prompts, [_hf_constrained(model, tokenizer, ids, g) for ids, g in zip(prompts, GRAMMARS)]
+    info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=model.config.vocab_size)
+    compiler = xgr.GrammarCompiler(info)  # one for the four grammars
+    return prompts, [_hf_constrained(model, compiler, ids, g) for ids, g in zip(prompts, GRAMMARS)]
 
 
 @pytest.mark.parametrize("overlap", ["false", "true"])
