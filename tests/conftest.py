@@ -85,6 +85,14 @@ def fast_paths_unforced(monkeypatch):
 
 
 @pytest.fixture(scope="session")
+def kernel_cache(tmp_path_factory) -> str:
+    """A CPU kernel cache fresh for the session (nothing from an earlier run or version), shared
+    by the modules that build the kernels: a build (same sources, compiler and flags) compiles
+    and probes once, ~5 s of a core, not once per module."""
+    return str(tmp_path_factory.mktemp("kernel_cache"))
+
+
+@pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory):
     """tiny_model(arch, **overrides) -> path of a tiny random HF checkpoint (cached per session)."""
     from moeserve.tools.make_tiny import make_tiny

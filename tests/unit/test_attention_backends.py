@@ -20,10 +20,10 @@ H, HKV, D, LAYERS = 4, 2, 8, 2
 SPECS = [AttentionSpec(i, H, HKV, D, D, D**-0.5) for i in range(LAYERS)]
 
 
-def _backend(name: str, tmp_path_factory=None):
+def _backend(name: str, kernel_cache: str | None = None):
     if name == "torch":
         return TorchAttentionBackend()
-    kernels = load_cpu_kernels(str(tmp_path_factory.getbasetemp()))
+    kernels = load_cpu_kernels(kernel_cache)
     if kernels is None:
         pytest.skip("no C compiler: the cpu backend's kernels cannot be built")
     return CpuAttentionBackend(kernels)
@@ -92,8 +92,8 @@ class _World:
 @pytest.mark.parametrize("name,dtype,tol", [("torch", torch.float32, 1e-5),
                                             ("cpu", torch.float32, 1e-5),
                                             ("cpu", torch.bfloat16, 2e-2)])
-def test_decode_steps_match_per_request_attention(name, dtype, tol, tmp_path_factory):
-    world, backend = _World(dtype), _backend(name, tmp_path_factory)
+def test_decode_steps_match_per_request_attention(name, dtype, tol, kernel_cache):
+    world, backend = _World(dtype), _backend(name, kernel_cache)
     world.step(backend, [1, 2, 3], extend={1: 5, 2: 9, 3: 60})
     plan = [[1, 2, 3]] * 6  # kept K/V extended; request 3 crosses the 64-token bucket
     plan += [[1, 3]] * 2  # request 2 left: gathered afresh, then kept again

@@ -33,18 +33,14 @@ def cache(tmp_path, monkeypatch):
     return str(tmp_path)
 
 
-@pytest.fixture(scope="module")
-def module_cache(tmp_path_factory):
-    return str(tmp_path_factory.mktemp("kernel_cache"))
-
-
 @pytest.fixture
-def built(module_cache, monkeypatch):
-    """A kernel cache fresh for this module (nothing from an earlier run or version), shared by
-    its tests of what runs once the kernels are built: each build is compiled once here, not
-    once a test (a build of decode.c + linear.c at -O3 is ~3 s of a core, its probe ~2 s)."""
-    monkeypatch.setenv("MOESERVE_CACHE_DIR", module_cache)
-    return module_cache
+def built(kernel_cache, monkeypatch):
+    """The session's kernel cache (conftest: fresh, nothing from an earlier run or version),
+    shared by this module's tests of what runs once the kernels are built and by the other
+    modules that build them: each build is compiled once, not once a test (a build of decode.c +
+    linear.c at -O3 is ~3 s of a core, its probe ~2 s)."""
+    monkeypatch.setenv("MOESERVE_CACHE_DIR", kernel_cache)
+    return kernel_cache
 
 
 def test_disable_cpu_kernels_means_none(cache, monkeypatch, caplog):

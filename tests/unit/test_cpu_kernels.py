@@ -3,6 +3,7 @@ the torch ops they replace (where the kernel promises the same rounding, bit for
 
 from __future__ import annotations
 
+import os
 import shutil
 
 import pytest
@@ -26,18 +27,30 @@ BUILDS = {"gcc-native": ("gcc", NATIVE), "gcc-avx2": ("gcc", AVX2), "gcc-portabl
           "clang-native": ("clang", NATIVE), "clang-portable": ("clang", [])}
 
 
+def _compiler(cc: str) -> str | None:
+    """`cc`'s path; for gcc the default compiler's (`cc`, as the loader runs it) where that is
+    the same binary, so these builds are the ones the session's other modules load (one build
+    each in the session's kernel cache)."""
+    found = shutil.which(cc)
+    default = shutil.which("cc")
+    if cc == "gcc" and default and (found is None or os.path.realpath(found) ==
+                                    os.path.realpath(default)):
+        return default
+    return found
+
+
 @pytest.fixture(scope="module", params=list(BUILDS))
-def kernels(request, tmp_path_factory):
+def kernels(request, kernel_cache):
     cc, arch = BUILDS[request.param]
     if arch == AVX2 and not _x86_tiers():
         pytest.skip("the AVX2 build is tried on x86-64 only")
-    compiler = shutil.which(cc) or (shutil.which("cc") if cc == "gcc" else None)
+    compiler = _compiler(cc)
     if compiler is None:
         pytest.skip(f"no {cc} here")
     with pytest.MonkeyPatch.context() as mp:  # the kernels under test, whatever the run forces off
         for var in FAST_PATH_FLAGS:
             mp.delenv(var, raising=False)
-        k = build_and_probe(str(tmp_path_factory.mktemp("kernel_cache")), [compiler], arch)
+        k = build_and_probe(kernel_cache, [compiler], arch)
         if k is None and arch:
             pytest.skip(f"{request.param}: the build failed its probe on this CPU "
                         "(fallback tested)")
