@@ -243,7 +243,8 @@ def test_prefill_refusal_reaches_decode(pd):
             "bootstrap_room": 7, "sampling_params": {"max_new_tokens": 4}}
     with ThreadPoolExecutor(2) as pool:
         decode = pool.submit(httpx.post, d + "/generate", json=body, timeout=60)
-        time.sleep(0.5)  # the decode has reserved the room's slots and asked the prefill
+        failures0 = sum(r["disagg"]["failures"] for r in ranks(d))
+        _wait_waiting_for_kv(d, 1, failures0)  # the decode has reserved the room's slots
         assert httpx.post(pd.qwen_p.url + "/generate", json=body, timeout=60).status_code == 400
         got = decode.result()
     assert "maximum context length is 192" in got.text, got.text

@@ -64,8 +64,10 @@ def test_live_rebalance_under_streaming_load(tiny_model):
         assert outs == expected
         info = httpx.get(live.url + "/server_info").json()["ranks"]
         assert all(r["eplb_rebalances"] == 1 for r in info)
-        time.sleep(1.2)  # the next load report carries the balancedness to /metrics
-        metrics = httpx.get(live.url + "/metrics").text
-        assert 'moeserve:eplb_balancedness{rank="0"}' in metrics
+        deadline = time.monotonic() + 30  # the next load report carries it to /metrics
+        while 'moeserve:eplb_balancedness{rank="0"}' not in (
+                metrics := httpx.get(live.url + "/metrics").text):
+            assert time.monotonic() < deadline, metrics
+            time.sleep(0.2)
     finally:
         live.stop()
