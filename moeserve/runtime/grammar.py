@@ -35,6 +35,33 @@ from moeserve.tokenizer.loading import LazyTokenizer, loaded
 KINDS = ("json_object", "json_schema", "regex", "ebnf")
 CACHE_SIZE = 256  # compiled grammars kept by GrammarCompiler (xgrammar keeps its own cache too)
 _NOISE = re.compile(r"\[[\d:]+\] \S+:\d+: |Check failed: \(.*?\) is false: ")
+_HEX2 = re.compile(r"[0-9A-Fa-f]{2}")
+
+
+
+def xgrammar_regex(regex: str) -> str:
+    """`regex` as Python's `re` reads it (what the API document's `format: regex` promises),
+    written so xgrammar's parser reads it the same: a NUL character, bare or escaped, becomes
+    `\\u0000` (xgrammar refuses a raw NUL), and `\\xHH` becomes `\\u00HH` (xgrammar's `\\x` takes
+    every hex digit that follows, so `\\x41B` was one character to it, two to `re`). Both found
+    by the API fuzz test."""
+    if "\x00" not in regex and "\\x" not in regex:
+        return regex
+    out, i = [], 0
+    while i < len(regex):
+        ch = regex[i]
+        if ch == "\\" and i + 1 < len(regex):  # an escape: one pair, read as a whole
+            nxt = regex[i + 1]
+            if nxt == "x" and _HEX2.fullmatch(regex, i + 2, i + 4):
+                out.append("\\u00" + regex[i + 2:i + 4])
+                i += 4
+                continue
+            out.append("\\u0000" if nxt == "\x00" else ch + nxt)
+            i += 2
+            continue
+        out.append("\\u0000" if ch == "\x00" else ch)
+        i += 1
+    return "".join(out)
 
 
 class GrammarCompiler:
@@ -91,7 +118,9 @@ class GrammarCompiler:
                                              strict_mode=False)
             if kind == "json_schema":  # compact: a small model can otherwise loop on whitespace
                 return c.compile_json_schema(source, any_whitespace=False)
-            return c.compile_regex(source) if kind == "regex" else c.compile_grammar(source)
+            if kind == "regex":
+                return c.compile_regex(xgrammar_regex(source))
+            return c.compile_grammar(source)
         except (RuntimeError, ValueError, TypeError) as e:
             raise ValueError(f"invalid {kind}: {_NOISE.sub('', str(e)).strip()}") from None
 

@@ -126,3 +126,29 @@ def test_intake_parks_until_compiled_and_reports_errors(compiler):
     assert done[new.rid] is None and new.grammar is not None
     assert "bogus" in done[bad.rid]
     assert GrammarIntake(None, set()).attach(req(SPECS[0])).startswith("this scheduler")
+
+
+@pytest.mark.parametrize("regex", ["H\x00?b", "a\\\x00b", "[\x00-\x02]x", "\\\\\x00", "(\x00|z)+",
+                                   "no nul here", "\\x00\x00", "a\\x00b", "\\x41B", "[\\x41-\\x43]B",
+                                   "\\\\x41"])
+def test_regex_as_re_reads_it(regex):
+    """A regex means what Python's re makes of it (the API document's `format: regex`).
+    xgrammar refuses a raw NUL and reads `\\x` with every hex digit after it; xgrammar_regex
+    rewrites both: Python's re and xgrammar's own matcher then accept the same strings as re
+    does with the original."""
+    import re
+
+    from xgrammar.testing import _is_grammar_accept_string
+
+    from moeserve.runtime.grammar import xgrammar_regex
+
+    written = xgrammar_regex(regex)
+    assert "\x00" not in written
+    grammar = xgr.Grammar.from_regex(written)
+    samples = ["H\x00b", "Hb", "H0b", "a\x00b", "ab", "\x00x", "\x01x", "\x03x", "\\\x00", "\\",
+               "\x00z\x00", "zz", "no nul here", "\x00\x00", "x00\x00", "a\x0bb", "AB", "\u041b",
+               "CB", "DB", "\\x41", "\\A", "\x04"]
+    for s in samples:
+        want = re.fullmatch(regex, s) is not None
+        assert (re.fullmatch(written, s) is not None) == want, (regex, s)
+        assert _is_grammar_accept_string(grammar, s) == want, (regex, written, s)
