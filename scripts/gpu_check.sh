@@ -33,10 +33,11 @@
 #   tables (absorbed vs MHA by step tokens and prompt length) and one_batch prefill against the
 #   measured matmul peak; on an H200 either first writes $OUT/h200.json (bench.op_costs).
 #   prefill_ab: issue 44's Qwen3 prefill target in one call: bench.prefill_kernels (fused-MoE
-#   configs, extend attention tiles) and one_batch prefill at 4096 tokens, today's defaults
-#   against the shape heuristic's MoE tiles (no tuned table) / attention.extend_block_m=128 /
-#   another GPU's MoE tables (knobs in the mode; PA_KERNELS=0 or PA_OB=0 runs one half, if
-#   both do not fit one 10-minute call).
+#   configs incl. swap-AB tiles, extend attention tiles) and one_batch prefill at 4096 tokens,
+#   today's defaults against the shape heuristic's MoE tiles (no tuned table) / the best
+#   swap-AB tiles of the kernel half (its --swap-table) / attention.extend_block_m=128
+#   (PA_OB_ALIAS=1 adds another GPU's MoE tables; knobs in the mode; PA_KERNELS=0 or PA_OB=0
+#   runs one half, if both do not fit one 10-minute call).
 #   fp8acc: issue 44's FP8 accuracy tests (kernels vs their float64 emulation, per layer and
 #   whole model) and the bench.fp8_accuracy KL / top-1 table; on an H200 then bench.op_costs.
 #   pdl: programmatic dependent launch: its kernel-chain test, one_batch Qwen3-30B-A3B with PDL
@@ -116,18 +117,26 @@ if [[ $what == prefill_ab ]]; then
   # attention tiles at 4096 tokens against the measured matmul peak), then one_batch prefill of
   # Qwen3-30B-A3B at 4096 with today's defaults against each candidate setting, the same run:
   # the heuristic's MoE tiles (a moe.config_dir table of default_config at every token count:
-  # the before of a shipped table), attention.extend_block_m=128, the shipped tables of another
-  # GPU (PA_TABLE_FROM, default NVIDIA_H200) under this GPU's name. On an H200 first h200.json.
+  # the before of a shipped table), today's table with the kernel half's best swap-AB tiles at
+  # its token counts (/tmp/moe_swap, docs/gpu_decode.md "Swap-AB tiles"),
+  # attention.extend_block_m=128, with PA_OB_ALIAS=1 the shipped tables of another GPU
+  # (PA_TABLE_FROM, default NVIDIA_H200) under this GPU's name. On an H200 first h200.json.
+  # The kernel half times only the swap-AB tiles beside the heuristic / tables / today's config
+  # (--moe-space swap: the 17 larger tiles were measured on 2026-12-06; PA_KERNEL_ARGS="--tokens
+  # 4096 1344" times them all again).
   if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 && [ "${I44_OPCOSTS:-1}" = 1 ]; then
     timeout ${I44_OPCOSTS_TIMEOUT:-200} python3 -m moeserve.bench.op_costs --out "$OUT/h200.json" \
       2>&1 | grep -v -E "Warning|warn" | tail -5
   fi
   python3 -m moeserve.tools.make_random --shape qwen3_30b_a3b --config-only \
     --out /tmp/q3moe_full >/dev/null
+  rm -rf /tmp/moe_swap
   if [ "${PA_KERNELS:-1}" = 1 ]; then  # 4096: a prefill chunk; 1344: a served MIXED step
     timeout ${PA_KERNELS_TIMEOUT:-240} python3 -m moeserve.bench.prefill_kernels \
-      --out "$OUT/prefill_kernels.json" ${PA_KERNEL_ARGS:---tokens 4096 1344} 2>&1 \
+      --out "$OUT/prefill_kernels.json" --swap-table /tmp/moe_swap \
+      ${PA_KERNEL_ARGS:---tokens 4096 1344 --moe-space swap} 2>&1 \
       | grep -v -E "Warning|warn" | tee "$OUT/prefill_kernels.log"
+    cp /tmp/moe_swap/*.json "$OUT/moe_swap_table.json" 2>/dev/null
   fi
   [ "${PA_OB:-1}" = 1 ] || exit 0
   dev=$(python3 -c "from moeserve.kernels.triton.moe_config import device_name as d; print(d())")
@@ -139,10 +148,13 @@ if [[ $what == prefill_ab ]]; then
   python3 -c "import json, torch; from moeserve.kernels.triton import moe_config as m
 t = {str(n): m.default_config(128, 2048, 768, 8, torch.bfloat16, n) for n in range(1, 8193)}
 open('/tmp/moe_heur/' + m.config_file_name(128, 2048, 768, torch.bfloat16), 'w').write(json.dumps(t))"
+  compares=(--compare-with moe.config_dir=/tmp/moe_heur)
+  ls /tmp/moe_swap/*.json >/dev/null 2>&1 && compares+=(--compare-with moe.config_dir=/tmp/moe_swap)
+  compares+=(--compare-with attention.extend_block_m=128)
+  [ "${PA_OB_ALIAS:-0}" = 1 ] && compares+=(--compare-with moe.config_dir=/tmp/moe_alias)
   timeout ${PA_OB_TIMEOUT:-300} python3 -m moeserve.bench.one_batch --model /tmp/q3moe_full \
     --batch ${PA_BATCHES:-1} --input-len 4096 --output-len 4 --warmup 1 \
-    --compare-with moe.config_dir=/tmp/moe_heur --compare-with attention.extend_block_m=128 \
-    --compare-with moe.config_dir=/tmp/moe_alias ${PA_OB_ARGS:-} -o model.load_format=dummy \
+    "${compares[@]}" ${PA_OB_ARGS:-} -o model.load_format=dummy \
     -o device=cuda -o scheduler.chunked_prefill_size=4096 -o cache.max_total_tokens=20000 \
     -o cuda_graph.max_bs=4 2>&1 | grep -v -E "Warning|warn|capturing" \
     | tee "$OUT/prefill_ab.log"

@@ -9,8 +9,13 @@ the tiles that would read less per FLOP, so one device call can choose the defau
 - fused MoE (`fused_moe`, the whole call: align, gate/up GEMM with silu * up, down GEMM, top-k
   sum), Qwen3's experts (E 128, H 2048, I 768, top-8), random routing: the shape heuristic
   (`default_config`, what a GPU without a tuned table runs), each shipped table's entry for this
-  token count (tuned on another GPU), and PREFILL_SPACE; `pad` is the share of rows that the
-  expert blocks of BLOCK_SIZE_M add (they are multiplied like real rows);
+  token count (tuned on another GPU), PREFILL_SPACE (`--moe-space swap` leaves it out) and
+  SWAP_SPACE, swap-AB tiles (`SWAP_AB`: weights x tokens, 16-64-token blocks; fused_moe.py); `pad`
+  is the share of rows that the expert blocks of BLOCK_SIZE_M add (they are multiplied like real
+  rows). Each token count ends with a line comparing the best swap-AB row with today's config
+  (`get_moe_config`: this GPU's shipped table, else the heuristic); `--swap-table DIR` writes
+  today's table with those best swap-AB configs at the benched token counts (a moe.config_dir for
+  `bench.one_batch --compare-with`);
 - extend attention (`extend_attention`): one prompt of T new tokens (plus a cached prefix with
   --prefix) of Qwen3's heads (32 query, 4 KV, D 128), by (BLOCK_M, BLOCK_N, warps, stages).
 
@@ -45,6 +50,16 @@ PREFILL_SPACE = [
     (128, 128, 64, 8, 8, 3, (256, 64, 8, 8, 3)), (128, 128, 64, 8, 8, 3, (128, 64, 8, 8, 4)),
     (128, 128, 64, 8, 8, 3, (128, 128, 8, 8, 3)), (128, 64, 64, 8, 8, 4, (256, 64, 8, 8, 3)),
 ]
+# swap-AB: (BLOCK_SIZE_M, BLOCK_SIZE_N, BLOCK_SIZE_K, GROUP_SIZE_M, num_warps, num_stages,
+# SWAP_AB[, down (..., SWAP_AB)]); BLOCK_SIZE_N is the weight side (the MMA's 64-row M per
+# warpgroup), BLOCK_SIZE_M the tokens'. At 1344 tokens an expert has ~84 pairs (16-row blocks pad
+# ~9%, 128-row ones ~52%), at 4096 ~256 (32: ~6%, 128: ~24%).
+SWAP_SPACE = [
+    (16, 128, 64, 8, 4, 4, 1), (16, 128, 128, 8, 4, 3, 1), (16, 256, 64, 8, 8, 3, 1),
+    (32, 128, 64, 8, 4, 4, 1), (32, 128, 64, 8, 8, 3, 1), (32, 256, 64, 8, 8, 3, 1),
+    (64, 128, 64, 8, 4, 4, 1), (64, 128, 64, 8, 8, 3, 1), (64, 256, 64, 8, 8, 3, 1),
+    (32, 128, 64, 8, 4, 4, 1, (128, 64, 8, 8, 3, 0)), (64, 256, 64, 8, 8, 3, 1, (256, 64, 8, 8, 3)),
+]
 # (BLOCK_M, BLOCK_N, num_warps, num_stages, split_causal): first the path before 2026-12-06
 # (every key block masked), then today's default, then the 128-row tiles
 ATTENTION_TILES = [(64, 64, 4, 2, False), (64, 64, 4, 2, True), (64, 128, 4, 2, True),
@@ -70,20 +85,32 @@ def _sync() -> None:
 
 
 def _config(row: tuple) -> dict:
-    from moeserve.kernels.triton.moe_config import DOWN_KEYS, KEYS
+    """KEYS from the row's first 6 values; then an int is SWAP_AB, a tuple the down entry
+    (DOWN_KEYS, then optionally its own SWAP_AB)."""
+    from moeserve.kernels.triton.moe_config import DOWN_KEYS, KEYS, SWAP_KEY
 
     cfg = dict(zip(KEYS, row[:6]))
-    if len(row) > 6:
-        cfg["down"] = dict(zip(DOWN_KEYS, row[6]))
+    for extra in row[6:]:
+        if isinstance(extra, tuple):
+            cfg["down"] = dict(zip(DOWN_KEYS + (SWAP_KEY,), extra))
+        else:
+            cfg[SWAP_KEY] = extra
     return cfg
 
 
 def _label(cfg: dict) -> str:
+    """'MxNxK gG wW sS' (+ ' swap'), then the down tile's where it has one."""
+    from moeserve.kernels.triton.moe_config import down_config, swap_ab
+
     s = "x".join(str(cfg[k]) for k in ("BLOCK_SIZE_M", "BLOCK_SIZE_N", "BLOCK_SIZE_K"))
     s += f" g{cfg['GROUP_SIZE_M']} w{cfg['num_warps']} s{cfg['num_stages']}"
+    s += " swap" if swap_ab(cfg) else ""
     d = cfg.get("down")
+    if not d:
+        return s
+    d = down_config(cfg)
     return s + (f" down {d['BLOCK_SIZE_N']}x{d['BLOCK_SIZE_K']} w{d['num_warps']}"
-                f" s{d['num_stages']}" if d else "")
+                f" s{d['num_stages']}" + (" swap" if swap_ab(d) else ""))
 
 
 def pad_share(ids: torch.Tensor, experts: int, block_m: int) -> float:
@@ -93,11 +120,15 @@ def pad_share(ids: torch.Tensor, experts: int, block_m: int) -> float:
 
 
 def bench_moe(tokens: int, peak: float, rows: list[dict], e: int = 128, h: int = 2048,
-              i: int = 768, k: int = 8, bandwidth: float | None = None) -> None:
+              i: int = 768, k: int = 8, bandwidth: float | None = None,
+              space: str = "all") -> None:
     """`bandwidth`: copy bytes/s; the floor is then the larger of the FLOPs at `peak` and the
-    touched experts' bytes at it (a MIXED step's ~1.3k tokens sit near the crossover)."""
+    touched experts' bytes at it (a MIXED step's ~1.3k tokens sit near the crossover).
+    `space`: "all" (PREFILL_SPACE and SWAP_SPACE) or "swap" (SWAP_SPACE only); the heuristic,
+    the shipped tables and today's config are always timed."""
     from moeserve.kernels.triton.fused_moe import fused_moe
-    from moeserve.kernels.triton.moe_config import SHIPPED_DIR, default_config, load_table
+    from moeserve.kernels.triton.moe_config import (SHIPPED_DIR, default_config, get_moe_config,
+                                                    load_table, swap_ab)
     from moeserve.tools.tune_moe import random_inputs
 
     dtype = torch.bfloat16
@@ -108,7 +139,11 @@ def bench_moe(tokens: int, peak: float, rows: list[dict], e: int = 128, h: int =
         table = load_table(str(table_path))
         near = min(table, key=lambda n: (abs(n - tokens), n))
         cands.append((f"table {table_path.stem.split('device=')[-1]}@{near}", table[near]))
-    cands += [("space", _config(r)) for r in PREFILL_SPACE]
+    today = get_moe_config(e, h, i, k, dtype, tokens)  # what this GPU runs now
+    if all(cfg != today for _, cfg in cands):
+        cands.append(("today", today))
+    cands += [("space", _config(r)) for r in (PREFILL_SPACE if space == "all" else [])]
+    cands += [("swap space", _config(r)) for r in SWAP_SPACE]
     ref = None
     touched = int(torch.unique(ids).numel()) * 3 * h * i * x.element_size()
     floor_ms = max(flops / peak, touched / bandwidth if bandwidth else 0.0) * 1e3
@@ -140,8 +175,50 @@ def bench_moe(tokens: int, peak: float, rows: list[dict], e: int = 128, h: int =
               f"{100 * rate * 1e12 / peak:.1f}% | {100 * floor_ms / ms:.1f}% | "
               f"{100 * pad:.1f}% |", flush=True)
         rows.append({"kernel": "fused_moe", "tokens": tokens, "source": source, "config": cfg,
-                     "ms": ms, "tflops": rate, "peak_share": rate * 1e12 / peak,
-                     "floor_ms": floor_ms, "pad": pad})
+                     "swap_ab": swap_ab(cfg), "today": cfg == today, "ms": ms, "tflops": rate,
+                     "peak_share": rate * 1e12 / peak, "floor_ms": floor_ms, "pad": pad})
+    _swap_summary([r for r in rows if r["kernel"] == "fused_moe" and r["tokens"] == tokens])
+
+
+def _swap_summary(rows: list[dict]) -> None:
+    """The best swap-AB row against today's config's row, one line."""
+    base = next((r for r in rows if r["today"]), None)
+    swaps = [r for r in rows if r["swap_ab"]]
+    if base is None or not swaps:
+        print("swap-AB: no row to compare (today's config or every swap-AB tile skipped)")
+        return
+    best = min(swaps, key=lambda r: r["ms"])
+    print(f"swap-AB at {best['tokens']} tokens: best {_label(best['config'])} {best['ms']:.3f} ms"
+          f" ({100 * best['peak_share']:.1f}% peak, pad {100 * best['pad']:.1f}%) against today's "
+          f"{_label(base['config'])} ({base['source']}) {base['ms']:.3f} ms "
+          f"({100 * base['peak_share']:.1f}%, pad {100 * base['pad']:.1f}%): "
+          f"{base['ms'] / best['ms']:.2f}x", flush=True)
+
+
+def write_swap_table(rows: list[dict], folder: str, e: int = 128, h: int = 2048,
+                     i: int = 768, k: int = 8,
+                     dtype: torch.dtype = torch.bfloat16) -> Path | None:
+    """Today's table for this GPU (the shipped one, else the heuristic at powers of two up to
+    8192) with each benched token count's entry set to its best swap-AB row; the path, or None
+    without swap-AB rows."""
+    from moeserve.kernels.triton.moe_config import (SHIPPED_DIR, config_file_name,
+                                                    default_config, load_table)
+
+    best: dict[int, dict] = {}
+    for r in rows:
+        if r["kernel"] == "fused_moe" and r["swap_ab"] and (
+                r["tokens"] not in best or r["ms"] < best[r["tokens"]]["ms"]):
+            best[r["tokens"]] = r
+    if not best:
+        return None
+    name = config_file_name(e, h, i, dtype)
+    table = load_table(str(SHIPPED_DIR / name)) or {
+        n: default_config(e, h, i, k, dtype, n) for n in (2 ** j for j in range(14))}
+    table = {n: dict(cfg) for n, cfg in table.items()} | {t: r["config"] for t, r in best.items()}
+    out = Path(folder) / name
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({str(n): table[n] for n in sorted(table)}, indent=1) + "\n")
+    return out
 
 
 def _moe_torch(x, w13, w2, ids, w) -> torch.Tensor:
@@ -237,6 +314,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--prefix", type=int, default=0, help="cached tokens before the new ones")
     p.add_argument("--only", choices=["moe", "attention"], default=None)
     p.add_argument("--out", default=None, help="JSON of every row")
+    p.add_argument("--moe-space", choices=["all", "swap"], default="all",
+                   help="swap: leave PREFILL_SPACE out (time the swap-AB tiles, the heuristic, "
+                        "the tables and today's config)")
+    p.add_argument("--swap-table", default=None, metavar="DIR",
+                   help="write today's MoE table with the best swap-AB configs into DIR")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("prefill_kernels times compiled Triton kernels: it needs a CUDA GPU")
@@ -247,9 +329,11 @@ def main(argv: list[str] | None = None) -> None:
     rows: list[dict] = []
     for t in args.tokens:
         if args.only != "attention":
-            bench_moe(t, peak, rows, bandwidth=bw)
+            bench_moe(t, peak, rows, bandwidth=bw, space=args.moe_space)
         if args.only != "moe":
             bench_attention(t, args.prefix, peak, rows)
+    if args.swap_table and (path := write_swap_table(rows, args.swap_table)):
+        print(f"wrote {path}")
     if args.out:
         Path(args.out).write_text(json.dumps({"device": torch.cuda.get_device_name(),
                                               "peak": peak, "bandwidth": bw, "rows": rows},

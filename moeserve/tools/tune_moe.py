@@ -12,8 +12,11 @@ config of each: the table `moe_config.get_moe_config` reads.
 The search space is hand-picked rather than a grid, since compiling dominates (two kernels per
 config, ~1-2 s each): BLOCK_SIZE_M 16 configs vary tile width (N 32-128) and pipeline depth (K
 64-256, 3-5 stages) because decode only streams weights; mid sizes (M 32-64) and prefill (M
-64-128, N 64-256, 8 warps) vary the tile shape of a compute-bound GEMM. Configs whose M tile is
-far above the rows per expert (T*K/E) are not timed for that T. `--quick` keeps 12.
+64-128, N 64-256, 8 warps) vary the tile shape of a compute-bound GEMM. SWAP_SPACE holds
+swap-AB tiles (`SWAP_AB` 1: the weight rows are the MMA's 64-row side, so token blocks of 16-64
+pad each expert less; fused_moe.py); the down GEMM also tries a few tiles with the other SWAP_AB
+than the chosen config's. Configs whose M tile is far above the rows per expert (T*K/E) are not
+timed for that T. `--quick` keeps 14.
 """
 
 from __future__ import annotations
@@ -24,8 +27,8 @@ from pathlib import Path
 
 import torch
 
-from moeserve.kernels.triton.moe_config import (DOWN_KEYS, KEYS, SHIPPED_DIR, config_file_name,
-                                                default_config)
+from moeserve.kernels.triton.moe_config import (DOWN_KEYS, KEYS, SHIPPED_DIR, SWAP_KEY,
+                                                config_file_name, default_config, swap_ab)
 
 # (BLOCK_SIZE_M, BLOCK_SIZE_N, BLOCK_SIZE_K, GROUP_SIZE_M, num_warps, num_stages)
 SPACE = [
@@ -43,7 +46,18 @@ SPACE = [
     (32, 128, 128, 8, 4, 3), (64, 128, 128, 8, 4, 3), (64, 256, 64, 8, 8, 4),
     (64, 64, 64, 16, 4, 4), (128, 256, 64, 8, 8, 3),
 ]
-QUICK = [SPACE[j] for j in (1, 2, 4, 6, 8, 14, 15, 18, 21, 22, 28, 30)]
+# swap-AB tiles (..., SWAP_AB=1): token blocks of 16-64 rows (the MMA's N side), weight tiles of
+# 64-256 rows (its M side: 64 a warpgroup), 4 or 8 warps; 64 x 256 x 64 bf16 at 3 stages takes
+# ~216 KB of shared memory (the non-swapped 64x256x64 g8 w8 s3 ran on an H100)
+SWAP_SPACE = [
+    (16, 64, 128, 1, 4, 4, 1), (16, 128, 64, 1, 4, 4, 1), (16, 128, 128, 1, 4, 3, 1),
+    (16, 256, 64, 1, 8, 3, 1), (32, 64, 128, 8, 4, 4, 1), (32, 128, 64, 8, 4, 4, 1),
+    (32, 128, 128, 8, 4, 3, 1), (32, 256, 64, 8, 8, 3, 1), (64, 64, 64, 8, 4, 4, 1),
+    (64, 128, 64, 8, 4, 4, 1), (64, 128, 64, 8, 8, 3, 1), (64, 256, 64, 8, 8, 3, 1),
+]
+SPACE += SWAP_SPACE
+QUICK = [SPACE[j] for j in (1, 2, 4, 6, 8, 14, 15, 18, 21, 22, 28, 30)] + [SWAP_SPACE[j]
+                                                                         for j in (5, 10)]
 # the down GEMM's own tile (BLOCK_SIZE_N, BLOCK_SIZE_K, GROUP_SIZE_M, num_warps, num_stages):
 # N = hidden is wide and K = intermediate short, so wider N tiles and shallower K pipelines
 DOWN_SPACE = [
@@ -51,10 +65,30 @@ DOWN_SPACE = [
     (128, 64, 8, 4, 4), (128, 64, 8, 8, 3), (128, 128, 8, 8, 3), (256, 64, 8, 8, 3),
     (64, 64, 8, 4, 5), (128, 32, 8, 4, 4),
 ]
+# down tiles also tried with the SWAP_AB that the chosen config does not have
+DOWN_FLIP_SPACE = [(128, 64, 8, 4, 4), (256, 64, 8, 8, 3), (128, 128, 8, 8, 3)]
 
 
 def as_config(row: tuple[int, ...]) -> dict:
-    return dict(zip(KEYS, row))
+    """KEYS from the row's first 6 values; a 7th is SWAP_AB."""
+    return dict(zip(KEYS + (SWAP_KEY,), row))
+
+
+def down_candidates(cfg: dict) -> list[dict]:
+    """cfg with each `down` tile: DOWN_SPACE's (cfg's SWAP_AB), DOWN_FLIP_SPACE's (the other)."""
+    flip = 1 - swap_ab(cfg)
+    return ([cfg | {"down": dict(zip(DOWN_KEYS, d))} for d in DOWN_SPACE]
+            + [cfg | {"down": dict(zip(DOWN_KEYS, d), SWAP_AB=flip)} for d in DOWN_FLIP_SPACE])
+
+
+def describe(cfg: dict) -> str:
+    """KEYS (and SWAP_AB where set), then the down entry's."""
+    def one(c: dict, keys) -> str:
+        return " ".join(f"{key}={c[key]}" for key in keys if key in c)
+
+    down = cfg.get("down")
+    return one(cfg, KEYS + (SWAP_KEY,)) + (" down: " + one(down, DOWN_KEYS + (SWAP_KEY,))
+                                           if down else "")
 
 
 def random_inputs(t: int, e: int, h: int, i: int, k: int, dtype: torch.dtype, seed: int = 0):
@@ -128,19 +162,15 @@ def tune(e: int, h: int, i: int, k: int, dtype: torch.dtype, tokens: list[int],
             timed.append((base, dflt))
         us, cfg = min(timed, key=lambda p: p[0])
         if tune_down:
-            downs = [(d_us, c) for d in DOWN_SPACE
-                     if (c := cfg | {"down": dict(zip(DOWN_KEYS, d))})
-                     and (d_us := time_config(fn, c, ref, timer)) is not None]
+            downs = [(d_us, c) for c in down_candidates(cfg)
+                     if (d_us := time_config(fn, c, ref, timer)) is not None]
             if downs and min(downs, key=lambda p: p[0])[0] < us:
                 us, cfg = min(downs, key=lambda p: p[0])
         best[str(t)] = cfg
         if out is not None:
             out.write_text(json.dumps(best, indent=1) + "\n")
         gbps = touched_bytes(ids, e, h, i, dtype) / (us * 1e3)
-        down = cfg.get("down")
-        print(f"{t:>7} {us:>9.1f} {base or float('nan'):>10.1f} {gbps:>6.0f}  "
-              + " ".join(f"{key}={cfg[key]}" for key in KEYS)
-              + (" down: " + " ".join(f"{key}={down[key]}" for key in DOWN_KEYS) if down else ""),
+        print(f"{t:>7} {us:>9.1f} {base or float('nan'):>10.1f} {gbps:>6.0f}  {describe(cfg)}",
               flush=True)
     return best
 

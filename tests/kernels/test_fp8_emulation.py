@@ -12,12 +12,15 @@ torch._scaled_mm and TMA on the GPU; the small and the sorted fused MoE)."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
 from moeserve.kernels.fp8_format import quantize_fp8_blocks
 from moeserve.kernels.triton import fp8 as fp8_kernels
 from moeserve.kernels.triton.fused_moe_small import SMALL_MAX_PAIRS
+from moeserve.kernels.triton.moe_config import config_file_name, get_moe_config
 from moeserve.layers.fp8_emulation import (
     dequantize_weight,
     emulate_fp8_matmul,
@@ -150,6 +153,24 @@ def test_fused_moe_equals_the_emulation_in_float32_interpreter(t):
     _check_moe(_experts("cpu"), t, "cpu", torch.float32, CPU_TOL)
 
 
+def _check_moe_swap_ab(tmp_path, t: int, device: str, dtype: torch.dtype, tol: float) -> None:
+    """Swap-AB tiles from a tuned table (fused_moe.py): activation scales per column, weight
+    block scales per row; 128-wide weight tiles over partial blocks (I 200, H 320)."""
+    tile = dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=128, BLOCK_SIZE_K=64, GROUP_SIZE_M=1, num_warps=4,
+                num_stages=2, SWAP_AB=1)
+    (tmp_path / config_file_name(8, 320, 200, dtype)).write_text(json.dumps({str(t): tile}))
+    mod = _experts(device)
+    mod.config_dir = str(tmp_path)
+    assert get_moe_config(8, 320, 200, 4, dtype, t, mod.config_dir) == tile  # the layer's lookup
+    _check_moe(mod, t, device, dtype, tol)
+
+
+def test_fused_moe_swap_ab_equals_the_emulation_in_float32_interpreter(tmp_path):
+    if torch.cuda.is_available():
+        pytest.skip("the CPU interpreter's check (the GPU one is below)")
+    _check_moe_swap_ab(tmp_path, 20, "cpu", torch.float32, CPU_TOL)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("m", [1, 5, 40, 300])
 def test_linear_kernels_equal_the_emulation_in_bf16_on_gpu(m, monkeypatch):
@@ -172,3 +193,9 @@ def test_linear_kernels_equal_the_emulation_in_bf16_on_gpu(m, monkeypatch):
 @pytest.mark.parametrize("t", [1, 3, 20, 100])
 def test_fused_moe_equals_the_emulation_in_bf16_on_gpu(t):
     _check_moe(_experts("cuda"), t, "cuda", torch.bfloat16, GPU_TOL)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", [20, 300])
+def test_fused_moe_swap_ab_equals_the_emulation_in_bf16_on_gpu(t, tmp_path):
+    _check_moe_swap_ab(tmp_path, t, "cuda", torch.bfloat16, GPU_TOL)

@@ -43,8 +43,35 @@ def test_moe_configs_agree_with_torch(monkeypatch, capsys):
     monkeypatch.setattr(pk, "_time_ms", lambda fn: 1.0)
     monkeypatch.setattr(pk, "PREFILL_SPACE", [(16, 32, 32, 1, 4, 2),
                                               (32, 32, 32, 8, 4, 2, (32, 32, 1, 4, 2))])
+    # swap-AB gated GEMM, the down GEMM's own SWAP_AB 0
+    monkeypatch.setattr(pk, "SWAP_SPACE", [(16, 32, 32, 1, 4, 2, 1, (32, 32, 1, 4, 2, 0))])
     rows: list[dict] = []
     pk.bench_moe(40, 1e12, rows, e=8, h=64, i=32, k=2)
-    assert [r["source"] for r in rows] == ["heuristic", "space", "space"]
-    assert "skipped" not in capsys.readouterr().out
+    assert [r["source"] for r in rows] == ["heuristic", "space", "space", "swap space"]
+    assert [r["swap_ab"] for r in rows] == [0, 0, 0, 1]
+    assert [r["today"] for r in rows] == [True, False, False, False]  # no table on CPU
+    out = capsys.readouterr().out
+    assert "skipped" not in out
+    assert "swap-AB at 40 tokens: best 16x32x32 g1 w4 s2 swap down 32x32 w4 s2 1.000 ms" in out
     assert rows[1]["tflops"] == pytest.approx(6 * 40 * 2 * 64 * 32 / 1e-3 / 1e12)
+    pk.bench_moe(40, 1e12, rows, e=8, h=64, i=32, k=2, space="swap")  # PREFILL_SPACE left out
+    assert [r["source"] for r in rows[4:]] == ["heuristic", "swap space"]
+
+
+def test_swap_table_is_today_with_the_best_swap_rows(tmp_path):
+    """--swap-table: the heuristic's table here (no shipped one for this shape), the benched
+    token counts' entries replaced by their fastest swap-AB rows; it loads as a table."""
+    from moeserve.kernels.triton import moe_config
+
+    def row(t, ms, swap, n):
+        cfg = dict(pk._config((16, n, 32, 1, 4, 2, swap)))
+        return {"kernel": "fused_moe", "tokens": t, "swap_ab": swap, "ms": ms, "config": cfg}
+
+    rows = [row(40, 1.0, 0, 32), row(40, 2.0, 1, 32), row(40, 1.5, 1, 64), row(900, 3.0, 0, 32)]
+    assert pk.write_swap_table(rows[3:], str(tmp_path), 8, 64, 32, 2, torch.float32) is None
+    path = pk.write_swap_table(rows, str(tmp_path), 8, 64, 32, 2, torch.float32)
+    assert path.name == moe_config.config_file_name(8, 64, 32, torch.float32)
+    table = moe_config.load_table(str(path))
+    assert table[40] == rows[2]["config"] and table[40]["SWAP_AB"] == 1
+    assert sorted(table) == sorted([2 ** j for j in range(14)] + [40])
+    assert table[1024] == moe_config.default_config(8, 64, 32, 2, torch.float32, 1024)

@@ -5,7 +5,9 @@
 
 A pair p = t * K + k is token t's k-th choice. `moe_align_block_size` (moe_align.py) lays the
 local pairs out expert by expert, each expert padded to whole blocks of BLOCK_SIZE_M rows, so
-every m-block of the GEMMs reads one expert's weights. Everything is sized from T*K, E_local and BLOCK_SIZE_M and
+every m-block of the GEMMs reads one expert's weights. A config's `SWAP_AB` computes the tiles
+transposed (weights x tokens), so small token blocks pad less while the MMA stays wide
+(docs/gpu_decode.md, "Swap-AB tiles"). Everything is sized from T*K, E_local and BLOCK_SIZE_M and
 never waits on the host, so the whole call can be captured in a CUDA graph.
 
 Up to SMALL_MAX_PAIRS pairs (decode), `fused_moe` runs two GEMV kernels instead:
@@ -23,8 +25,26 @@ from moeserve.kernels.triton import fp8 as fp8_kernels
 from moeserve.kernels.triton.fp8 import fp8_dot
 from moeserve.kernels.triton.fused_moe_small import SMALL_MAX_PAIRS, fused_moe_small
 from moeserve.kernels.triton.moe_align import moe_align_block_size
-from moeserve.kernels.triton.moe_config import down_config, get_moe_config
+from moeserve.kernels.triton.moe_config import down_config, get_moe_config, swap_ab
 from moeserve.kernels.triton.pdl import launch_kwargs, pdl_wait
+
+
+@triton.jit
+def _mma(a, b, acc, a_s, b_s, FP8: tl.constexpr, SWAP_AB: tl.constexpr, EXACT_DOT: tl.constexpr):
+    """acc + the tile product of activations a [BM, BK] and weights b: [BK, BN] into acc [BM, BN],
+    or under SWAP_AB [BN, BK] into acc [BN, BM] (b @ a^T). FP8: scaled by the activation rows'
+    a_s [BM] and the weight rows' b_s [BN] (both ignored otherwise)."""
+    if SWAP_AB:
+        if FP8:
+            acc += fp8_dot(b, tl.trans(a), EXACT_DOT) * b_s[:, None] * a_s[None, :]
+        else:
+            acc = tl.dot(b, tl.trans(a), acc=acc)
+    else:
+        if FP8:
+            acc += fp8_dot(a, b, EXACT_DOT) * a_s[:, None] * b_s[None, :]
+        else:
+            acc = tl.dot(a, b, acc=acc)
+    return acc
 
 
 @triton.jit(do_not_specialize=["num_pairs", "num_pid_m"])
@@ -36,12 +56,15 @@ def _moe_gemm_kernel(a_ptr, b_ptr, c_ptr, weight_ptr, sorted_ptr, expert_ptr, nu
                      SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr,
                      BLOCK_SIZE_M: tl.constexpr, BLOCK_SIZE_N: tl.constexpr,
                      BLOCK_SIZE_K: tl.constexpr, GROUP_SIZE_M: tl.constexpr,
-                     EXACT_DOT: tl.constexpr, USE_PDL: tl.constexpr):
+                     SWAP_AB: tl.constexpr, EXACT_DOT: tl.constexpr, USE_PDL: tl.constexpr):
     """c[pair, n] = a[pair // ROW_DIV] @ b[expert, n]^T for the pairs of one expert block.
     GATED: b holds [gate | up] rows (N each), c = silu(gate) * up. WEIGHTED: c *= weight[pair].
     FP8: a and b are e4m3; a row's scale per SCALE_BK channels is as[row, k // SCALE_BK] and b's
     per SCALE_BN x SCALE_BK block bs[expert, n // SCALE_BN, k // SCALE_BK] (BLOCK_SIZE_K divides
-    SCALE_BK); gate and up are blocked separately, up's scale rows start at `up_scale_rows`."""
+    SCALE_BK); gate and up are blocked separately, up's scale rows start at `up_scale_rows`.
+    SWAP_AB: the tile is computed transposed, [BLOCK_SIZE_N, BLOCK_SIZE_M] = w_tile @ x_tile^T, so
+    the weight rows fill the MMA's M side and a small token block (less padding per expert) its
+    N side; gating, scales, routing weights (per column) and the store follow that layout."""
     pdl_wait(USE_PDL)
     pid = tl.program_id(0)
     num_pid_n = tl.cdiv(N, BLOCK_SIZE_N)
@@ -62,47 +85,64 @@ def _moe_gemm_kernel(a_ptr, b_ptr, c_ptr, weight_ptr, sorted_ptr, expert_ptr, nu
     offs_k = tl.arange(0, BLOCK_SIZE_K)
     a_ptrs = (a_ptr + (pair // ROW_DIV).to(tl.int64)[:, None] * stride_am
               + offs_k[None, :] * stride_ak)  # [BM, BK]
-    b_ptrs = (b_ptr + expert * stride_be + offs_bn[None, :] * stride_bn
-              + offs_k[:, None] * stride_bk)  # [BK, BN]; one expert's offsets fit in int32
+    if SWAP_AB:  # [BN, BK]: K-contiguous rows, the MMA's A operand
+        b_ptrs = (b_ptr + expert * stride_be + offs_bn[:, None] * stride_bn
+                  + offs_k[None, :] * stride_bk)
+        acc = tl.zeros((BLOCK_SIZE_N, BLOCK_SIZE_M), dtype=tl.float32)
+    else:  # [BK, BN]; one expert's offsets fit in int32
+        b_ptrs = (b_ptr + expert * stride_be + offs_bn[None, :] * stride_bn
+                  + offs_k[:, None] * stride_bk)
+        acc = tl.zeros((BLOCK_SIZE_M, BLOCK_SIZE_N), dtype=tl.float32)
+    acc_up = tl.zeros_like(acc)
     up_shift = N * stride_bn
-    acc = tl.zeros((BLOCK_SIZE_M, BLOCK_SIZE_N), dtype=tl.float32)
-    acc_up = tl.zeros((BLOCK_SIZE_M, BLOCK_SIZE_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_SIZE_K):
         if EVEN_K:
             a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
             b = tl.load(b_ptrs)
         else:
             k_ok = offs_k < K - k0
+            if SWAP_AB:
+                kb_ok = k_ok[None, :]
+            else:
+                kb_ok = k_ok[:, None]
             a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            b = tl.load(b_ptrs, mask=k_ok[:, None], other=0.0)
+            b = tl.load(b_ptrs, mask=kb_ok, other=0.0)
         if FP8:
             g = k0 // SCALE_BK
             a_s = tl.load(as_ptr + (pair // ROW_DIV).to(tl.int64) * stride_asm + g, mask=row_ok,
                           other=0.0)  # [BM]
             b_s = tl.load(bs_ptr + expert * stride_bse + (offs_bn // SCALE_BN) * stride_bsn + g)
-            acc += fp8_dot(a, b, EXACT_DOT) * a_s[:, None] * b_s[None, :]
-        else:
-            acc = tl.dot(a, b, acc=acc)
+        else:  # unused
+            a_s = 0.0
+            b_s = 0.0
+        acc = _mma(a, b, acc, a_s, b_s, FP8, SWAP_AB, EXACT_DOT)
         if GATED:
             if EVEN_K:
                 b_up = tl.load(b_ptrs + up_shift)
             else:
-                b_up = tl.load(b_ptrs + up_shift, mask=k_ok[:, None], other=0.0)
+                b_up = tl.load(b_ptrs + up_shift, mask=kb_ok, other=0.0)
             if FP8:
                 b_s_up = tl.load(bs_ptr + expert * stride_bse
                                  + (up_scale_rows + offs_bn // SCALE_BN) * stride_bsn + g)
-                acc_up += fp8_dot(a, b_up, EXACT_DOT) * a_s[:, None] * b_s_up[None, :]
             else:
-                acc_up = tl.dot(a, b_up, acc=acc_up)
+                b_s_up = 0.0
+            acc_up = _mma(a, b_up, acc_up, a_s, b_s_up, FP8, SWAP_AB, EXACT_DOT)
         a_ptrs += BLOCK_SIZE_K * stride_ak
         b_ptrs += BLOCK_SIZE_K * stride_bk
     if GATED:
         acc = acc * tl.sigmoid(acc) * acc_up
-    if WEIGHTED:
-        acc = acc * tl.load(weight_ptr + pair, mask=row_ok, other=0.0)[:, None]
-    c_ptrs = c_ptr + pair.to(tl.int64)[:, None] * stride_cm + offs_n[None, :] * stride_cn
-    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty),
-             mask=row_ok[:, None] & (offs_n < N)[None, :])
+    rows = pair.to(tl.int64)
+    if SWAP_AB:  # columns are pairs
+        if WEIGHTED:
+            acc = acc * tl.load(weight_ptr + pair, mask=row_ok, other=0.0)[None, :]
+        c_ptrs = c_ptr + rows[None, :] * stride_cm + offs_n[:, None] * stride_cn  # [BN, BM]
+        c_mask = row_ok[None, :] & (offs_n < N)[:, None]
+    else:
+        if WEIGHTED:
+            acc = acc * tl.load(weight_ptr + pair, mask=row_ok, other=0.0)[:, None]
+        c_ptrs = c_ptr + rows[:, None] * stride_cm + offs_n[None, :] * stride_cn  # [BM, BN]
+        c_mask = row_ok[:, None] & (offs_n < N)[None, :]
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
 
 
 @triton.jit
@@ -132,6 +172,7 @@ def _grouped_gemm(a, b, c, weights, sorted_ids, expert_ids, num_post, row_div, g
     n = c.shape[1]
     kdim = a.shape[1]
     bm, bn, bk = cfg["BLOCK_SIZE_M"], cfg["BLOCK_SIZE_N"], cfg["BLOCK_SIZE_K"]
+    swap = swap_ab(cfg)
     fp8 = b_scale is not None
     if fp8:
         bk = min(bk, block[1])  # a K tile must stay inside one scale group
@@ -147,7 +188,7 @@ def _grouped_gemm(a, b, c, weights, sorted_ids, expert_ids, num_post, row_div, g
         b_scale.stride(1) if fp8 else 0, triton.cdiv(n, block[0]), ROW_DIV=row_div, GATED=gated,
         WEIGHTED=weights is not None, EVEN_K=kdim % bk == 0, FP8=fp8, SCALE_BN=block[0],
         SCALE_BK=block[1], BLOCK_SIZE_M=bm,
-        BLOCK_SIZE_N=bn, BLOCK_SIZE_K=bk, GROUP_SIZE_M=cfg["GROUP_SIZE_M"],
+        BLOCK_SIZE_N=bn, BLOCK_SIZE_K=bk, GROUP_SIZE_M=cfg["GROUP_SIZE_M"], SWAP_AB=swap,
         EXACT_DOT=fp8 and fp8_kernels.EXACT_DOT, num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"], **launch_kwargs(pdl))
 
@@ -162,7 +203,8 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: to
 
     x [T, H]; w13 [E_local, 2I, H] as [gate | up]; w2 [E_local, H, I]; topk_ids [T, K] global ids;
     topk_weights [T, K]. `config`: launch config (default: `get_moe_config` for this shape; its
-    optional `down` entry retiles the down GEMM).
+    optional `down` entry retiles the down GEMM; `SWAP_AB` 1 computes a GEMM's tiles transposed,
+    _moe_gemm_kernel).
     FP8 experts: w13/w2 float8_e4m3fn with (bn, bk) = `block` scales w13_scale
     [E, 2 * ceil(I/bn), ceil(H/bk)] (gate and up blocked separately, as checkpoints store them) and
     w2_scale [E, ceil(H/bn), ceil(I/bk)]; the sorted path quantizes activations per token and bk
@@ -185,6 +227,8 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: to
                                w13_scale=w13_scale, w2_scale=w2_scale, block=tuple(block),
                                pdl=pdl)
     cfg = config or get_moe_config(e_local, h, inter_size, k, x.dtype, t)
+    for level in (cfg, down_config(cfg)):
+        swap_ab(level)  # a bad flag raises before any launch
     ids = topk_ids.contiguous()
     sorted_ids, expert_ids, num_post = moe_align_block_size(ids, cfg["BLOCK_SIZE_M"],
                                                             first_expert, num_local, pdl)
