@@ -27,8 +27,9 @@ from moeserve.planner.profiles import HardwareProfile
 NORMAL_EP = [16.0, 32.0, 64.0]
 NORMAL_DISPATCH_GBPS = [43.0, 58.0, 51.0]
 NORMAL_COMBINE_GBPS = [43.0, 57.0, 50.0]
-# DeepEP normal mode inside a node: 292 GB/s best combine on 2xH200 (DESIGN.md 11) of NVLink's
-# 450 one way; DeepEP's H800 table, 153 of ~200 GB/s, is about the same share
+# DeepEP normal mode inside a node: 292 GB/s best combine on 2xH200 (docs/planner.md, Reference
+# measurements) of NVLink's 450 one way; DeepEP's H800 table, 153 of ~200 GB/s, is about the
+# same share
 NVL_FRACTION = 292.0 / 450.0
 LL_EP = [8.0, 16.0, 32.0, 64.0, 128.0, 256.0]
 LL_DISPATCH_GBPS = [98.0, 63.0, 48.0, 43.0, 39.0, 39.0]
@@ -36,10 +37,12 @@ LL_COMBINE_GBPS = [127.0, 74.0, 53.0, 46.0, 39.0, 40.0]
 LL_DISPATCH_US = [77.0, 118.0, 155.0, 173.0, 192.0, 194.0]
 LL_TOKENS = 128
 REF_NIC_GBPS = 50.0
-# our p2p backend, 2xH200 bench.ep (DESIGN.md 11): 60.1% of NVLink's one direction at 4096
-# tokens/rank; 0.306 ms dispatch + combine at 128 tokens/rank, nearly all of it fixed cost
+# our p2p backend, 2xH200 bench.ep (docs/planner.md, Reference measurements): 60.1% of NVLink's
+# one direction at 4096 tokens/rank; 0.306 ms dispatch + combine at 128 tokens/rank, nearly all
+# of it fixed cost
 P2P_NVL_FRACTION, P2P_FIXED_US = 0.601, 290.0
-# DeepEP low-latency inside one node, 2xH200 (DESIGN.md 11): 28.6 us dispatch + 39.3 us combine
+# DeepEP low-latency inside one node, 2xH200 (docs/planner.md, Reference measurements): 28.6 us
+# dispatch + 39.3 us combine
 LL_NVL_DISPATCH_US, LL_NVL_COMBINE_US = 28.6, 39.3
 
 
@@ -130,7 +133,8 @@ def low_latency(spec: CommSpec, tokens: float, balance: float, prof: HardwarePro
 def p2p(spec: CommSpec, tokens: float, balance: float, prof: HardwareProfile
         ) -> tuple[Cost, Cost]:
     """Our p2p backend inside one node: the larger of its fixed cost and the bytes at the
-    NVLink share bench.ep measured (2xH200, DESIGN.md 11), half each way."""
+    NVLink share bench.ep measured (2xH200; docs/planner.md, Reference measurements), half
+    each way."""
     if spec.ep <= 1 or tokens <= 0:
         return Cost(0.0, "measured"), Cost(0.0, "measured")
     bw = P2P_NVL_FRACTION * prof.nvlink_gbps.value * 1e9
