@@ -1,4 +1,4 @@
-"""What a PD role needs from its scheduler (RoleHost), its counters, and the role factory.
+"""What a PD role needs from its scheduler (RoleHost) and its counters (factory.py picks the role).
 
 The scheduler calls these hooks: `on_request` (a request with a bootstrap room arrives; True: the
 role owns it from now on), `on_reject` (a request refused before it ran: the peer is told),
@@ -15,7 +15,6 @@ from typing import Any, Protocol
 
 import torch
 
-from moeserve.config import MoeserveConfig
 from moeserve.core import Req
 from moeserve.ipc.messages import Bootstrap
 
@@ -59,24 +58,6 @@ class TransferCounters:
     def as_dict(self, role: str) -> dict[str, Any]:
         return {"role": role, "transfers": self.transfers, "bytes": self.bytes,
                 "failures": self.failures, "seconds": self.seconds}
-
-
-def make_role(cfg: MoeserveConfig, host: RoleHost, device_kind: str):
-    """The configured role (None for a colocated server). Starts the transfer engine: a missing
-    library raises TransferBackendMissing naming it, before the server reports ready."""
-    mode = cfg.disaggregation.mode
-    if mode is None:
-        return None
-    from moeserve.disaggregation.transfer import make_transfer
-
-    transfer = make_transfer(cfg.disaggregation, device_kind)
-    if mode == "prefill":
-        from moeserve.disaggregation.prefill import PrefillRole
-
-        return PrefillRole(cfg.disaggregation, host, transfer)
-    from moeserve.disaggregation.decode import DecodeRole
-
-    return DecodeRole(cfg.disaggregation, host, transfer, cfg.cache.max_running_requests)
 
 
 def wants_pd(req: Req, bootstrap: Bootstrap | None) -> bool:

@@ -1,4 +1,4 @@
-"""KVTransfer: the one interface the roles move KV bytes through, and the backend registry.
+"""KVTransfer: the one interface the roles move KV bytes through (factory.py picks the backend).
 
 A backend registers this process's KV buffers once, names itself to peers with `address` (what a
 peer passes back as `peer` to write into us), and writes lists of local byte ranges into a peer's
@@ -9,8 +9,6 @@ role sends afterwards (messages.py), never from the engine.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-
-from moeserve.config import DisaggregationConfig
 
 
 class TransferError(RuntimeError):
@@ -40,16 +38,3 @@ class KVTransfer(ABC):
 
     def close(self) -> None:
         pass
-
-
-def make_transfer(cfg: DisaggregationConfig, device_kind: str) -> KVTransfer:
-    """The configured backend; TransferBackendMissing when its library is absent."""
-    if cfg.transfer_backend == "mooncake":
-        from moeserve.disaggregation.mooncake import MooncakeTransfer
-
-        return MooncakeTransfer(cfg, device_kind)
-    if cfg.transfer_backend == "nixl":
-        from moeserve.disaggregation.nixl import NixlTransfer
-
-        return NixlTransfer(cfg, device_kind)
-    raise ValueError(f"unknown transfer backend {cfg.transfer_backend!r}")

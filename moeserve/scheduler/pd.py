@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from moeserve.core import FinishReason, Req
-from moeserve.disaggregation.role import make_role
+from moeserve.disaggregation.factory import make_role
 from moeserve.scheduler.outputs import append_token, token_output
 
 if TYPE_CHECKING:

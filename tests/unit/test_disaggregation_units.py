@@ -143,7 +143,8 @@ def test_nixl_backend_missing_names_the_package():
     if importlib.util.find_spec("nixl") is not None:
         pytest.skip("NIXL is installed here: tests/unit/test_nixl_transfer.py runs instead")
     from moeserve.config import DisaggregationConfig
-    from moeserve.disaggregation.transfer import TransferBackendMissing, make_transfer
+    from moeserve.disaggregation.factory import make_transfer
+    from moeserve.disaggregation.transfer import TransferBackendMissing
 
     with pytest.raises(TransferBackendMissing, match="pip install nixl"):
         make_transfer(DisaggregationConfig(transfer_backend="nixl"), "cpu")

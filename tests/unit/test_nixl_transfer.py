@@ -13,8 +13,8 @@ pytest.importorskip("nixl._api", reason="NIXL is not installed (optional: `pip i
 
 def test_nixl_moves_kv_slots_between_agents():
     from moeserve.config import DisaggregationConfig
+    from moeserve.disaggregation.factory import make_transfer
     from moeserve.disaggregation.regions import KVRegions
-    from moeserve.disaggregation.transfer import make_transfer
 
     cfg = DisaggregationConfig(transfer_backend="nixl")
     a, b = make_transfer(cfg, "cpu"), make_transfer(cfg, "cpu")
