@@ -36,7 +36,7 @@ import torch
 
 from moeserve.config import compose
 from moeserve.core import ForwardMode
-from moeserve.layers.fp8_emulation import set_fp8_backend
+from moeserve.layers.fp8_moe import set_fp8_backend
 from moeserve.runtime.model_runner import ModelRunner
 
 TINY = {  # name -> (arch, make_tiny keywords)

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from moeserve.kernels.fp8_format import FP8, FP8_MAX, Block
+from moeserve.layers.fp8_paths import uses_w8a16_gemv
 
 F64 = torch.float64
 
@@ -50,9 +51,7 @@ def dequantize_weight(w: torch.Tensor, w_scale: torch.Tensor, block: Block) -> t
 def linear_quantizes(m: int, n: int, k: int, dtype: torch.dtype) -> bool:
     """Whether `fp8_linear` quantizes the activations of an [m, k] x [n, k]^T call: every path
     but the W8A16 GEMV does (layers/fp8_linear.py `fp8_gemm_path`)."""
-    from moeserve.layers.fp8_linear import GEMV_MAX_ELEMS, W8A16_DTYPES, W8A16_MAX_M
-
-    return not (m <= W8A16_MAX_M and dtype in W8A16_DTYPES and n * k < GEMV_MAX_ELEMS)
+    return not uses_w8a16_gemv(m, n, k, dtype)
 
 
 def emulate_fp8_matmul(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, block: Block,
@@ -111,15 +110,3 @@ def emulate_fp8_moe(module, x: torch.Tensor, topk_ids: torch.Tensor,
             down = down.to(x.dtype).to(F64)  # each pair's row of y, in x.dtype
         out.index_add_(0, tok, down)
     return out.to(x.dtype)
-
-
-def set_fp8_backend(model: torch.nn.Module, backend: str) -> int:
-    """Every FP8 linear and FP8 expert module of `model` onto `backend` (triton | torch |
-    emulate); returns how many modules."""
-    from moeserve.layers.fp8_linear import Fp8Linear
-    from moeserve.layers.fp8_moe import Fp8MoEExperts
-
-    mods = [m for m in model.modules() if isinstance(m, (Fp8Linear, Fp8MoEExperts))]
-    for m in mods:
-        m.backend = backend
-    return len(mods)

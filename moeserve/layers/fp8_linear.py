@@ -42,18 +42,29 @@ import torch.nn.functional as F
 from torch import nn
 
 from moeserve.kernels.deepgemm_linear import deep_gemm_linear, deep_gemm_supports
-from moeserve.kernels.fp8_format import (FP8, FP8_BLOCK, Block, as_block, check_block,
-                                         dequantize_fp8_blocks, quantize_fp8_blocks, scale_shape)
+from moeserve.kernels.fp8_format import (
+    FP8,
+    FP8_BLOCK,
+    Block,
+    as_block,
+    check_block,
+    dequantize_fp8_blocks,
+    quantize_fp8_blocks,
+    scale_shape,
+)
+from moeserve.layers.fp8_paths import (  # noqa: F401
+    FUSED_MAX_M,
+    GEMV_MAX_ELEMS,
+    SCALED_MM_MIN_M,
+    W8A16_DTYPES,
+    W8A16_MAX_M,
+    uses_w8a16_gemv,
+)
 
 logger = logging.getLogger(__name__)
 
 # deep_gemm: triton with DeepGEMM at large M; emulate: the triton path in float64
 FP8_BACKENDS = ("triton", "deep_gemm", "torch", "emulate")
-W8A16_MAX_M = 1  # M <= this: the W8A16 GEMV (as `Linear` takes the bf16 GEMV: LINEAR_MAX_M)
-W8A16_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # kernels/triton/gemv.py GEMV_DTYPES
-FUSED_MAX_M = 16  # M <= this: activation quantization fused into the GEMM (one launch)
-GEMV_MAX_ELEMS = 64 << 20  # weights of at least this many elements take the fused path at M=1
-SCALED_MM_MIN_M = 17  # M >= this: torch._scaled_mm where the probe accepted it
 
 
 @dataclass(frozen=True)
@@ -149,7 +160,7 @@ def fp8_gemm_path(m: int, n: int, k: int, block: Block, dtype: torch.dtype,
                   device: torch.device) -> str:
     """"gemv" | "fused" | "scaled_mm" | "triton" for [M, K] x [N, K]^T: static shapes and the
     cached probe only (the probe runs at the first eligible call)."""
-    if m <= W8A16_MAX_M and dtype in W8A16_DTYPES and n * k < GEMV_MAX_ELEMS:
+    if uses_w8a16_gemv(m, n, k, dtype):
         return "gemv"
     if m <= FUSED_MAX_M:
         return "fused"

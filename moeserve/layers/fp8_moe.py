@@ -18,7 +18,7 @@ from torch import nn
 
 from moeserve.kernels.fp8_format import FP8_BLOCK, Block, check_block, dequantize_fp8_blocks
 from moeserve.layers.activation import silu_and_mul
-from moeserve.layers.fp8_linear import fp8_parameter, scale_parameter
+from moeserve.layers.fp8_linear import Fp8Linear, fp8_parameter, scale_parameter
 from moeserve.layers.moe import DOWN, GATE, UP, MoEExperts
 
 
@@ -137,3 +137,12 @@ class Fp8MoEExperts(MoEExperts):
             h = silu_and_mul(x[tok] @ w13.t()) @ w2.t()  # [n, H]
             out.index_add_(0, tok, h.float() * topk_weights[tok, j, None].float())
         return out.to(x.dtype)
+
+
+def set_fp8_backend(model: torch.nn.Module, backend: str) -> int:
+    """Every FP8 linear and FP8 expert module of `model` onto `backend` (triton | torch |
+    emulate); returns how many modules."""
+    mods = [m for m in model.modules() if isinstance(m, (Fp8Linear, Fp8MoEExperts))]
+    for m in mods:
+        m.backend = backend
+    return len(mods)

@@ -20,7 +20,7 @@ import torch
 from moeserve.bench.fp8_accuracy import compare, make_runner, model_path, run_variant
 from moeserve.config import compose
 from moeserve.kernels.triton import fp8 as fp8_kernels
-from moeserve.layers.fp8_emulation import set_fp8_backend
+from moeserve.layers.fp8_moe import set_fp8_backend
 from moeserve.runtime.model_runner import ModelRunner
 
 pytestmark = pytest.mark.gpu
