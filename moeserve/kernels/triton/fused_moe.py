@@ -227,8 +227,6 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: to
                                w13_scale=w13_scale, w2_scale=w2_scale, block=tuple(block),
                                pdl=pdl)
     cfg = config or get_moe_config(e_local, h, inter_size, k, x.dtype, t)
-    for level in (cfg, down_config(cfg)):
-        swap_ab(level)  # a bad flag raises before any launch
     ids = topk_ids.contiguous()
     sorted_ids, expert_ids, num_post = moe_align_block_size(ids, cfg["BLOCK_SIZE_M"],
                                                             first_expert, num_local, pdl)
