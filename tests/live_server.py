@@ -8,11 +8,11 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
-import pytest
-
 import httpx
+import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 START_TIMEOUT_S = 240
@@ -160,3 +160,20 @@ def engine_chat_texts(eng, questions: list[str], lens: list[int]) -> list[str]:
 def assert_chats_equal(answers: list, lens: list[int], texts: list[str]) -> None:
     assert [a.usage.completion_tokens for a in answers] == lens
     assert [a.choices[0].message.content for a in answers] == texts
+
+
+def post_in_background(url: str, timeout: float) -> tuple[threading.Thread, list]:
+    """POST `url` (no body) on a started daemon thread. The list receives its response or its
+    httpx.HTTPError: for tests that kill a process while the request is in flight."""
+    reply: list = []
+
+    def post() -> None:
+        try:
+            reply.append(httpx.post(url, timeout=timeout))
+        except httpx.HTTPError as e:
+            reply.append(e)
+
+    thread = threading.Thread(target=post, daemon=True)
+    thread.start()
+    return thread, reply
+

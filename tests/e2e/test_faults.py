@@ -22,10 +22,10 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-import pytest
-from live_server import LiveServer, role_processes, still_running
-
 import httpx
+import pytest
+from live_server import LiveServer, post_in_background, role_processes, still_running
+
 from moeserve.tools.fuzz_api import check_baseline
 
 openai = pytest.importorskip("openai")
@@ -358,16 +358,7 @@ def test_kill_one_rank_of_two_mid_rebalance(tiny_model):
         assert out.usage.completion_tokens == 4  # some expert load recorded
         pids = role_pids(server)  # asks no rank: those will be busy in the rebalance
         tree = psutil.Process(server.proc.pid).children(recursive=True)
-        reply: list = []
-
-        def rebalance() -> None:
-            try:
-                reply.append(httpx.post(server.url + "/rebalance_experts", timeout=60))
-            except httpx.HTTPError as e:
-                reply.append(e)
-
-        caller = threading.Thread(target=rebalance, daemon=True)
-        caller.start()
+        caller, reply = post_in_background(server.url + "/rebalance_experts", 60)
         deadline = time.monotonic() + 30
         while not (paused := PAUSED.search(server.log_tail(100_000))):
             assert time.monotonic() < deadline and server.proc.poll() is None, server.log_tail()

@@ -23,12 +23,11 @@ import os
 import random
 import re
 import signal
-import threading
 import time
 
 import httpx
 import pytest
-from live_server import LiveServer
+from live_server import LiveServer, post_in_background
 from parity import FP32_CPU
 
 from moeserve import Engine
@@ -297,18 +296,9 @@ class TestQwen3:
 
     def test_kill_during_rebalance(self, qwen, qwen_refs):
         server = qwen[1]
-        reply: list = []
-
-        def rebalance() -> None:
-            try:
-                reply.append(httpx.post(server.url + "/rebalance_experts", timeout=120))
-            except httpx.HTTPError as e:
-                reply.append(e)
-
         seen = len(PAUSED_REBALANCE.findall(server.log_tail(400_000)))
         pids = {r: rank_pid(server, r) for r in range(4)}
-        caller = threading.Thread(target=rebalance, daemon=True)
-        caller.start()
+        caller, reply = post_in_background(server.url + "/rebalance_experts", 120)
         wait_for(lambda: len(PAUSED_REBALANCE.findall(server.log_tail(400_000))) > seen, 60,
                  "rebalance pause", server)
         paused = int(PAUSED_REBALANCE.findall(server.log_tail(400_000))[-1])
