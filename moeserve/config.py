@@ -15,7 +15,7 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 
 from moeserve.config_schema import (  # noqa: F401 (re-exported: callers import them from here)
-    DTYPES, MLA_FORMS, EXTEND_BLOCK_MS, FP8_GEMMS, LOAD_FORMATS, QUANTIZATIONS,
+    DTYPES, MLA_FORMS, EXTEND_BLOCK_MS, SDPA_BACKENDS, FP8_GEMMS, LOAD_FORMATS, QUANTIZATIONS,
     ATTENTION_BACKENDS, MOE_BACKENDS, DEVICES, SCHEDULE_POLICIES, A2A_BACKENDS, DEEPEP_MODES,
     DP_POLICIES, RECORD_MODES, TOOL_PARSERS, REASONING_PARSERS, START_METHODS, SPEC_ALGORITHMS,
     ConfigError, ModelConfig, CacheConfig, SchedulerConfig, ServerConfig, ParallelConfig,
@@ -101,6 +101,9 @@ def validate(cfg: MoeserveConfig) -> MoeserveConfig:
     _check_positive("attention.mla_mha_min_tokens", cfg.attention.mla_mha_min_tokens, False)
     _check_positive("attention.mla_mha_chunk_tokens", cfg.attention.mla_mha_chunk_tokens, False)
     _check_choice("attention.extend_block_m", cfg.attention.extend_block_m, EXTEND_BLOCK_MS)
+    _check_positive("attention.sdpa_prefill_min_tokens", cfg.attention.sdpa_prefill_min_tokens)
+    _check_choice("attention.sdpa_prefill_backend", cfg.attention.sdpa_prefill_backend,
+                  SDPA_BACKENDS)
     _check_choice("device", cfg.device, DEVICES)
     _check_choice("moe.backend", cfg.moe.backend, MOE_BACKENDS)
     _check_positive("cuda_graph.max_bs", cfg.cuda_graph.max_bs, False)

@@ -13,6 +13,7 @@ QUANTIZATIONS = ("auto", "none", "fp8")
 FP8_GEMMS = ("triton", "deep_gemm")
 ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")
 MLA_FORMS = ("auto", "absorbed", "mha")
+SDPA_BACKENDS = ("auto", "flash", "cudnn", "efficient")  # attention.sdpa_prefill_backend
 EXTEND_BLOCK_MS = (None, 64, 128)  # attention.extend_block_m
 MOE_BACKENDS = ("auto", "torch", "triton")
 DEVICES = ("auto", "cpu", "cuda")
@@ -212,6 +213,12 @@ class AttentionConfig:
     # channels: 64 | 128 (fewer K/V re-reads per FLOP, two warpgroups); None: the kernel's
     # default (64). MLA's absorbed latent keeps 32 (kernels/triton/attention_extend.py)
     extend_block_m: int | None = None
+    # EXTEND steps of at least this many new tokens whose every request starts fresh (no cached
+    # prefix) attend with torch's scaled_dot_product_attention, one call per request, run eager
+    # (attention/sdpa_prefill.py); None: never. Triton backend, non-MLA models only
+    sdpa_prefill_min_tokens: int | None = None
+    # the SDPA kernel those steps use: auto (torch's pick) | flash | cudnn | efficient
+    sdpa_prefill_backend: str = "auto"
 
 
 @dataclass(frozen=True)

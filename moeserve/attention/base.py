@@ -43,6 +43,7 @@ class AttentionBackend(ABC):
     """
 
     graph_safe: bool = False
+    reads_sdpa_prefill: bool = False  # attends fb.sdpa_prefill steps with SDPA (sdpa_prefill.py)
 
     @abstractmethod
     def init_forward_metadata(self, fb: ForwardBatch) -> None:

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from moeserve.attention.base import AttentionBackend, AttentionSpec
+from moeserve.attention.sdpa_prefill import sdpa_prefill
 from moeserve.forward_batch import ForwardBatch
 from moeserve.host_copy import to_device
 from moeserve.kernels.triton.attention import KVStoreTarget, decode_attention, store_kv
@@ -49,6 +50,7 @@ class TritonAttentionBackend(AttentionBackend):
 
     graph_safe = True
     extend_graph_safe = True  # extend reads only ExtendMetadata tensors (static in a graph)
+    reads_sdpa_prefill = True
 
     def __init__(self, num_kv_splits: int | None = None, pdl: bool = False,
                  extend_block_m: int | None = None):
@@ -136,6 +138,9 @@ class TritonAttentionBackend(AttentionBackend):
                              spec.scaling, dk, spec.v_head_dim, out, part_out, part_lse,
                              pdl=self.pdl)
             return out
+        if fb.sdpa_prefill and v is not None:  # a fresh prefill: its own keys, contiguous
+            return sdpa_prefill(q, k, v, fb.extend_seq_lens_cpu, spec.scaling, out,
+                                fb.sdpa_prefill)
         meta: ExtendMetadata = fb.attn_metadata
         extend_attention(q, k_buf, v_buf, table, fb.req_pool_indices, meta.qo_start,
                          meta.prefix_lens, meta.blk_req, meta.blk_m, spec.scaling, dk,

@@ -36,6 +36,7 @@ import json
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 # (BLOCK_SIZE_M, BLOCK_SIZE_N, BLOCK_SIZE_K, GROUP_SIZE_M, num_warps, num_stages[, down
 # (BLOCK_SIZE_N, BLOCK_SIZE_K, GROUP_SIZE_M, num_warps, num_stages)]): 64- and 128-row blocks with
@@ -289,6 +290,59 @@ def bench_attention(tokens: int, prefix: int, peak: float, rows: list[dict], hea
         rows.append({"kernel": "extend_attention", "tokens": tokens, "prefix": prefix,
                      "block_m": bm, "block_n": bn, "warps": warps, "stages": stages,
                      "split_causal": split, "ms": ms,
+                     "tflops": rate, "peak_share": rate * 1e12 / peak})
+    if prefix == 0 and ref is not None:
+        bench_sdpa(q, k_buf[1:], v_buf[1:], ref, flops, peak, rows)
+
+
+def sdpa_variants() -> list[tuple[str, object, bool]]:
+    """(label, torch SDPA backend or None for torch's own pick, GQA by enable_gqa rather than
+    repeated K/V) for the vendor rows of the attention table."""
+    from torch.nn.attention import SDPBackend
+
+    return [(f"{name} {'gqa' if gqa else 'repeated kv'}", backend, gqa)
+            for name, backend in (("default", None), ("flash", SDPBackend.FLASH_ATTENTION),
+                                  ("cudnn", SDPBackend.CUDNN_ATTENTION),
+                                  ("efficient", SDPBackend.EFFICIENT_ATTENTION))
+            for gqa in (True, False)]
+
+
+def bench_sdpa(q, k, v, ref, flops: float, peak: float, rows: list[dict]) -> None:
+    """torch's scaled_dot_product_attention on the same fresh prompt (no prefix), by backend,
+    the layout changes included: q [T, H, D] in, out [T, H, D] written, as a runtime path would
+    (the vendor kernels other stacks run for a fresh prefill: FlashAttention, cuDNN)."""
+    from torch.nn.attention import sdpa_kernel
+
+    t, h, d = q.shape
+    group = h // k.shape[1]
+    out = torch.empty_like(q)
+    for label, backend, gqa in sdpa_variants():
+        def call(backend=backend, gqa=gqa):
+            kk, vv = (k, v) if gqa else (k.repeat_interleave(group, 1),
+                                         v.repeat_interleave(group, 1))
+            args = (q.transpose(0, 1)[None], kk.transpose(0, 1)[None], vv.transpose(0, 1)[None])
+            if backend is None:
+                o = F.scaled_dot_product_attention(*args, is_causal=True, enable_gqa=gqa)
+            else:
+                with sdpa_kernel(backend):
+                    o = F.scaled_dot_product_attention(*args, is_causal=True, enable_gqa=gqa)
+            out.copy_(o[0].transpose(0, 1))
+            return out
+        try:
+            call()
+            _sync()
+            err = _rel(out, ref)
+            if err > 2e-2:
+                raise ValueError(f"differs {err:.1e}")
+            ms = _time_ms(call)
+        except Exception as e:  # noqa: BLE001
+            print(f"| torch SDPA {label} | | | | skipped: {type(e).__name__} "
+                  f"{str(e).splitlines()[0][:60] if str(e) else ''} | | |")
+            continue
+        rate = flops / ms / 1e9
+        print(f"| torch SDPA {label} | | | | {ms:.3f} | {rate:.0f} | "
+              f"{100 * rate * 1e12 / peak:.1f}% |", flush=True)
+        rows.append({"kernel": "sdpa", "tokens": t, "prefix": 0, "variant": label, "ms": ms,
                      "tflops": rate, "peak_share": rate * 1e12 / peak})
 
 

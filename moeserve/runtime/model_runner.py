@@ -29,6 +29,7 @@ from moeserve.runtime.model_config import (context_length, load_hf_config, resol
                                            resolve_dtype)
 from moeserve.runtime.step_memory import step_activation_bytes
 from moeserve.attention.mla_mha import MlaFormPolicy, MlaShape
+from moeserve.attention.sdpa_prefill import SdpaPrefillPolicy
 from moeserve.runtime.moe_setup import build_moe_parallel, num_logical_experts
 from moeserve.runtime.sampler import greedy
 from moeserve.tbo.operations import Timeline
@@ -73,6 +74,7 @@ class ModelRunner:
             self.moe_parallel.recorder.kernel_pdl = self.pdl  # one counting launch a layer
         self.gpu_ops = self._gpu_ops()
         self.attn_backend = self._attention_backend()
+        self.sdpa_policy = sdpa_prefill_policy(cfg, self.attn_backend, layout["kind"] == "mla")
         self.greedy_head = self._greedy_head()
         self.extend_graphs = None  # runtime/extend_graph.py: prefill/MIXED steps by token bucket
         self.graph_runner = self._cuda_graphs()
@@ -312,9 +314,12 @@ class ModelRunner:
             if self.mla_policy is not None and fb.forward_mode in MHA_FORM_MODES and \
                     self.mla_policy.use_mha(fb.extend_seq_lens_cpu, fb.extend_prefix_lens_cpu):
                 fb.mla_mha_chunk = self.mla_policy.chunk_tokens  # MHA steps run eager
+            if self.sdpa_policy is not None and self.sdpa_policy.applies(
+                    fb.forward_mode, fb.num_tokens, fb.extend_prefix_lens_cpu):
+                fb.sdpa_prefill = self.sdpa_policy.backend  # SDPA steps run eager too
             graphs = self.extend_graphs
-            bucket = graphs.bucket_of_step(fb) if graphs is not None and not fb.mla_mha_chunk \
-                else None
+            bucket = graphs.bucket_of_step(fb) if graphs is not None and not (
+                fb.mla_mha_chunk or fb.sdpa_prefill) else None
             if bucket is not None:
                 hidden = graphs.run(fb, bucket)  # [T, H], a view of the graph's output
                 if fb.return_all_logits:
@@ -341,6 +346,14 @@ def mla_form_policy(cfg: MoeserveConfig, hf_config) -> MlaFormPolicy:
     return MlaFormPolicy(a.mla_form, a.mla_mha_min_tokens, a.mla_mha_chunk_tokens,
                          MlaShape(c.num_attention_heads, c.qk_nope_head_dim, c.qk_rope_head_dim,
                                   c.v_head_dim, c.kv_lora_rank))
+
+
+def sdpa_prefill_policy(cfg: MoeserveConfig, backend, mla: bool) -> SdpaPrefillPolicy | None:
+    """Fresh prefill through SDPA where configured, for the Triton backend's GQA/MHA models."""
+    a = cfg.attention
+    if a.sdpa_prefill_min_tokens is None or mla or not backend.reads_sdpa_prefill:
+        return None
+    return SdpaPrefillPolicy(a.sdpa_prefill_min_tokens, a.sdpa_prefill_backend)
 
 
 @contextlib.contextmanager

@@ -30,3 +30,28 @@ def test_triton_paths_match_transformers(tiny_model, arch):
         assert rel_err(ours, hf_logits(ref, p)) < 1e-4
     last, full = decode_vs_recompute(runner, prompts[0], steps=4)
     assert rel_err(last, full) < 1e-4
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+def test_fresh_prefill_through_sdpa_matches_transformers(tiny_model, arch):
+    """attention.sdpa_prefill_min_tokens: a fresh EXTEND step of two prompts attends with torch
+    SDPA (GQA as such, one call per request) and still gives transformers' logits; a step
+    under the threshold, and decode over the cached prompt, keep the Triton kernels."""
+    path = tiny_model(arch)
+    runner = make_runner(path, TRITON + ["attention.sdpa_prefill_min_tokens=20"])
+    ref = hf_model(path)
+    seen = []
+    forward = runner.attn_backend.forward
+
+    def spy(q, k, v, spec, fb, kv_stored=False):
+        seen.append(fb.sdpa_prefill)
+        return forward(q, k, v, spec, fb, kv_stored)
+    runner.attn_backend.forward = spy
+    prompts = prompts_of_lengths([7, 19], runner.hf_config.vocab_size, seed=3)
+    for ours, p in zip(prefill_logits(runner, prompts), prompts):
+        assert rel_err(ours, hf_logits(ref, p)) < 1e-4
+    assert seen and set(seen) == {"auto"}  # 26 fresh tokens: every layer through SDPA
+    seen.clear()
+    last, full = decode_vs_recompute(runner, prompts[1], steps=3)
+    assert rel_err(last, full) < 1e-4  # the SDPA prefill stored the KV that decode reads
+    assert "" in seen and "auto" in seen  # 19-token prefill and decodes: Triton; recompute: SDPA

@@ -63,6 +63,8 @@ def test_unknown_keys_and_wrong_types_fail_in_hydra(override):
     ("attention.backend=cpu device=cuda", "attention.backend"),
     ("attention.backend=cpu model.cpu_kernels=false", "attention.backend"),
     ("attention.extend_block_m=96", "attention.extend_block_m"),
+    ("attention.sdpa_prefill_min_tokens=0", "attention.sdpa_prefill_min_tokens"),
+    ("attention.sdpa_prefill_backend=fast", "attention.sdpa_prefill_backend"),
 ])
 def test_invalid_values_name_the_key(override, key):
     with pytest.raises(ConfigError) as err:
