@@ -61,8 +61,9 @@ SWAP_SPACE = [
     (64, 128, 64, 8, 4, 4, 1), (64, 128, 64, 8, 8, 3, 1), (64, 256, 64, 8, 8, 3, 1),
     (32, 128, 64, 8, 4, 4, 1, (128, 64, 8, 8, 3, 0)), (64, 256, 64, 8, 8, 3, 1, (256, 64, 8, 8, 3)),
 ]
-# (BLOCK_M, BLOCK_N, num_warps, num_stages, split_causal): first the path before 2026-12-06
-# (every key block masked), then today's default, then the 128-row tiles
+# (BLOCK_M, BLOCK_N, num_warps, num_stages, split_causal): first today's default (every key
+# block masked; the diagonal-only mask ran slower at this tile), then the split-mask variants
+# and the 128-row tiles; torch SDPA's rows follow (`bench_sdpa`)
 ATTENTION_TILES = [(64, 64, 4, 2, False), (64, 64, 4, 2, True), (64, 128, 4, 2, True),
                    (64, 64, 8, 2, True), (128, 64, 8, 2, False), (128, 64, 8, 2, True),
                    (128, 64, 8, 3, True), (128, 128, 8, 2, True), (128, 32, 8, 3, True)]
