@@ -46,6 +46,24 @@ def test_bf16_prefill_logits_as_accurate_as_transformers_bf16(tiny_model, arch):
         assert ours_err < 2 * hf_err + 2e-3
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])
+def test_sdpa_fresh_prefill_as_accurate_as_transformers_bf16(tiny_model, arch):
+    """attention.sdpa_prefill_min_tokens=16: the fresh prefill of three prompts attends with
+    torch's SDPA (cuDNN where it takes the shape) in an eager step; its logits are held to the
+    same bound as the Triton path's."""
+    path = tiny_model(arch)
+    runner = ModelRunner(compose(BF16_CUDA + ["attention.sdpa_prefill_min_tokens=16"]), path)
+    assert runner.sdpa_policy is not None
+    ref32, ref16 = _hf(path, torch.float32), _hf(path, torch.bfloat16)
+    prompts = prompts_of_lengths([5, 33, 17], runner.hf_config.vocab_size)
+    for ours, p in zip(prefill_logits(runner, prompts), prompts):
+        exact = _hf_logits(ref32, p)
+        ours_err, hf_err = rel_err(ours, exact), rel_err(_hf_logits(ref16, p), exact)
+        print(f"\n[sdpa parity] {arch} len {len(p)}: ours vs fp32 {ours_err:.2e}, "
+              f"transformers bf16 vs fp32 {hf_err:.2e}")
+        assert ours_err < 2 * hf_err + 2e-3
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen3_moe", "deepseek_v3"])
 def test_bf16_greedy_agrees_where_the_choice_is_clear(tiny_model, arch):
     """Random tiny models have near-tied logits; where transformers' fp32 model prefers its top
