@@ -217,8 +217,8 @@ class AttentionConfig:
     # prefix) attend with torch's scaled_dot_product_attention, one call per request, run eager
     # (attention/sdpa_prefill.py); None: never. Triton backend, non-MLA models only. 4096: a
     # Qwen3-30B-A3B 4096-token prefill step +7.6% on an H100 (eager and cuDNN against the graph
-    # and Triton), a step of the default 2048-token chunk stays in its graph
-    sdpa_prefill_min_tokens: int | None = 4096
+    # and Triton). Opt-in until its GPU parity test (tests/gpu/test_gpu_parity.py) has run
+    sdpa_prefill_min_tokens: int | None = None
     # the SDPA kernel those steps use: auto (cuDNN, then FlashAttention, then the rest) | flash |
     # cudnn | efficient
     sdpa_prefill_backend: str = "auto"
