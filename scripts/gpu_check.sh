@@ -38,6 +38,7 @@
 #   swap-AB tiles of the kernel half (its --swap-table) / attention.extend_block_m=128
 #   (PA_OB_ALIAS=1 adds another GPU's MoE tables; knobs in the mode; PA_KERNELS=0 or PA_OB=0
 #   runs one half, if both do not fit one 10-minute call).
+#   sdpa: the SDPA fresh prefill's GPU parity tests and one_batch prefill with it on and off.
 #   fp8acc: issue 44's FP8 accuracy tests (kernels vs their float64 emulation, per layer and
 #   whole model) and the bench.fp8_accuracy KL / top-1 table; on an H200 then bench.op_costs.
 #   pdl: programmatic dependent launch: its kernel-chain test, one_batch Qwen3-30B-A3B with PDL
@@ -158,6 +159,23 @@ open('/tmp/moe_heur/' + m.config_file_name(128, 2048, 768, torch.bfloat16), 'w')
     -o device=cuda -o scheduler.chunked_prefill_size=4096 -o cache.max_total_tokens=20000 \
     -o cuda_graph.max_bs=4 2>&1 | grep -v -E "Warning|warn|capturing" \
     | tee "$OUT/prefill_ab.log"
+fi
+
+if [[ $what == sdpa ]]; then
+  # the SDPA fresh prefill (attention.sdpa_prefill_min_tokens, docs/gpu_decode.md): its bf16
+  # parity tests against transformers, then Qwen3-30B-A3B one_batch prefill with it on (4096)
+  # against off, at 4096 and 8192-token prompts and chunks
+  timeout 150 python3 -m pytest tests/gpu/test_gpu_parity.py -q -s -n 0 -k sdpa \
+    -p no:cacheprovider 2>&1 | tee "$OUT/sdpa_tests.log" | grep -E "parity\]|passed|failed"
+  python3 -m moeserve.tools.make_random --shape qwen3_30b_a3b --config-only \
+    --out /tmp/q3moe_full >/dev/null
+  for n in ${SDPA_LENS:-4096 8192}; do
+    timeout 150 python3 -m moeserve.bench.one_batch --model /tmp/q3moe_full --batch 1 \
+      --input-len $n --output-len 4 --warmup 1 -o attention.sdpa_prefill_min_tokens=4096 \
+      --compare-with attention.sdpa_prefill_min_tokens=null -o model.load_format=dummy \
+      -o device=cuda -o scheduler.chunked_prefill_size=$n -o cache.max_total_tokens=20000 \
+      -o cuda_graph.max_bs=4 2>&1 | grep -v -E "Warning|warn|capturing" | tee -a "$OUT/sdpa.log"
+  done
 fi
 
 if [[ $what == fp8acc ]]; then
