@@ -36,7 +36,6 @@ import json
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 # (BLOCK_SIZE_M, BLOCK_SIZE_N, BLOCK_SIZE_K, GROUP_SIZE_M, num_warps, num_stages[, down
 # (BLOCK_SIZE_N, BLOCK_SIZE_K, GROUP_SIZE_M, num_warps, num_stages)]): 64- and 128-row blocks with
@@ -296,55 +295,39 @@ def bench_attention(tokens: int, prefix: int, peak: float, rows: list[dict], hea
         bench_sdpa(q, k_buf[1:], v_buf[1:], ref, flops, peak, rows)
 
 
-def sdpa_variants() -> list[tuple[str, object, bool]]:
-    """(label, torch SDPA backend or None for torch's own pick, GQA by enable_gqa rather than
-    repeated K/V) for the vendor rows of the attention table."""
-    from torch.nn.attention import SDPBackend
-
-    return [(f"{name} {'gqa' if gqa else 'repeated kv'}", backend, gqa)
-            for name, backend in (("default", None), ("flash", SDPBackend.FLASH_ATTENTION),
-                                  ("cudnn", SDPBackend.CUDNN_ATTENTION),
-                                  ("efficient", SDPBackend.EFFICIENT_ATTENTION))
-            for gqa in (True, False)]
-
-
 def bench_sdpa(q, k, v, ref, flops: float, peak: float, rows: list[dict]) -> None:
-    """torch's scaled_dot_product_attention on the same fresh prompt (no prefix), by backend,
-    the layout changes included: q [T, H, D] in, out [T, H, D] written, as a runtime path would
-    (the vendor kernels other stacks run for a fresh prefill: FlashAttention, cuDNN)."""
-    from torch.nn.attention import sdpa_kernel
+    """The runtime's SDPA fresh prefill (attention/sdpa_prefill.py: q [T, H, D] in, out written
+    [T, H, D], layout changes included) on the same prompt (no prefix), by
+    attention.sdpa_prefill_backend, GQA passed as such and with K/V repeated per query head."""
+    from moeserve.attention.sdpa_prefill import sdpa_prefill
+    from moeserve.config_schema import SDPA_BACKENDS
 
     t, h, d = q.shape
     group = h // k.shape[1]
     out = torch.empty_like(q)
-    for label, backend, gqa in sdpa_variants():
-        def call(backend=backend, gqa=gqa):
-            kk, vv = (k, v) if gqa else (k.repeat_interleave(group, 1),
-                                         v.repeat_interleave(group, 1))
-            args = (q.transpose(0, 1)[None], kk.transpose(0, 1)[None], vv.transpose(0, 1)[None])
-            if backend is None:
-                o = F.scaled_dot_product_attention(*args, is_causal=True, enable_gqa=gqa)
-            else:
-                with sdpa_kernel(backend):
-                    o = F.scaled_dot_product_attention(*args, is_causal=True, enable_gqa=gqa)
-            out.copy_(o[0].transpose(0, 1))
-            return out
-        try:
-            call()
-            _sync()
-            err = _rel(out, ref)
-            if err > 2e-2:
-                raise ValueError(f"differs {err:.1e}")
-            ms = _time_ms(call)
-        except Exception as e:  # noqa: BLE001
-            print(f"| torch SDPA {label} | | | | skipped: {type(e).__name__} "
-                  f"{str(e).splitlines()[0][:60] if str(e) else ''} | | |")
-            continue
-        rate = flops / ms / 1e9
-        print(f"| torch SDPA {label} | | | | {ms:.3f} | {rate:.0f} | "
-              f"{100 * rate * 1e12 / peak:.1f}% |", flush=True)
-        rows.append({"kernel": "sdpa", "tokens": t, "prefix": 0, "variant": label, "ms": ms,
-                     "tflops": rate, "peak_share": rate * 1e12 / peak})
+    for backend in SDPA_BACKENDS:
+        for gqa in (True, False):
+            label = f"{backend} {'gqa' if gqa else 'repeated kv'}"
+
+            def call(backend=backend, gqa=gqa):
+                kk, vv = (k, v) if gqa else (k.repeat_interleave(group, 1),
+                                             v.repeat_interleave(group, 1))
+                return sdpa_prefill(q, kk, vv, [t], d ** -0.5, out, backend)
+            try:
+                call()
+                _sync()
+                if (err := _rel(out, ref)) > 2e-2:
+                    raise ValueError(f"differs {err:.1e}")
+                ms = _time_ms(call)
+            except Exception as e:  # noqa: BLE001
+                why = str(e).splitlines()[0][:60] if str(e) else ""
+                print(f"| torch SDPA {label} | | | | skipped: {type(e).__name__} {why} | | |")
+                continue
+            rate = flops / ms / 1e9
+            print(f"| torch SDPA {label} | | | | {ms:.3f} | {rate:.0f} | "
+                  f"{100 * rate * 1e12 / peak:.1f}% |", flush=True)
+            rows.append({"kernel": "sdpa", "tokens": t, "prefix": 0, "variant": label,
+                         "ms": ms, "tflops": rate, "peak_share": rate * 1e12 / peak})
 
 
 def _attention_torch(q, k, v, prefix) -> torch.Tensor:

@@ -30,6 +30,20 @@ def test_attention_tiles_agree_with_torch(monkeypatch):
     assert rows[0]["tflops"] == pytest.approx(4 * pairs * 4 * 16 / 2e-3 / 1e12)
 
 
+def test_sdpa_rows_run_the_runtime_path_and_agree_with_torch(monkeypatch):
+    """A fresh prompt adds the SDPA rows after the tiles (attention/sdpa_prefill.py, by backend,
+    GQA as such and repeated); a row is kept only if it matches the masked-SDPA reference. CPU
+    torch has FlashAttention and the math kernel, not cuDNN or the memory-efficient one."""
+    monkeypatch.setattr(pk, "_time_ms", lambda fn: 2.0)
+    monkeypatch.setattr(pk, "_sync", lambda: None)
+    rows: list[dict] = []
+    pk.bench_attention(70, 0, 1e12, rows, heads=4, kv_heads=2, d=16, device="cpu",
+                       dtype=torch.float32)
+    sdpa = [r["variant"] for r in rows if r["kernel"] == "sdpa"]
+    assert sdpa == ["auto gqa", "auto repeated kv", "flash gqa", "flash repeated kv"]
+    assert len(rows) == len(pk.ATTENTION_TILES) + len(sdpa)
+
+
 def test_moe_configs_agree_with_torch(monkeypatch, capsys):
     def cpu_inputs(t, e, h, i, k, dtype, seed=0):
         g = torch.Generator().manual_seed(seed)
