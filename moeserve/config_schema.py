@@ -213,9 +213,10 @@ class AttentionConfig:
     # channels: 64 | 128 (fewer K/V re-reads per FLOP, two warpgroups); None: the kernel's
     # default (64). MLA's absorbed latent keeps 32 (kernels/triton/attention_extend.py)
     extend_block_m: int | None = None
-    # EXTEND steps of at least this many new tokens whose every request starts fresh (no cached
-    # prefix) attend with torch's scaled_dot_product_attention, one call per request, run eager
-    # (attention/sdpa_prefill.py); None: never. Triton backend, non-MLA models only. 4096: a
+    # prefill and MIXED steps whose fresh requests (no cached prefix) hold at least this many
+    # new tokens attend those requests with torch's scaled_dot_product_attention, one call
+    # each, and run eager (attention/sdpa_prefill.py); the step's other requests keep the
+    # Triton kernel. None: never. Triton backend, non-MLA models only. 4096: a
     # Qwen3-30B-A3B 4096-token prefill step +7.6% on an H100 (eager and cuDNN against the graph
     # and Triton). Opt-in until its GPU parity test (tests/gpu/test_gpu_parity.py) has run
     sdpa_prefill_min_tokens: int | None = None

@@ -4,9 +4,10 @@ Why: a prompt with no cached prefix reads nothing from the pool; its keys are th
 contiguous rows, which is the case vendor kernels are built for. On an H100 cuDNN's kernel
 attends a causal block of Qwen3's heads 1.3-1.7x faster than our Triton extend kernel, which
 gathers every key through the request's slot table (docs/gpu_decode.md, "Fresh prefill through
-SDPA"). So an EXTEND step whose every request starts fresh, with at least `min_tokens` new
-tokens, attends with SDPA, one call per request. Prefix hits, MIXED steps (their decode riders
-read cached keys), MLA (its own MHA form, mla_mha.py) and short steps keep the Triton kernel.
+SDPA"). So in an EXTEND or MIXED step whose fresh requests (no cached prefix, more than one new
+token) hold at least `min_tokens` new tokens, those requests attend with SDPA, one call each;
+the step's other requests (prefix hits, decode riders) go through the Triton kernel as before,
+their block table leaving the fresh ones out. MLA keeps its own MHA form (mla_mha.py).
 
 The per-request calls are sized by host-side lengths, so such a step runs eager, outside the
 extend graphs (the runner's `fb.sdpa_prefill`): a long step's launches hide behind its device
@@ -22,16 +23,25 @@ import torch.nn.functional as F
 
 from moeserve.core import ForwardMode
 
+SDPA_MODES = (ForwardMode.EXTEND, ForwardMode.MIXED)
+
+
+def fresh_requests(new_lens: list[int], prefix_lens: list[int]) -> list[bool]:
+    """Which requests of a step attend only over their own new tokens (SDPA's case)."""
+    return [p == 0 and n > 1 for n, p in zip(new_lens, prefix_lens)]
+
 
 @dataclass(frozen=True)
 class SdpaPrefillPolicy:
     min_tokens: int  # attention.sdpa_prefill_min_tokens
     backend: str = "auto"  # attention.sdpa_prefill_backend (`_backend`)
 
-    def applies(self, mode: ForwardMode, num_tokens: int, prefix_lens: list[int]) -> bool:
-        """An EXTEND step of fresh requests only, long enough to pay for running eager."""
-        return (mode == ForwardMode.EXTEND and num_tokens >= self.min_tokens
-                and not any(prefix_lens))
+    def applies(self, mode: ForwardMode, new_lens: list[int], prefix_lens: list[int]) -> bool:
+        """A prefill or MIXED step whose fresh requests are long enough to pay for running
+        the step eager."""
+        fresh = fresh_requests(new_lens, prefix_lens)
+        return mode in SDPA_MODES and sum(n for n, f in zip(new_lens, fresh) if f) >= \
+            self.min_tokens
 
 
 def _backend(name: str):
@@ -49,18 +59,22 @@ def _backend(name: str):
 
 
 def sdpa_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: list[int],
-                 scale: float, out: torch.Tensor, backend: str = "auto") -> torch.Tensor:
-    """Causal attention of each fresh request's new tokens over themselves, into out.
+                 scale: float, out: torch.Tensor, backend: str = "auto",
+                 only: list[bool] | None = None) -> torch.Tensor:
+    """Causal attention of fresh requests' new tokens over themselves, into out.
 
     q [T, H, D], k [T, Hkv, D], v [T, Hkv, Dv], out [T, H, Dv]; request i owns the rows
-    sum(lens[:i]) : sum(lens[:i + 1]). GQA is passed as such (enable_gqa), not by repeating
+    sum(lens[:i]) : sum(lens[:i + 1]). `only`: the requests to attend (default all); the rows
+    of the others are left as they are. GQA is passed as such (enable_gqa), not by repeating
     K/V."""
     gqa = q.shape[1] != k.shape[1]
     start = 0
     with _backend(backend):
-        for n in lens:
+        for i, n in enumerate(lens):
             rows = slice(start, start + n)
             start += n
+            if only is not None and not only[i]:
+                continue
             o = F.scaled_dot_product_attention(
                 q[rows].transpose(0, 1)[None], k[rows].transpose(0, 1)[None],
                 v[rows].transpose(0, 1)[None], is_causal=True, scale=scale, enable_gqa=gqa)

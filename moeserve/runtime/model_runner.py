@@ -315,7 +315,7 @@ class ModelRunner:
                     self.mla_policy.use_mha(fb.extend_seq_lens_cpu, fb.extend_prefix_lens_cpu):
                 fb.mla_mha_chunk = self.mla_policy.chunk_tokens  # MHA steps run eager
             if self.sdpa_policy is not None and self.sdpa_policy.applies(
-                    fb.forward_mode, fb.num_tokens, fb.extend_prefix_lens_cpu):
+                    fb.forward_mode, fb.extend_seq_lens_cpu, fb.extend_prefix_lens_cpu):
                 fb.sdpa_prefill = self.sdpa_policy.backend  # SDPA steps run eager too
             graphs = self.extend_graphs
             bucket = graphs.bucket_of_step(fb) if graphs is not None and not (

@@ -9,6 +9,7 @@ import torch
 from parity import (decode_vs_recompute, hf_logits, hf_model, make_runner, prefill_logits,
                     prompts_of_lengths, rel_err)
 
+from moeserve.core import ForwardMode
 from moeserve.layers.moe import MoEExperts
 
 TRITON = ["attention.backend=triton", "moe.backend=triton", "model.cpu_kernels=false"]
@@ -54,3 +55,38 @@ def test_fresh_prefill_through_sdpa_matches_transformers(tiny_model):
     last, full = decode_vs_recompute(runner, prompts[1], steps=3)
     assert rel_err(last, full) < 1e-4  # the SDPA prefill stored the KV that decode reads
     assert "" in seen and "auto" in seen  # 19-token prefill and decodes: Triton; recompute: SDPA
+
+
+def test_mixed_step_sends_only_fresh_prompts_through_sdpa(tiny_model):
+    """A MIXED step of a decode rider, a prefix hit and a fresh 21-token prompt: only the fresh
+    one attends with SDPA (the others keep the Triton kernel over the pool), and every row's
+    logits are transformers' on the whole sequence, as with SDPA off."""
+    path = tiny_model("qwen3")
+    runner = make_runner(path, TRITON + ["attention.sdpa_prefill_min_tokens=20"])
+    ref, mem = hf_model(path), runner.memory
+    a, b, c = prompts_of_lengths([9, 14, 21], runner.hf_config.vocab_size, seed=6)
+    rows = mem.req_to_token.alloc(3)
+    slots = [mem.allocator.alloc(len(p)) for p in (a, b, c)]
+    for row, s in zip(rows, slots):
+        mem.req_to_token.write(row, 0, s)
+    fb = runner.make_batch(ForwardMode.EXTEND, a[:8] + b[:6], [*range(8), *range(6)],
+                           torch.cat([slots[0][:8], slots[1][:6]]), rows[:2], [0, 0], [8, 6])
+    runner.forward(fb)  # 14 fresh tokens, under the threshold: Triton
+    assert fb.sdpa_prefill == ""
+
+    def mixed():
+        return runner.make_batch(ForwardMode.MIXED, a[8:] + b[6:] + c,
+                                 [8, *range(6, 14), *range(21)],
+                                 torch.cat([slots[0][8:], slots[1][6:], slots[2]]), rows,
+                                 [8, 6, 0], [1, 8, 21], return_all_logits=True)
+    fb = mixed()
+    on = runner.forward(fb)
+    assert fb.sdpa_prefill == "auto" and fb.attn_metadata.sdpa_requests == [False, False, True]
+    runner.sdpa_policy = None
+    fb = mixed()
+    off = runner.forward(fb)
+    assert fb.sdpa_prefill == "" and rel_err(on, off) < 1e-5
+    got_a, got_b, got_c = on.split([1, 8, 21])
+    assert rel_err(got_a, hf_logits(ref, a)[8:]) < 1e-4
+    assert rel_err(got_b, hf_logits(ref, b)[6:]) < 1e-4
+    assert rel_err(got_c, hf_logits(ref, c)) < 1e-4
