@@ -12,6 +12,7 @@ from parity import prefill_logits, prompts_of_lengths, rel_err
 
 from moeserve import Engine
 from moeserve.config import compose
+from moeserve.core import ForwardMode
 from moeserve.runtime.model_runner import ModelRunner
 
 pytestmark = pytest.mark.gpu
@@ -31,19 +32,26 @@ def _hf_logits(model, prompt: list[int]) -> torch.Tensor:
     return model(torch.tensor([prompt], device="cuda")).logits[0].float()
 
 
+PARITY_LENS = [5, 33, 17]  # prompt lengths of the prefill parity tests
+
+
+def _check_prefill_parity(path: str, runner: ModelRunner, label: str) -> None:
+    """Each prompt's prefill logits against transformers' fp32 model, held to transformers'
+    own bf16 error."""
+    ref32, ref16 = _hf(path, torch.float32), _hf(path, torch.bfloat16)
+    prompts = prompts_of_lengths(PARITY_LENS, runner.hf_config.vocab_size)
+    for ours, p in zip(prefill_logits(runner, prompts), prompts):
+        exact, theirs = _hf_logits(ref32, p), _hf_logits(ref16, p)
+        ours_err, hf_err = rel_err(ours, exact), rel_err(theirs, exact)
+        print(f"\n[{label}] len {len(p)}: ours vs fp32 {ours_err:.2e}, transformers bf16 vs "
+              f"fp32 {hf_err:.2e}, ours vs transformers bf16 {rel_err(ours, theirs):.2e}")
+        assert ours_err < 2 * hf_err + 2e-3
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_bf16_prefill_logits_as_accurate_as_transformers_bf16(tiny_model, arch):
     path = tiny_model(arch)
-    runner = ModelRunner(compose(BF16_CUDA), path)
-    ref32, ref16 = _hf(path, torch.float32), _hf(path, torch.bfloat16)
-    prompts = prompts_of_lengths([5, 33, 17], runner.hf_config.vocab_size)
-    for ours, p in zip(prefill_logits(runner, prompts), prompts):
-        exact = _hf_logits(ref32, p)
-        ours_err, hf_err = rel_err(ours, exact), rel_err(_hf_logits(ref16, p), exact)
-        print(f"\n[bf16 parity] {arch} len {len(p)}: ours vs fp32 {ours_err:.2e}, "
-              f"transformers bf16 vs fp32 {hf_err:.2e}, ours vs transformers bf16 "
-              f"{rel_err(ours, _hf_logits(ref16, p)):.2e}")
-        assert ours_err < 2 * hf_err + 2e-3
+    _check_prefill_parity(path, ModelRunner(compose(BF16_CUDA), path), f"bf16 parity {arch}")
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])
@@ -53,15 +61,8 @@ def test_sdpa_fresh_prefill_as_accurate_as_transformers_bf16(tiny_model, arch):
     same bound as the Triton path's."""
     path = tiny_model(arch)
     runner = ModelRunner(compose(BF16_CUDA + ["attention.sdpa_prefill_min_tokens=16"]), path)
-    assert runner.sdpa_policy is not None
-    ref32, ref16 = _hf(path, torch.float32), _hf(path, torch.bfloat16)
-    prompts = prompts_of_lengths([5, 33, 17], runner.hf_config.vocab_size)
-    for ours, p in zip(prefill_logits(runner, prompts), prompts):
-        exact = _hf_logits(ref32, p)
-        ours_err, hf_err = rel_err(ours, exact), rel_err(_hf_logits(ref16, p), exact)
-        print(f"\n[sdpa parity] {arch} len {len(p)}: ours vs fp32 {ours_err:.2e}, "
-              f"transformers bf16 vs fp32 {hf_err:.2e}")
-        assert ours_err < 2 * hf_err + 2e-3
+    assert runner.sdpa_policy.applies(ForwardMode.EXTEND, PARITY_LENS, [0] * len(PARITY_LENS))
+    _check_prefill_parity(path, runner, f"sdpa parity {arch}")
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3_moe", "deepseek_v3"])
