@@ -51,9 +51,9 @@ class ForwardBatch:
     # (attention/mla_mha.py; chosen by the runner from attention.mla_form); 0: absorbed
     mla_mha_chunk: int = 0
     mla_plan: object = field(default=None, repr=False)  # the MHA form's plan, built once a step
-    # non-empty: a fresh EXTEND step attended by torch SDPA with this backend, run eager
-    # (attention/sdpa_prefill.py; chosen by the runner from attention.sdpa_prefill_*)
-    sdpa_prefill: str = ""
+    # an SdpaStep: the step's fresh requests attend with torch SDPA and the step runs eager
+    # (attention/sdpa_prefill.py; chosen by the runner from attention.sdpa_prefill_*); None: not
+    sdpa_prefill: object = field(default=None, repr=False)
 
     @property
     def batch_size(self) -> int:

@@ -10,7 +10,7 @@ the step's other requests (prefix hits, decode riders) go through the Triton ker
 their block table leaving the fresh ones out. MLA keeps its own MHA form (mla_mha.py).
 
 The per-request calls are sized by host-side lengths, so such a step runs eager, outside the
-extend graphs (the runner's `fb.sdpa_prefill`): a long step's launches hide behind its device
+extend graphs (the runner sets `fb.sdpa_prefill`, an SdpaStep): a long step's launches hide behind its device
 time, and a graph replayed at another length would read the captured lengths.
 """
 
@@ -32,16 +32,28 @@ def fresh_requests(new_lens: list[int], prefix_lens: list[int]) -> list[bool]:
 
 
 @dataclass(frozen=True)
+class SdpaStep:
+    """A step's SDPA part (fb.sdpa_prefill): the kernel to use and which requests take it."""
+
+    backend: str  # attention.sdpa_prefill_backend (`_backend`)
+    requests: list[bool]  # per request of the step: attended by SDPA (else by the Triton kernel)
+
+
+@dataclass(frozen=True)
 class SdpaPrefillPolicy:
     min_tokens: int  # attention.sdpa_prefill_min_tokens
     backend: str = "auto"  # attention.sdpa_prefill_backend (`_backend`)
 
-    def applies(self, mode: ForwardMode, new_lens: list[int], prefix_lens: list[int]) -> bool:
-        """A prefill or MIXED step whose fresh requests are long enough to pay for running
-        the step eager."""
+    def step(self, mode: ForwardMode, new_lens: list[int], prefix_lens: list[int]
+             ) -> SdpaStep | None:
+        """The SDPA part of a prefill or MIXED step whose fresh requests are long enough to pay
+        for running the step eager; None otherwise."""
+        if mode not in SDPA_MODES:
+            return None
         fresh = fresh_requests(new_lens, prefix_lens)
-        return mode in SDPA_MODES and sum(n for n, f in zip(new_lens, fresh) if f) >= \
-            self.min_tokens
+        if sum(n for n, f in zip(new_lens, fresh) if f) < self.min_tokens:
+            return None
+        return SdpaStep(self.backend, fresh)
 
 
 def _backend(name: str):

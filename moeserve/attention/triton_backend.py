@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from moeserve.attention.base import AttentionBackend, AttentionSpec
-from moeserve.attention.sdpa_prefill import fresh_requests, sdpa_prefill
+from moeserve.attention.sdpa_prefill import sdpa_prefill
 from moeserve.forward_batch import ForwardBatch
 from moeserve.host_copy import to_device
 from moeserve.kernels.triton.attention import KVStoreTarget, decode_attention, store_kv
@@ -26,9 +26,6 @@ class ExtendMetadata:
     prefix_lens: torch.Tensor  # [B] tokens already cached
     blk_req: torch.Tensor  # [NB] request of each query block (kernels: extend_blocks)
     blk_m: torch.Tensor  # [NB] its block index within the request's new tokens
-    # host-side, on steps with fb.sdpa_prefill: the requests SDPA attends (left out of the
-    # block table); None: every request is in it
-    sdpa_requests: list[bool] | None = None
 
 INTERPRETED_SPLITS = 2  # decode KV splits at most on CPU tensors (kv_splits)
 
@@ -89,15 +86,14 @@ class TritonAttentionBackend(AttentionBackend):
         starts = [0]
         for n in lens:
             starts.append(starts[-1] + n)
-        fresh = fresh_requests(lens, fb.extend_prefix_lens_cpu) if fb.sdpa_prefill else None
-        block_lens = lens if fresh is None else [0 if f else n for n, f in zip(lens, fresh)]
-        reqs, blocks = extend_blocks(block_lens, self.extend_block_m(fb.kv_pool))
+        if fb.sdpa_prefill is not None:  # SDPA's requests take no blocks
+            lens = [0 if f else n for n, f in zip(lens, fb.sdpa_prefill.requests)]
+        reqs, blocks = extend_blocks(lens, self.extend_block_m(fb.kv_pool))
         host = torch.tensor(starts + fb.extend_prefix_lens_cpu + reqs + blocks, dtype=torch.int32)
         dev = to_device(host, fb.req_pool_indices.device)  # one copy, not waiting for the stream
         nb = len(reqs)
         fb.attn_metadata = ExtendMetadata(dev[: b + 1], dev[b + 1: 2 * b + 1],
-                                          dev[2 * b + 1: 2 * b + 1 + nb], dev[2 * b + 1 + nb:],
-                                          fresh)
+                                          dev[2 * b + 1: 2 * b + 1 + nb], dev[2 * b + 1 + nb:])
 
     mla_block_m = MLA_CHUNK_BLOCK_M
 
@@ -145,9 +141,9 @@ class TritonAttentionBackend(AttentionBackend):
                              pdl=self.pdl)
             return out
         meta: ExtendMetadata = fb.attn_metadata
-        if meta.sdpa_requests is not None:  # fresh prompts: their own keys, contiguous
-            sdpa_prefill(q, k, v, fb.extend_seq_lens_cpu, spec.scaling, out, fb.sdpa_prefill,
-                         only=meta.sdpa_requests)
+        if fb.sdpa_prefill is not None:  # fresh prompts: their own keys, contiguous
+            sdpa_prefill(q, k, v, fb.extend_seq_lens_cpu, spec.scaling, out,
+                         fb.sdpa_prefill.backend, only=fb.sdpa_prefill.requests)
         extend_attention(q, k_buf, v_buf, table, fb.req_pool_indices, meta.qo_start,
                          meta.prefix_lens, meta.blk_req, meta.blk_m, spec.scaling, dk,
                          spec.v_head_dim, out, block_m=self.extend_block_m(pool))

@@ -314,12 +314,12 @@ class ModelRunner:
             if self.mla_policy is not None and fb.forward_mode in MHA_FORM_MODES and \
                     self.mla_policy.use_mha(fb.extend_seq_lens_cpu, fb.extend_prefix_lens_cpu):
                 fb.mla_mha_chunk = self.mla_policy.chunk_tokens  # MHA steps run eager
-            if self.sdpa_policy is not None and self.sdpa_policy.applies(
-                    fb.forward_mode, fb.extend_seq_lens_cpu, fb.extend_prefix_lens_cpu):
-                fb.sdpa_prefill = self.sdpa_policy.backend  # SDPA steps run eager too
+            if self.sdpa_policy is not None:  # SDPA steps run eager too
+                fb.sdpa_prefill = self.sdpa_policy.step(
+                    fb.forward_mode, fb.extend_seq_lens_cpu, fb.extend_prefix_lens_cpu)
             graphs = self.extend_graphs
             bucket = graphs.bucket_of_step(fb) if graphs is not None and not (
-                fb.mla_mha_chunk or fb.sdpa_prefill) else None
+                fb.mla_mha_chunk or fb.sdpa_prefill is not None) else None
             if bucket is not None:
                 hidden = graphs.run(fb, bucket)  # [T, H], a view of the graph's output
                 if fb.return_all_logits:

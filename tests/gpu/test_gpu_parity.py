@@ -61,7 +61,7 @@ def test_sdpa_fresh_prefill_as_accurate_as_transformers_bf16(tiny_model, arch):
     same bound as the Triton path's."""
     path = tiny_model(arch)
     runner = ModelRunner(compose(BF16_CUDA + ["attention.sdpa_prefill_min_tokens=16"]), path)
-    assert runner.sdpa_policy.applies(ForwardMode.EXTEND, PARITY_LENS, [0] * len(PARITY_LENS))
+    assert runner.sdpa_policy.step(ForwardMode.EXTEND, PARITY_LENS, [0] * len(PARITY_LENS))
     _check_prefill_parity(path, runner, f"sdpa parity {arch}")
 
 
