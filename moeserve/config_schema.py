@@ -216,10 +216,10 @@ class AttentionConfig:
     # prefill and MIXED steps whose fresh requests (no cached prefix) hold at least this many
     # new tokens attend those requests with torch's scaled_dot_product_attention, one call
     # each, and run eager (attention/sdpa_prefill.py); the step's other requests keep the
-    # Triton kernel. None: never. Triton backend, non-MLA models only. 4096: a
-    # Qwen3-30B-A3B 4096-token prefill step +7.6% on an H100 (eager and cuDNN against the graph
-    # and Triton). Opt-in until its GPU parity test (tests/gpu/test_gpu_parity.py) has run
-    sdpa_prefill_min_tokens: int | None = None
+    # Triton kernel. None: never. Triton backend, non-MLA models only. 4096: Qwen3-30B-A3B's
+    # 4096-token prefill +14% and 8192-token +25% on an H100 (eager and cuDNN against the graph
+    # and Triton; docs/gpu_decode.md); smaller steps keep their extend graphs
+    sdpa_prefill_min_tokens: int | None = 4096
     # the SDPA kernel those steps use: auto (cuDNN, then FlashAttention, then the rest) | flash |
     # cudnn | efficient
     sdpa_prefill_backend: str = "auto"

@@ -44,12 +44,13 @@ class DecodeRun:
 
 def bench_moeserve(runner: ModelRunner, batch: int, input_len: int, output_len: int,
                    seed: int = 0, profile: bool = False, count_experts: bool = False,
-                   pipelined: bool = True) -> DecodeRun:
+                   pipelined: bool = True, profile_prefill: bool = False) -> DecodeRun:
     """Prefill then greedy decode of one batch as the server decodes
     (`ModelRunner.forward_greedy`); memory is returned afterwards. `pipelined` (CUDA): as the
     server's forward worker, each step's tokens are read on the host after the next step is
     launched (host_copy.PendingHost); else every step waits for its own tokens. `profile`: also
-    print the profiler tables of 3 decode steps. `count_experts`: record which experts one more
+    print the profiler tables of 3 decode steps (`profile_prefill`: of the prefill, run again
+    over the same KV slots). `count_experts`: record which experts one more
     decode step routes to (eager, through the EPLB recorder)."""
     mem, vocab, dev = runner.memory, runner.hf_config.vocab_size, runner.device
     gen = torch.Generator().manual_seed(seed)
@@ -66,6 +67,9 @@ def bench_moeserve(runner: ModelRunner, batch: int, input_len: int, output_len: 
     next_ids = prefill_chunked(runner, ids, rows, per_req)
     _sync(dev)
     prefill = time.perf_counter() - t0
+    if profile_prefill:
+        profile_table(f"prefill, batch {batch} x {input_len}", lambda: prefill_chunked(
+            runner, ids, rows, per_req), dev, calls=1, rows=30)
     rows_dev = torch.tensor(rows, dtype=torch.int64, device=dev)
 
     def decode_batch(pos: int) -> ForwardBatch:
@@ -221,6 +225,8 @@ def _bench_runner(runner: ModelRunner, args, bw: float | None, label: str
                     bench_moeserve(runner, b, args.input_len, min(args.output_len, 4))
                 run = bench_moeserve(runner, b, args.input_len, args.output_len,
                                      profile=args.profile and b == _profiled_batch(args),
+                                     profile_prefill=(args.profile_prefill
+                                                      and b == _profiled_batch(args)),
                                      count_experts=name == label, pipelined=pipelined)
             if run.touched is not None or b not in gb:
                 sb = step_bytes(runner, b, run.mean_seq_len, run.touched)
@@ -297,6 +303,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("-o", "--override", action="append", default=[])
     p.add_argument("--profile", action="store_true",
                    help="print profiler tables of 3 decode steps at the largest batch")
+    p.add_argument("--profile-prefill", action="store_true",
+                   help="print profiler tables of one prefill at the largest batch")
     p.add_argument("--profile-batch", type=int, default=None,
                    help="with --profile: profile this batch instead of the largest")
     args = p.parse_args(argv)
