@@ -19,6 +19,7 @@ import torch
 
 from moeserve.kernels.fp8_format import quantize_fp8_blocks
 from moeserve.kernels.triton import fp8 as fp8_kernels
+from moeserve.kernels.triton import fused_moe as fm
 from moeserve.kernels.triton.fused_moe_small import SMALL_MAX_PAIRS
 from moeserve.kernels.triton.moe_config import config_file_name, get_moe_config
 from moeserve.layers.fp8_emulation import (
@@ -153,11 +154,13 @@ def test_fused_moe_equals_the_emulation_in_float32_interpreter(t):
     _check_moe(_experts("cpu"), t, "cpu", torch.float32, CPU_TOL)
 
 
-def _check_moe_swap_ab(tmp_path, t: int, device: str, dtype: torch.dtype, tol: float) -> None:
+def _check_moe_swap_ab(tmp_path, t: int, device: str, dtype: torch.dtype, tol: float,
+                       flags: dict | None = None) -> None:
     """Swap-AB tiles from a tuned table (fused_moe.py): activation scales per column, weight
-    block scales per row; 128-wide weight tiles over partial blocks (I 200, H 320)."""
+    block scales per row; 128-wide weight tiles over partial blocks (I 200, H 320). `flags`
+    replace the tile's (B_TMA: the e4m3 weight tiles by TMA where rows allow, here H 320)."""
     tile = dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=128, BLOCK_SIZE_K=64, GROUP_SIZE_M=1, num_warps=4,
-                num_stages=2, SWAP_AB=1)
+                num_stages=2, SWAP_AB=1) | (flags or {})
     (tmp_path / config_file_name(8, 320, 200, dtype)).write_text(json.dumps({str(t): tile}))
     mod = _experts(device)
     mod.config_dir = str(tmp_path)
@@ -169,6 +172,31 @@ def test_fused_moe_swap_ab_equals_the_emulation_in_float32_interpreter(tmp_path)
     if torch.cuda.is_available():
         pytest.skip("the CPU interpreter's check (the GPU one is below)")
     _check_moe_swap_ab(tmp_path, 20, "cpu", torch.float32, CPU_TOL)
+
+
+@pytest.mark.parametrize("swap", [0, 1])
+def test_fused_moe_tma_equals_the_emulation_in_float32_interpreter(tmp_path, swap, monkeypatch):
+    if torch.cuda.is_available():
+        pytest.skip("the CPU interpreter's check (the GPU one is below)")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    launched = []
+    kernel = fm._moe_gemm_kernel
+    monkeypatch.setattr(fm, "_moe_gemm_kernel", _Recorder(kernel, launched))
+    _check_moe_swap_ab(tmp_path, 20, "cpu", torch.float32, CPU_TOL, dict(SWAP_AB=swap, B_TMA=1))
+    assert launched == [1, 0]  # gate/up rows of 320 e4m3 bytes by TMA; down's 200 cannot
+
+
+class _Recorder:
+    """Stands in for `_moe_gemm_kernel`, recording whether each launch reads weights by TMA."""
+
+    def __init__(self, kernel, launched: list):
+        self.kernel, self.launched = kernel, launched
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.launched.append(int(kwargs["B_TMA"]))
+            return self.kernel[grid](*args, **kwargs)
+        return launch
 
 
 @pytest.mark.gpu
@@ -199,6 +227,12 @@ SWAP_GPU_MISS = ("H100, 2026-12-07: the swapped kernel is within GPU_TOL of the 
                  "(3.4-3.6e-3) but the FP8 effect (4.2-4.3e-2) is only ~12x that, where the "
                  "non-swapped kernel is under 1/20 of it; not understood yet, swap-AB is off by "
                  "default (docs/gpu_decode.md)")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", [20, 300])
+def test_fused_moe_tma_equals_the_emulation_in_bf16_on_gpu(t, tmp_path):
+    _check_moe_swap_ab(tmp_path, t, "cuda", torch.bfloat16, GPU_TOL, dict(SWAP_AB=0, B_TMA=1))
 
 
 @pytest.mark.gpu

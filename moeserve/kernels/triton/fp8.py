@@ -27,11 +27,7 @@ import triton.language as tl
 
 from moeserve.kernels.fp8_format import FP8, FP8_BLOCK, FP8_MAX, Block, as_block
 from moeserve.kernels.triton.pdl import launch_kwargs, pdl_wait
-
-try:  # host-side TMA descriptors (Triton >= 3.4)
-    from triton.tools.tensor_descriptor import TensorDescriptor
-except ImportError:  # pragma: no cover - older Triton: GemmConfig.tma falls back to pointers
-    TensorDescriptor = None
+from moeserve.kernels.triton.tma import TensorDescriptor, tma_ok
 
 # Hopper's FP8 wgmma accumulates a tl.dot's K products at reduced precision (Triton's sm90
 # default); these kernels promote to float32 once per 128-wide K group, as DeepSeek's recipe does.
@@ -118,14 +114,6 @@ def _quant_group_kernel(x_ptr, q_ptr, s_ptr, t, k, stride_x, stride_q, stride_st
     tl.store(q_ptr + row * stride_q + offs[None, :], q.to(q_ptr.dtype.element_ty),
              mask=mask[None, :])
     tl.store(s_ptr + row * stride_st + g * stride_sg + tl.arange(0, 1), scale)
-
-
-def tma_ok(w: torch.Tensor) -> bool:
-    """w [N, K] e4m3 can be read through a TMA descriptor: CUDA sm90+, 16-byte aligned base and
-    row stride, unit column stride."""
-    return (TensorDescriptor is not None and w.is_cuda and w.stride(1) == 1
-            and w.stride(0) % 16 == 0 and w.data_ptr() % 16 == 0
-            and torch.cuda.get_device_capability(w.device)[0] >= 9)
 
 
 @dataclass(frozen=True)

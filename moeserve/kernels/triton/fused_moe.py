@@ -25,8 +25,9 @@ from moeserve.kernels.triton import fp8 as fp8_kernels
 from moeserve.kernels.triton.fp8 import fp8_dot
 from moeserve.kernels.triton.fused_moe_small import SMALL_MAX_PAIRS, fused_moe_small
 from moeserve.kernels.triton.moe_align import moe_align_block_size
-from moeserve.kernels.triton.moe_config import down_config, get_moe_config, swap_ab
+from moeserve.kernels.triton.moe_config import b_tma, down_config, get_moe_config, swap_ab
 from moeserve.kernels.triton.pdl import launch_kwargs, pdl_wait
+from moeserve.kernels.triton.tma import TensorDescriptor, tma_ok
 
 
 @triton.jit
@@ -47,16 +48,27 @@ def _mma(a, b, acc, a_s, b_s, FP8: tl.constexpr, SWAP_AB: tl.constexpr, EXACT_DO
     return acc
 
 
+@triton.jit
+def _tma_tile(b_desc, row, k0, SWAP_AB: tl.constexpr):
+    """A weight tile by TMA: [BN, BK] as stored, or [BK, BN] as the non-swapped MMA takes it."""
+    b = b_desc.load([row, k0])
+    if not SWAP_AB:
+        b = b.T
+    return b
+
+
 @triton.jit(do_not_specialize=["num_pairs", "num_pid_m"])
-def _moe_gemm_kernel(a_ptr, b_ptr, c_ptr, weight_ptr, sorted_ptr, expert_ptr, num_post_ptr,
-                     as_ptr, bs_ptr, N, K, num_pairs, num_pid_m, stride_am, stride_ak, stride_be,
+def _moe_gemm_kernel(a_ptr, b_ptr, b_desc, c_ptr, weight_ptr, sorted_ptr, expert_ptr, num_post_ptr,
+                     as_ptr, bs_ptr, N, K, num_pairs, num_pid_m, b_rows, stride_am, stride_ak,
+                     stride_be,
                      stride_bn, stride_bk, stride_cm, stride_cn, stride_asm, stride_bse,
                      stride_bsn, up_scale_rows, ROW_DIV: tl.constexpr, GATED: tl.constexpr,
                      WEIGHTED: tl.constexpr, EVEN_K: tl.constexpr, FP8: tl.constexpr,
                      SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr,
                      BLOCK_SIZE_M: tl.constexpr, BLOCK_SIZE_N: tl.constexpr,
                      BLOCK_SIZE_K: tl.constexpr, GROUP_SIZE_M: tl.constexpr,
-                     SWAP_AB: tl.constexpr, EXACT_DOT: tl.constexpr, USE_PDL: tl.constexpr):
+                     SWAP_AB: tl.constexpr, B_TMA: tl.constexpr, EXACT_DOT: tl.constexpr,
+                     USE_PDL: tl.constexpr):
     """c[pair, n] = a[pair // ROW_DIV] @ b[expert, n]^T for the pairs of one expert block.
     GATED: b holds [gate | up] rows (N each), c = silu(gate) * up. WEIGHTED: c *= weight[pair].
     FP8: a and b are e4m3; a row's scale per SCALE_BK channels is as[row, k // SCALE_BK] and b's
@@ -64,7 +76,10 @@ def _moe_gemm_kernel(a_ptr, b_ptr, c_ptr, weight_ptr, sorted_ptr, expert_ptr, nu
     SCALE_BK); gate and up are blocked separately, up's scale rows start at `up_scale_rows`.
     SWAP_AB: the tile is computed transposed, [BLOCK_SIZE_N, BLOCK_SIZE_M] = w_tile @ x_tile^T, so
     the weight rows fill the MMA's M side and a small token block (less padding per expert) its
-    N side; gating, scales, routing weights (per column) and the store follow that layout."""
+    N side; gating, scales, routing weights (per column) and the store follow that layout.
+    B_TMA: the weight tiles come through `b_desc`, a TMA descriptor over b as [E * b_rows, K]
+    (tma.py); rows past an expert's N are computed and never stored, columns past K arrive as
+    zeros."""
     pdl_wait(USE_PDL)
     pid = tl.program_id(0)
     num_pid_n = tl.cdiv(N, BLOCK_SIZE_N)
@@ -95,8 +110,15 @@ def _moe_gemm_kernel(a_ptr, b_ptr, c_ptr, weight_ptr, sorted_ptr, expert_ptr, nu
         acc = tl.zeros((BLOCK_SIZE_M, BLOCK_SIZE_N), dtype=tl.float32)
     acc_up = tl.zeros_like(acc)
     up_shift = N * stride_bn
+    row0 = (expert * b_rows + pid_n * BLOCK_SIZE_N).to(tl.int32)  # B_TMA: the tile's first row
     for k0 in range(0, K, BLOCK_SIZE_K):
-        if EVEN_K:
+        if B_TMA:
+            if EVEN_K:
+                a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
+            else:
+                a = tl.load(a_ptrs, mask=row_ok[:, None] & (offs_k < K - k0)[None, :], other=0.0)
+            b = _tma_tile(b_desc, row0, k0, SWAP_AB)
+        elif EVEN_K:
             a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
             b = tl.load(b_ptrs)
         else:
@@ -117,7 +139,9 @@ def _moe_gemm_kernel(a_ptr, b_ptr, c_ptr, weight_ptr, sorted_ptr, expert_ptr, nu
             b_s = 0.0
         acc = _mma(a, b, acc, a_s, b_s, FP8, SWAP_AB, EXACT_DOT)
         if GATED:
-            if EVEN_K:
+            if B_TMA:
+                b_up = _tma_tile(b_desc, row0 + N, k0, SWAP_AB)
+            elif EVEN_K:
                 b_up = tl.load(b_ptrs + up_shift)
             else:
                 b_up = tl.load(b_ptrs + up_shift, mask=kb_ok, other=0.0)
@@ -180,15 +204,19 @@ def _grouped_gemm(a, b, c, weights, sorted_ids, expert_ids, num_post, row_div, g
     num_pid_m = sorted_ids.shape[0] // bm
     grid = (num_pid_m * triton.cdiv(n, bn),)
     scales = (a_scale, b_scale) if fp8 else (c, c)
+    b_2d = b.view(-1, b.shape[2]) if b.is_contiguous() else None
+    tma = b_tma(cfg) and b_2d is not None and tma_ok(b_2d, interpreted=True)
+    b_desc = TensorDescriptor.from_tensor(b_2d, [bn, bk]) if tma else None
     _moe_gemm_kernel[grid](
-        a, b, c, weights if weights is not None else c, sorted_ids, expert_ids, num_post,
-        *scales, n, kdim, c.shape[0], num_pid_m, a.stride(0), a.stride(1), b.stride(0),
+        a, b, b_desc, c, weights if weights is not None else c, sorted_ids, expert_ids, num_post,
+        *scales, n, kdim, c.shape[0], num_pid_m, b.shape[1], a.stride(0), a.stride(1),
+        b.stride(0),
         b.stride(1), b.stride(2), c.stride(0), c.stride(1),
         a_scale.stride(0) if fp8 else 0, b_scale.stride(0) if fp8 else 0,
         b_scale.stride(1) if fp8 else 0, triton.cdiv(n, block[0]), ROW_DIV=row_div, GATED=gated,
         WEIGHTED=weights is not None, EVEN_K=kdim % bk == 0, FP8=fp8, SCALE_BN=block[0],
         SCALE_BK=block[1], BLOCK_SIZE_M=bm,
-        BLOCK_SIZE_N=bn, BLOCK_SIZE_K=bk, GROUP_SIZE_M=cfg["GROUP_SIZE_M"], SWAP_AB=swap,
+        BLOCK_SIZE_N=bn, BLOCK_SIZE_K=bk, GROUP_SIZE_M=cfg["GROUP_SIZE_M"], SWAP_AB=swap, B_TMA=tma,
         EXACT_DOT=fp8 and fp8_kernels.EXACT_DOT, num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"], **launch_kwargs(pdl))
 
@@ -250,7 +278,9 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: to
                       down_config(cfg), i_s, w2_scale, block)
     out = x.new_empty((t, h))
     block_k = max(2, triton.next_power_of_2(k))
-    block_h = min(max(128, 4096 // block_k), triton.next_power_of_2(h))
+    # >= 1024 columns: 16-byte loads per thread at 4 warps (512 ran at 1.7 TB/s, 1024 at 2.8 on
+    # an H100, Qwen3's 4096 x 8 pairs; docs/gpu_decode.md)
+    block_h = min(max(1024, 8192 // block_k), triton.next_power_of_2(h))
     _sum_local_pairs_kernel[(t, triton.cdiv(h, block_h))](y, ids, out, first_expert, num_local,
                                                           h, TOP_K=k, BLOCK_K=block_k,
                                                           BLOCK_H=block_h, **launch_kwargs(pdl))

@@ -6,8 +6,10 @@ whose token count is nearest. Lookups are cached: the layer asks on every forwar
 
 A config may carry a `down` entry: the down GEMM's own tile (DOWN_KEYS), since its shape (N = H,
 K = I) differs from the gate/up GEMM's; BLOCK_SIZE_M is shared because both walk one sorted layout.
-Either level may set the optional `SWAP_AB` (0 or 1, absent = 0; `down` inherits it unless it sets
-its own): that GEMM computes its tiles transposed (fused_moe.py). The heuristic never sets it.
+Either level may set the optional flags (0 or 1, absent = 0; `down` inherits them unless it sets
+its own): `SWAP_AB`, that GEMM computes its tiles transposed, and `B_TMA`, it reads the weight
+tiles through a TMA descriptor where the GPU has TMA (sm90+; fused_moe.py, tma.py). The heuristic
+sets neither.
 """
 
 from __future__ import annotations
@@ -22,14 +24,24 @@ SHIPPED_DIR = Path(__file__).parent / "moe_configs"
 KEYS = ("BLOCK_SIZE_M", "BLOCK_SIZE_N", "BLOCK_SIZE_K", "GROUP_SIZE_M", "num_warps", "num_stages")
 DOWN_KEYS = KEYS[1:]
 SWAP_KEY = "SWAP_AB"  # optional at either level
+TMA_KEY = "B_TMA"  # optional at either level
+FLAG_KEYS = (SWAP_KEY, TMA_KEY)
+
+
+def _flag(cfg: dict, key: str) -> int:
+    """cfg's flag `key` as 0 or 1 (absent: 0); anything else raises ValueError naming the key."""
+    value = cfg.get(key, 0)
+    if type(value) not in (int, bool) or value not in (0, 1):
+        raise ValueError(f"{key} must be 0 or 1, got {value!r}")
+    return int(value)
 
 
 def swap_ab(cfg: dict) -> int:
-    """cfg's SWAP_AB as 0 or 1 (absent: 0); anything else raises ValueError naming the key."""
-    value = cfg.get(SWAP_KEY, 0)
-    if type(value) not in (int, bool) or value not in (0, 1):
-        raise ValueError(f"{SWAP_KEY} must be 0 or 1, got {value!r}")
-    return int(value)
+    return _flag(cfg, SWAP_KEY)
+
+
+def b_tma(cfg: dict) -> int:
+    return _flag(cfg, TMA_KEY)
 
 
 def down_config(cfg: dict) -> dict:
@@ -69,17 +81,19 @@ def load_table(path: str) -> dict[int, dict] | None:
             raise ValueError(f"{path}: config for {tokens} tokens lacks {missing}")
         entry = {k: int(cfg[k]) for k in KEYS}
         if "down" in cfg:
-            bad = sorted(set(cfg["down"]) - set(DOWN_KEYS) - {SWAP_KEY})
+            bad = sorted(set(cfg["down"]) - set(DOWN_KEYS) - set(FLAG_KEYS))
             if bad:
                 raise ValueError(f"{path}: down config for {tokens} tokens has unknown keys {bad}")
-            entry["down"] = {k: int(v) for k, v in cfg["down"].items() if k != SWAP_KEY}
+            entry["down"] = {k: int(v) for k, v in cfg["down"].items() if k not in FLAG_KEYS}
         for where, level in (("", cfg), ("down ", cfg.get("down", {}))):
-            if SWAP_KEY in level:
-                try:
-                    swap = swap_ab(level)
-                except ValueError as err:
-                    raise ValueError(f"{path}: {where}config for {tokens} tokens: {err}") from None
-                (entry["down"] if where else entry)[SWAP_KEY] = swap
+            for key in FLAG_KEYS:
+                if key in level:
+                    try:
+                        value = _flag(level, key)
+                    except ValueError as err:
+                        raise ValueError(
+                            f"{path}: {where}config for {tokens} tokens: {err}") from None
+                    (entry["down"] if where else entry)[key] = value
         table[int(tokens)] = entry
     return table or None
 
