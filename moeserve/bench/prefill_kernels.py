@@ -100,18 +100,28 @@ def _config(row: tuple) -> dict:
 
 
 def _label(cfg: dict) -> str:
-    """'MxNxK gG wW sS' (+ ' swap'), then the down tile's where it has one."""
-    from moeserve.kernels.triton.moe_config import down_config, swap_ab
+    """'MxNxK gG wW sS' (+ ' swap', ' tma'), then the down tile's where it has one."""
+    from moeserve.kernels.triton.moe_config import b_tma, down_config, swap_ab
+
+    def flags(c: dict) -> str:
+        return (" swap" if swap_ab(c) else "") + (" tma" if b_tma(c) else "")
 
     s = "x".join(str(cfg[k]) for k in ("BLOCK_SIZE_M", "BLOCK_SIZE_N", "BLOCK_SIZE_K"))
-    s += f" g{cfg['GROUP_SIZE_M']} w{cfg['num_warps']} s{cfg['num_stages']}"
-    s += " swap" if swap_ab(cfg) else ""
+    s += f" g{cfg['GROUP_SIZE_M']} w{cfg['num_warps']} s{cfg['num_stages']}" + flags(cfg)
     d = cfg.get("down")
     if not d:
         return s
     d = down_config(cfg)
     return s + (f" down {d['BLOCK_SIZE_N']}x{d['BLOCK_SIZE_K']} w{d['num_warps']}"
-                f" s{d['num_stages']}" + (" swap" if swap_ab(d) else ""))
+                f" s{d['num_stages']}" + flags(d))
+
+
+def _pointer_loads(cfg: dict) -> dict:
+    """cfg with B_TMA off at both levels: the same tiles through pointer loads."""
+    out = {k: v for k, v in cfg.items() if k not in ("B_TMA", "down")}
+    if "down" in cfg:
+        out["down"] = {k: v for k, v in cfg["down"].items() if k != "B_TMA"}
+    return out
 
 
 def pad_share(ids: torch.Tensor, experts: int, block_m: int) -> float:
@@ -143,6 +153,8 @@ def bench_moe(tokens: int, peak: float, rows: list[dict], e: int = 128, h: int =
     today = get_moe_config(e, h, i, k, dtype, tokens)  # what this GPU runs now
     if all(cfg != today for _, cfg in cands):
         cands.append(("today", today))
+    if _pointer_loads(today) != today:  # today's tiles without TMA: its A/B row
+        cands.append(("today, pointer loads", _pointer_loads(today)))
     cands += [("space", _config(r)) for r in (PREFILL_SPACE if space == "all" else [])]
     cands += [("swap space", _config(r)) for r in SWAP_SPACE]
     ref = None

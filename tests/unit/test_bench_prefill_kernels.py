@@ -72,6 +72,33 @@ def test_moe_configs_agree_with_torch(monkeypatch, capsys):
     assert [r["source"] for r in rows[4:]] == ["heuristic", "swap space"]
 
 
+def test_moe_rows_time_todays_tma_tiles_against_pointer_loads(monkeypatch, capsys):
+    """Where today's config reads weights by TMA (B_TMA), the same tiles through pointer loads
+    get their own row, and the labels say which is which."""
+    def cpu_inputs(t, e, h, i, k, dtype, seed=0):
+        g = torch.Generator().manual_seed(seed)
+        x, w13 = torch.randn(t, h, generator=g), torch.randn(e, 2 * i, h, generator=g) / h**0.5
+        logits, ids = torch.randn(t, e, generator=g).topk(k, dim=1)
+        return x, w13, torch.randn(e, h, i, generator=g) / i**0.5, ids, logits.softmax(1)
+
+    today = dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=32, BLOCK_SIZE_K=32, GROUP_SIZE_M=1,
+                 num_warps=4, num_stages=2, B_TMA=1, down=dict(BLOCK_SIZE_N=32, B_TMA=1))
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr("moeserve.tools.tune_moe.random_inputs", cpu_inputs)
+    monkeypatch.setattr("moeserve.kernels.triton.moe_config.get_moe_config",
+                        lambda *a, **k: today)
+    monkeypatch.setattr(pk, "_time_ms", lambda fn: 1.0)
+    monkeypatch.setattr(pk, "PREFILL_SPACE", [])
+    monkeypatch.setattr(pk, "SWAP_SPACE", [])
+    rows: list[dict] = []
+    pk.bench_moe(40, 1e12, rows, e=8, h=64, i=32, k=2)
+    assert [r["source"] for r in rows] == ["heuristic", "today", "today, pointer loads"]
+    assert "B_TMA" not in rows[2]["config"] and "B_TMA" not in rows[2]["config"]["down"]
+    out = capsys.readouterr().out
+    assert "| 16x32x32 g1 w4 s2 tma down 32x32 w4 s2 tma | today |" in out
+    assert "| 16x32x32 g1 w4 s2 down 32x32 w4 s2 | today, pointer loads |" in out
+
+
 def test_swap_table_is_today_with_the_best_swap_rows(tmp_path):
     """--swap-table: the heuristic's table here (no shipped one for this shape), the benched
     token counts' entries replaced by their fastest swap-AB rows; it loads as a table."""
