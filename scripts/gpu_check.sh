@@ -39,6 +39,7 @@
 #   (PA_OB_ALIAS=1 adds another GPU's MoE tables; knobs in the mode; PA_KERNELS=0 or PA_OB=0
 #   runs one half, if both do not fit one 10-minute call).
 #   sdpa: the SDPA fresh prefill's GPU parity tests and one_batch prefill with it on and off.
+#   tma: the fused MoE's weight tiles by TMA (B_TMA): GPU tests, kernel rows, one_batch A/B.
 #   fp8acc: issue 44's FP8 accuracy tests (kernels vs their float64 emulation, per layer and
 #   whole model) and the bench.fp8_accuracy KL / top-1 table; on an H200 then bench.op_costs.
 #   pdl: programmatic dependent launch: its kernel-chain test, one_batch Qwen3-30B-A3B with PDL
@@ -159,6 +160,41 @@ open('/tmp/moe_heur/' + m.config_file_name(128, 2048, 768, torch.bfloat16), 'w')
     -o device=cuda -o scheduler.chunked_prefill_size=4096 -o cache.max_total_tokens=20000 \
     -o cuda_graph.max_bs=4 2>&1 | grep -v -E "Warning|warn|capturing" \
     | tee "$OUT/prefill_ab.log"
+fi
+
+if [[ $what == tma ]]; then
+  # fused-MoE weight tiles by TMA (B_TMA, docs/gpu_decode.md): the GPU tests, the kernel rows
+  # (today's tiles with and without TMA) at 1344-8192 tokens, then one_batch at 4096 tokens with
+  # a copy of this GPU's Qwen3 table that sets B_TMA and 4 stages from 1344 tokens, against the
+  # shipped table, with the profile of each prefill
+  timeout 150 python3 -m pytest tests/kernels/test_fused_moe_tma.py -q -n 0 -p no:cacheprovider \
+    tests/kernels/test_fp8_emulation.py::test_fused_moe_tma_equals_the_emulation_in_bf16_on_gpu \
+    2>&1 | tail -3 | tee "$OUT/tma_tests.log"
+  timeout 240 python3 -m moeserve.bench.prefill_kernels --only moe --moe-space swap \
+    --tokens 1344 2048 4096 8192 \
+    2>&1 | grep -E "tokens|today|table" | tee "$OUT/tma_kernels.log"
+  python3 - <<'PY'
+import json, pathlib
+from moeserve.kernels.triton.moe_config import SHIPPED_DIR, config_file_name
+import torch
+name = config_file_name(128, 2048, 768, torch.bfloat16)
+table = json.loads((SHIPPED_DIR / name).read_text())
+for tokens, cfg in table.items():
+    if int(tokens) >= 1344:
+        cfg.update(B_TMA=1, num_stages=4)
+        if "down" in cfg:
+            cfg["down"].update(num_stages=4)
+pathlib.Path("/tmp/moe_tma").mkdir(exist_ok=True)
+(pathlib.Path("/tmp/moe_tma") / name).write_text(json.dumps(table))
+PY
+  python3 -m moeserve.tools.make_random --shape qwen3_30b_a3b --config-only \
+    --out /tmp/q3moe_full >/dev/null
+  timeout 200 python3 -m moeserve.bench.one_batch --model /tmp/q3moe_full --batch 1 \
+    --input-len 4096 --output-len 2 --warmup 1 --profile-prefill -o moe.config_dir=/tmp/moe_tma \
+    --compare-with moe.config_dir=null -o model.load_format=dummy -o device=cuda \
+    -o scheduler.chunked_prefill_size=4096 -o cache.max_total_tokens=20000 -o cuda_graph.max_bs=4 \
+    2>&1 | grep -E "^\| (moeserve|moe\.|prefill)|_moe_gemm|_sum_local|CUDA time total" \
+    | tee "$OUT/tma.log"
 fi
 
 if [[ $what == sdpa ]]; then

@@ -116,12 +116,20 @@ def _label(cfg: dict) -> str:
                 f" s{d['num_stages']}" + flags(d))
 
 
-def _pointer_loads(cfg: dict) -> dict:
-    """cfg with B_TMA off at both levels: the same tiles through pointer loads."""
-    out = {k: v for k, v in cfg.items() if k not in ("B_TMA", "down")}
+def _flip_tma(cfg: dict) -> tuple[str, dict]:
+    """Today's tiles the other way: B_TMA off at both levels where today sets it ("pointer
+    loads"), else on at both with 4 stages ("TMA"; the stages its 2026-12-07 rows used)."""
+    from moeserve.kernels.triton.moe_config import b_tma, down_config
+
+    if b_tma(cfg) or b_tma(down_config(cfg)):
+        out = {k: v for k, v in cfg.items() if k not in ("B_TMA", "down")}
+        if "down" in cfg:
+            out["down"] = {k: v for k, v in cfg["down"].items() if k != "B_TMA"}
+        return "pointer loads", out
+    out = dict(cfg, B_TMA=1, num_stages=4)
     if "down" in cfg:
-        out["down"] = {k: v for k, v in cfg["down"].items() if k != "B_TMA"}
-    return out
+        out["down"] = dict(cfg["down"], B_TMA=1, num_stages=4)
+    return "TMA", out
 
 
 def pad_share(ids: torch.Tensor, experts: int, block_m: int) -> float:
@@ -153,8 +161,8 @@ def bench_moe(tokens: int, peak: float, rows: list[dict], e: int = 128, h: int =
     today = get_moe_config(e, h, i, k, dtype, tokens)  # what this GPU runs now
     if all(cfg != today for _, cfg in cands):
         cands.append(("today", today))
-    if _pointer_loads(today) != today:  # today's tiles without TMA: its A/B row
-        cands.append(("today, pointer loads", _pointer_loads(today)))
+    way, flipped = _flip_tma(today)  # today's tiles with weights by TMA and without
+    cands.append((f"today, {way}", flipped))
     cands += [("space", _config(r)) for r in (PREFILL_SPACE if space == "all" else [])]
     cands += [("swap space", _config(r)) for r in SWAP_SPACE]
     ref = None

@@ -61,15 +61,17 @@ def test_moe_configs_agree_with_torch(monkeypatch, capsys):
     monkeypatch.setattr(pk, "SWAP_SPACE", [(16, 32, 32, 1, 4, 2, 1, (32, 32, 1, 4, 2, 0))])
     rows: list[dict] = []
     pk.bench_moe(40, 1e12, rows, e=8, h=64, i=32, k=2)
-    assert [r["source"] for r in rows] == ["heuristic", "space", "space", "swap space"]
-    assert [r["swap_ab"] for r in rows] == [0, 0, 0, 1]
-    assert [r["today"] for r in rows] == [True, False, False, False]  # no table on CPU
+    assert [r["source"] for r in rows] == ["heuristic", "today, TMA", "space", "space",
+                                           "swap space"]
+    assert [r["swap_ab"] for r in rows] == [0, 0, 0, 0, 1]
+    assert [r["today"] for r in rows] == [True, False, False, False, False]  # no table on CPU
+    assert rows[1]["config"] == dict(rows[0]["config"], B_TMA=1, num_stages=4)
     out = capsys.readouterr().out
     assert "skipped" not in out
     assert "swap-AB at 40 tokens: best 16x32x32 g1 w4 s2 swap down 32x32 w4 s2 1.000 ms" in out
-    assert rows[1]["tflops"] == pytest.approx(6 * 40 * 2 * 64 * 32 / 1e-3 / 1e12)
+    assert rows[2]["tflops"] == pytest.approx(6 * 40 * 2 * 64 * 32 / 1e-3 / 1e12)
     pk.bench_moe(40, 1e12, rows, e=8, h=64, i=32, k=2, space="swap")  # PREFILL_SPACE left out
-    assert [r["source"] for r in rows[4:]] == ["heuristic", "swap space"]
+    assert [r["source"] for r in rows[5:]] == ["heuristic", "today, TMA", "swap space"]
 
 
 def test_moe_rows_time_todays_tma_tiles_against_pointer_loads(monkeypatch, capsys):
