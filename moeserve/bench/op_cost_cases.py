@@ -3,8 +3,10 @@ returning rows of the table (`impl`, shape keys, the swept variable, `us`).
 
 `impl="moeserve"` rows run what the runtime dispatches to (`Linear` with the Triton ops attached,
 `fp8_linear`'s path by M, `fused_moe`, the Triton attention backend, `RMSNorm`, the routers);
-`impl="sdpa"` is torch's scaled_dot_product_attention (flash) for the MHA-form MLA prefill that
-SGLang-like stacks run, so the planner can price either.
+`impl="sdpa"` is torch's scaled_dot_product_attention: for the MHA-form MLA prefill that
+SGLang-like stacks run (flash), so the planner can price either, and for GQA the runtime's own
+fresh-prefill call (attention/sdpa_prefill.py, cuDNN first), which it takes from
+`attention.sdpa_prefill_min_tokens` fresh tokens a step.
 """
 
 from __future__ import annotations
@@ -265,6 +267,11 @@ def attn_extend_rows(device: torch.device) -> list[dict]:
         rows.append(dict(impl="moeserve", model=model, kind=kind, heads=heads, kv_heads=kvh,
                          head_dim=hd, v_head_dim=vd, seq=PROMPTS, us=us))
         log(f"attn extend {model}: " + " ".join(f"{u:.1f}" for u in us))
+        if kind == "gqa":
+            us = [_time_sdpa_prefill(heads, kvh, hd, n, device) for n in PROMPTS]
+            rows.append(dict(impl="sdpa", model=model, kind=kind, heads=heads, kv_heads=kvh,
+                             head_dim=hd, v_head_dim=vd, seq=PROMPTS, us=us))
+            log(f"attn extend sdpa {model}: " + " ".join(f"{u:.1f}" for u in us))
     us = []
     for n in PROMPTS:
         q, k, v = (torch.randn(1, 128, n, 192, device=device, dtype=torch.bfloat16)
@@ -275,6 +282,16 @@ def attn_extend_rows(device: torch.device) -> list[dict]:
                      head_dim=192, v_head_dim=128, seq=PROMPTS, us=us))
     log("attn extend sdpa mha: " + " ".join(f"{u:.1f}" for u in us))
     return rows
+
+
+def _time_sdpa_prefill(heads: int, kv_heads: int, d: int, n: int, device: torch.device) -> float:
+    """µs of the runtime's SDPA fresh prefill of one n-token prompt (its backend order)."""
+    from moeserve.attention.sdpa_prefill import sdpa_prefill
+
+    q = torch.randn(n, heads, d, device=device, dtype=torch.bfloat16)
+    k, v = (torch.randn(n, kv_heads, d, device=device, dtype=torch.bfloat16) for _ in range(2))
+    out = torch.empty_like(q)
+    return time_graph(lambda i: (lambda: sdpa_prefill(q, k, v, [n], d ** -0.5, out)), 1, device)
 
 
 def norm_router_rows(device: torch.device) -> tuple[list[dict], list[dict]]:

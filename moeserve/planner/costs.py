@@ -20,6 +20,7 @@ import math
 import os
 from dataclasses import dataclass
 
+from moeserve.config_schema import AttentionConfig
 from moeserve.planner.arch import ModelShape
 from moeserve.planner.profiles import HardwareProfile, load_profile
 
@@ -30,6 +31,8 @@ SCHEMA = "moeserve.op_costs/1"
 # tokens) and 1.3-2.5 us on the H200 (docs/gpu_decode.md, small ops): the same on both
 LAUNCH_FLOOR_US = 2.0
 SMALL_MAX_PAIRS = 32  # fused_moe's GEMV path below this many pairs (when a table does not say)
+# fresh GQA prefill steps from this many new tokens attend through SDPA (the runtime's default)
+SDPA_MIN_TOKENS = AttentionConfig().sdpa_prefill_min_tokens
 # FlashMLA's README (H800 SXM5, CUDA 12.8): up to 3000 GB/s memory-bound, 660 TFLOPS compute-bound
 FLASHMLA_GBPS, FLASHMLA_TFLOPS, FLASHMLA_REF_TBPS = 3000.0, 660.0, 3.35
 
@@ -238,7 +241,9 @@ class CostModel:
 
     def attn_prefill(self, s: ModelShape, n_req: float, new: float, prefix: float) -> Cost:
         """One layer's causal attention for n_req requests of `new` tokens over `prefix` cached
-        ones. moeserve runs MLA in absorbed form; `best` in MHA form through SDPA."""
+        ones. moeserve runs MLA in absorbed form; `best` in MHA form through SDPA. GQA steps of
+        fresh prompts (no prefix) holding SDPA_MIN_TOKENS or more run the runtime's SDPA call
+        (attention.sdpa_prefill_min_tokens), where the table has its rows."""
         if n_req <= 0 or new <= 0:
             return Cost(0.0, "measured")
         mha = s.attention == "mla" and self.kernels == "best"
@@ -247,10 +252,14 @@ class CostModel:
         dv = s.v_head_dim if kind != "mla" else s.kv_lora
         flops = 2.0 * n_req * s.heads * (dk + dv) * new * (prefix + new / 2)
         nbytes = 2.0 * n_req * (new + prefix) * s.heads * (dk + dv)
-        rows = self.rows("attn_extend", impl="sdpa" if mha else "moeserve", kind=kind)
+        sdpa = mha or (kind == "gqa" and prefix == 0 and SDPA_MIN_TOKENS is not None
+                       and n_req * new >= SDPA_MIN_TOKENS)
+        rows = (sdpa and self.rows("attn_extend", impl="sdpa", kind=kind)) or self.rows(
+            "attn_extend", impl="moeserve", kind=kind)
         if not rows:
             return self._spec(nbytes, flops, "bf16")
-        row = min(rows, key=lambda r: abs(math.log(r["heads"] / s.heads)))
+        row = min(rows, key=lambda r: abs(math.log(r["heads"] / s.heads))
+                  + abs(math.log(r.get("kv_heads", 1) / max(s.kv_heads, 1))))
         # a prefix costs as the extra query-key pairs it adds: scale from the causal figure
         us, src = interp(row["seq"], row["us"], new)
         us *= n_req * (prefix + new / 2) / (new / 2) * s.heads / row["heads"]

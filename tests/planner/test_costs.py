@@ -81,3 +81,33 @@ def test_gemv_moe_is_priced_by_experts_touched_not_tokens_per_expert():
     costs = [c.moe(s, "bf16", t, min(t * 1.03, 32)).us for t in (7.0, 7.76, 8.0, 12.0, 24.0)]
     assert costs == sorted(costs)
     assert costs[1] == pytest.approx(one.us * 7.76 / 8, rel=0.01)  # below the table: per expert
+
+
+def test_fresh_gqa_prefill_is_priced_from_the_sdpa_rows_from_the_runtime_threshold(tmp_path):
+    """The runtime attends fresh prompts through SDPA from attention.sdpa_prefill_min_tokens new
+    tokens a step; the planner prices such steps from the table's SDPA GQA rows, and steps below
+    it or with a cached prefix from the Triton kernel's. Each GQA model takes its own row."""
+    from moeserve.config_schema import AttentionConfig
+    from moeserve.planner.arch import load_shape
+    from moeserve.planner.costs import SDPA_MIN_TOKENS
+
+    assert SDPA_MIN_TOKENS == AttentionConfig().sdpa_prefill_min_tokens == 4096
+    doc = load_table(f"{COST_DIR}/h100.json")
+    ours = {r["model"]: r for r in doc["ops"]["attn_extend"] if r["impl"] == "moeserve"}
+    for model in ("qwen3_30b_a3b", "llama3_8b"):  # SDPA rows at a third of the Triton kernel's
+        doc["ops"]["attn_extend"].append(dict(ours[model], impl="sdpa",
+                                              us=[u / 3 for u in ours[model]["us"]]))
+    path = tmp_path / "sdpa.json"
+    path.write_text(json.dumps(doc))
+    plain, with_sdpa = CostModel(load_profile("h100")), CostModel(load_profile("h100"),
+                                                                   table_path=str(path))
+    q3, llama = load_shape("qwen3_30b_a3b"), load_shape("llama3_8b")
+    fresh = with_sdpa.attn_prefill(q3, 1, 8192, 0)
+    assert fresh.us == pytest.approx(plain.attn_prefill(q3, 1, 8192, 0).us / 3)
+    assert fresh.source == "measured"
+    two = with_sdpa.attn_prefill(q3, 2, 2048, 0)  # two fresh prompts: 4096 new tokens
+    assert two.us < 0.5 * plain.attn_prefill(q3, 2, 2048, 0).us
+    for args in ((1, 2048, 0), (1, 8192, 512)):  # below the threshold; a cached prefix
+        assert with_sdpa.attn_prefill(q3, *args).us == plain.attn_prefill(q3, *args).us
+    lrow = with_sdpa.attn_prefill(llama, 1, 8192, 0)  # llama's own 8-KV-head row
+    assert lrow.us == pytest.approx(ours["llama3_8b"]["us"][-1] / 3)
