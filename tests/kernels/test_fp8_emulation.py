@@ -16,6 +16,7 @@ import json
 
 import pytest
 import torch
+from test_fused_moe import LaunchSpy
 
 from moeserve.kernels.fp8_format import quantize_fp8_blocks
 from moeserve.kernels.triton import fp8 as fp8_kernels
@@ -179,24 +180,11 @@ def test_fused_moe_tma_equals_the_emulation_in_float32_interpreter(tmp_path, swa
     if torch.cuda.is_available():
         pytest.skip("the CPU interpreter's check (the GPU one is below)")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    launched = []
-    kernel = fm._moe_gemm_kernel
-    monkeypatch.setattr(fm, "_moe_gemm_kernel", _Recorder(kernel, launched))
+    spy = LaunchSpy(fm._moe_gemm_kernel, "B_TMA")
+    monkeypatch.setattr(fm, "_moe_gemm_kernel", spy)
     _check_moe_swap_ab(tmp_path, 20, "cpu", torch.float32, CPU_TOL, dict(SWAP_AB=swap, B_TMA=1))
-    assert launched == [1, 0]  # gate/up rows of 320 e4m3 bytes by TMA; down's 200 cannot
+    assert spy.launches == [1, 0]  # gate/up rows of 320 e4m3 bytes by TMA; down's 200 cannot
 
-
-class _Recorder:
-    """Stands in for `_moe_gemm_kernel`, recording whether each launch reads weights by TMA."""
-
-    def __init__(self, kernel, launched: list):
-        self.kernel, self.launched = kernel, launched
-
-    def __getitem__(self, grid):
-        def launch(*args, **kwargs):
-            self.launched.append(int(kwargs["B_TMA"]))
-            return self.kernel[grid](*args, **kwargs)
-        return launch
 
 
 @pytest.mark.gpu

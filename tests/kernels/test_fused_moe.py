@@ -60,6 +60,21 @@ def _check(out, x, w13, w2, ids, w, first=0):
     torch.testing.assert_close(out.double().cpu(), _reference(x, w13, w2, ids, w, first), **TOL)
 
 
+class LaunchSpy:
+    """Stands in for `_moe_gemm_kernel`, recording each launch's `keys` (launch kwargs, e.g.
+    SWAP_AB or B_TMA) as a tuple, or the value itself for one key."""
+
+    def __init__(self, kernel, *keys: str):
+        self.kernel, self.keys, self.launches = kernel, keys, []
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            got = tuple(int(kwargs[k]) for k in self.keys)
+            self.launches.append(got[0] if len(got) == 1 else got)
+            return self.kernel[grid](*args, **kwargs)
+        return launch
+
+
 @pytest.fixture
 def poisoned_buffers(monkeypatch):
     """Intermediate buffers start as NaN: a row the kernels forget to write or to skip shows."""

@@ -2,7 +2,7 @@
 computes [BLOCK_SIZE_N, BLOCK_SIZE_M] = weights @ tokens^T) against the float64 per-expert
 reference of test_fused_moe.py: gated and down GEMMs each on or off, partial N and K tiles,
 expert-parallel shards with stray ids, a tuned table carrying the key (the flag reaching each
-launch), and bad values refused. The FP8 variant is checked against its float64 emulation in
+launch), and bad values of either flag (SWAP_AB, B_TMA) refused. The FP8 variant is checked against its float64 emulation in
 test_fp8_emulation.py. Tiny shapes: the interpreter pays per program."""
 
 from __future__ import annotations
@@ -13,26 +13,13 @@ import pytest
 import torch
 
 pytest.importorskip("triton")
-from test_fused_moe import SMALL, TOL, _check, _inputs, poisoned_buffers  # noqa: E402,F401
+from test_fused_moe import (SMALL, TOL, LaunchSpy, _check, _inputs,  # noqa: E402
+                            poisoned_buffers)  # noqa: F401
 
 from moeserve.kernels.triton import fused_moe as fm  # noqa: E402
 from moeserve.kernels.triton import moe_config  # noqa: E402
 
 TILE = dict(SMALL, BLOCK_SIZE_N=16, BLOCK_SIZE_K=16)  # 16: tl.dot's least width either way
-
-
-class _LaunchSpy:
-    """Stands in for `_moe_gemm_kernel`, recording each launch's SWAP_AB and block sizes."""
-
-    def __init__(self, kernel):
-        self.kernel, self.launches = kernel, []
-
-    def __getitem__(self, grid):
-        def launch(*args, **kwargs):
-            self.launches.append((kwargs["SWAP_AB"], kwargs["BLOCK_SIZE_M"],
-                                  kwargs["BLOCK_SIZE_N"]))
-            return self.kernel[grid](*args, **kwargs)
-        return launch
 
 
 @pytest.mark.parametrize("t,k,h,i,cfg,want", [
@@ -45,7 +32,7 @@ class _LaunchSpy:
 ])
 def test_swap_ab_matches_float64_reference(t, k, h, i, cfg, want, poisoned_buffers,
                                            monkeypatch):
-    spy = _LaunchSpy(fm._moe_gemm_kernel)
+    spy = LaunchSpy(fm._moe_gemm_kernel, "SWAP_AB", "BLOCK_SIZE_M", "BLOCK_SIZE_N")
     monkeypatch.setattr(fm, "_moe_gemm_kernel", spy)
     x, w13, w2, ids, w = _inputs(t, h, i, 8, k, seed=t + k)
     _check(fm.fused_moe(x, w13, w2, ids, w, config=cfg, small_path=False), x, w13, w2, ids, w)
@@ -75,7 +62,7 @@ def test_table_with_swap_ab_reaches_the_launches(tmp_path, monkeypatch):
     assert "SWAP_AB" not in get(3) and moe_config.swap_ab(get(3)) == 0  # absent: off
     cfg = get(15)
     assert cfg == table["16"] and moe_config.down_config(cfg)["SWAP_AB"] == 0
-    spy = _LaunchSpy(fm._moe_gemm_kernel)
+    spy = LaunchSpy(fm._moe_gemm_kernel, "SWAP_AB", "BLOCK_SIZE_M", "BLOCK_SIZE_N")
     monkeypatch.setattr(fm, "_moe_gemm_kernel", spy)
     x, w13, w2, ids, w = _inputs(15, 32, 24, 8, 2, seed=6)
     _check(fm.fused_moe(x, w13, w2, ids, w, config=cfg, small_path=False), x, w13, w2, ids, w)
@@ -87,17 +74,18 @@ def test_table_with_swap_ab_reaches_the_launches(tmp_path, monkeypatch):
                                      str(tmp_path / "b"))["SWAP_AB"] == 1
 
 
+@pytest.mark.parametrize("key", ["SWAP_AB", "B_TMA"])  # the launch configs' flags
 @pytest.mark.parametrize("bad", [2, -1, "1", 1.0, None])
 @pytest.mark.parametrize("where", ["top", "down"])
-def test_bad_swap_ab_refused(bad, where, tmp_path):
-    cfg = dict(TILE, SWAP_AB=bad) if where == "top" else dict(TILE, down=dict(SWAP_AB=bad))
+def test_bad_flag_refused(key, bad, where, tmp_path):
+    cfg = dict(TILE, **{key: bad}) if where == "top" else dict(TILE, down={key: bad})
     name = moe_config.config_file_name(8, 32, 24, torch.float32)
     (tmp_path / name).write_text(json.dumps({"16": cfg}))
     msg = "down config" if where == "down" else "config for 16 tokens"
-    with pytest.raises(ValueError, match=f"{msg}.*SWAP_AB must be 0 or 1"):
+    with pytest.raises(ValueError, match=f"{msg}.*{key} must be 0 or 1"):
         moe_config.get_moe_config(8, 32, 24, 2, torch.float32, 16, str(tmp_path))
     x, w13, w2, ids, w = _inputs(5, 32, 24, 8, 2, seed=1)
-    with pytest.raises(ValueError, match="SWAP_AB must be 0 or 1"):  # a config passed directly
+    with pytest.raises(ValueError, match=f"{key} must be 0 or 1"):  # a config passed directly
         fm.fused_moe(x, w13, w2, ids, w, config=cfg, small_path=False)
 
 

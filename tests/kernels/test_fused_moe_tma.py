@@ -1,10 +1,10 @@
 """Weight tiles through TMA descriptors in the fused MoE's grouped GEMMs (`B_TMA` in a launch
 config; kernels/triton/tma.py): the float64 per-expert reference of test_fused_moe.py with
 partial N and K tiles (TMA's zero fill, gate tiles running into up rows), swap-AB tiles, an
-expert-parallel shard with stray ids, FP8 experts against their float64 emulation, the flag
-reaching each launch from a tuned table, the pointer path where a descriptor cannot apply, and
-bad values refused. On the CPU the interpreter runs the descriptors (float32); on an H100 the
-TMA and pointer paths give the same bits."""
+expert-parallel shard with stray ids, the flag reaching each launch from a tuned table, and the
+pointer path where a descriptor cannot apply. FP8 experts: test_fp8_emulation.py; bad values:
+test_fused_moe_swap.py's flag test. On the CPU the interpreter runs the descriptors (float32);
+on an H100 the TMA and pointer paths give the same bits."""
 
 from __future__ import annotations
 
@@ -14,7 +14,8 @@ import pytest
 import torch
 
 pytest.importorskip("triton")
-from test_fused_moe import DEVICE, SMALL, TOL, _check, _inputs, poisoned_buffers  # noqa: E402,F401
+from test_fused_moe import (DEVICE, SMALL, TOL, LaunchSpy, _check, _inputs,  # noqa: E402
+                            poisoned_buffers)  # noqa: F401
 
 from moeserve.kernels.triton import fused_moe as fm  # noqa: E402
 from moeserve.kernels.triton import moe_config  # noqa: E402
@@ -24,24 +25,11 @@ TILE = dict(SMALL, BLOCK_SIZE_N=16, BLOCK_SIZE_K=16)
 pytestmark = pytest.mark.skipif(tma.TensorDescriptor is None, reason="Triton without TMA")
 
 
-class _LaunchSpy:
-    """Stands in for `_moe_gemm_kernel`, recording each launch's B_TMA and SWAP_AB."""
-
-    def __init__(self, kernel):
-        self.kernel, self.launches = kernel, []
-
-    def __getitem__(self, grid):
-        def launch(*args, **kwargs):
-            self.launches.append((kwargs["B_TMA"], kwargs["SWAP_AB"]))
-            return self.kernel[grid](*args, **kwargs)
-        return launch
-
-
 @pytest.fixture
 def spy(monkeypatch):
     if DEVICE == "cpu":
         monkeypatch.setenv("TRITON_INTERPRET", "1")  # where tma_ok lets CPU tensors through
-    s = _LaunchSpy(fm._moe_gemm_kernel)
+    s = LaunchSpy(fm._moe_gemm_kernel, "B_TMA", "SWAP_AB")
     monkeypatch.setattr(fm, "_moe_gemm_kernel", s)
     return s
 
@@ -110,20 +98,6 @@ def test_table_with_b_tma_reaches_the_launches(tmp_path, spy):
     x, w13, w2, ids, w = _inputs(15, 32, 24, 8, 2, seed=6)
     _check(fm.fused_moe(x, w13, w2, ids, w, config=cfg, small_path=False), x, w13, w2, ids, w)
     assert spy.launches == [(1, 0), (0, 0)]
-
-
-@pytest.mark.parametrize("bad", [2, -1, "1", 1.0, None])
-@pytest.mark.parametrize("where", ["top", "down"])
-def test_bad_b_tma_refused(bad, where, tmp_path):
-    cfg = dict(TILE, B_TMA=bad) if where == "top" else dict(TILE, down=dict(B_TMA=bad))
-    name = moe_config.config_file_name(8, 32, 24, torch.float32)
-    (tmp_path / name).write_text(json.dumps({"16": cfg}))
-    msg = "down config" if where == "down" else "config for 16 tokens"
-    with pytest.raises(ValueError, match=f"{msg}.*B_TMA must be 0 or 1"):
-        moe_config.get_moe_config(8, 32, 24, 2, torch.float32, 16, str(tmp_path))
-    x, w13, w2, ids, w = _inputs(5, 32, 24, 8, 2, seed=1)
-    with pytest.raises(ValueError, match="B_TMA must be 0 or 1"):  # a config passed directly
-        fm.fused_moe(x, w13, w2, ids, w, config=cfg, small_path=False)
 
 
 @pytest.mark.gpu

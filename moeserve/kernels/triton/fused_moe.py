@@ -203,9 +203,11 @@ def _grouped_gemm(a, b, c, weights, sorted_ids, expert_ids, num_post, row_div, g
     num_pid_m = sorted_ids.shape[0] // bm
     grid = (num_pid_m * triton.cdiv(n, bn),)
     scales = (a_scale, b_scale) if fp8 else (c, c)
-    b_2d = b.view(-1, b.shape[2]) if b.is_contiguous() else None
-    tma = b_tma(cfg) and b_2d is not None and tma_ok(b_2d, interpreted=True)
-    b_desc = TensorDescriptor.from_tensor(b_2d, [bn, bk]) if tma else None
+    b_desc = None
+    if b_tma(cfg) and b.is_contiguous():
+        b_2d = b.view(-1, b.shape[2])  # [E * rows, K]: one descriptor over every expert
+        if tma_ok(b_2d, interpreted=True):
+            b_desc = TensorDescriptor.from_tensor(b_2d, [bn, bk])
     _moe_gemm_kernel[grid](
         a, b, b_desc, c, weights if weights is not None else c, sorted_ids, expert_ids, num_post,
         *scales, n, kdim, c.shape[0], num_pid_m, b.shape[1], a.stride(0), a.stride(1),
@@ -214,7 +216,7 @@ def _grouped_gemm(a, b, c, weights, sorted_ids, expert_ids, num_post, row_div, g
         b_scale.stride(1) if fp8 else 0, triton.cdiv(n, block[0]), ROW_DIV=row_div, GATED=gated,
         WEIGHTED=weights is not None, EVEN_K=kdim % bk == 0, FP8=fp8, SCALE_BN=block[0],
         SCALE_BK=block[1], BLOCK_SIZE_M=bm,
-        BLOCK_SIZE_N=bn, BLOCK_SIZE_K=bk, GROUP_SIZE_M=cfg["GROUP_SIZE_M"], SWAP_AB=swap, B_TMA=tma,
+        BLOCK_SIZE_N=bn, BLOCK_SIZE_K=bk, GROUP_SIZE_M=cfg["GROUP_SIZE_M"], SWAP_AB=swap, B_TMA=b_desc is not None,
         EXACT_DOT=fp8 and fp8_kernels.EXACT_DOT, num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"], **launch_kwargs(pdl))
 

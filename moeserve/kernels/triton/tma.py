@@ -8,6 +8,7 @@ it is captured with the launch in a CUDA graph (weights do not move).
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -28,4 +29,10 @@ def tma_ok(w: torch.Tensor, interpreted: bool = False) -> bool:
         return False
     if not w.is_cuda:
         return interpreted and os.environ.get("TRITON_INTERPRET") == "1"
-    return torch.cuda.get_device_capability(w.device)[0] >= 9
+    return _has_tma(w.device.index if w.device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache
+def _has_tma(device_index: int) -> bool:
+    """sm90+; asked once per GPU, not on every launch."""
+    return torch.cuda.get_device_capability(device_index)[0] >= 9
