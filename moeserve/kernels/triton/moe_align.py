@@ -52,8 +52,8 @@ def moe_align_block_size(topk_ids: torch.Tensor, block_m: int, first_expert: int
 
 
 def _align_parallel(topk_ids, block_m, first_expert, num_local, p):
-    """Count (per-program histograms, one atomic per expert), lay the runs out (one program:
-    offsets, block owners, padding), scatter (an atomic cursor per expert): 3 launches where the
+    """Count (per-program histograms, one atomic per expert), lay the runs out (offsets, block
+    owners, padding; programs by block), scatter (an atomic cursor per expert): 3 launches where the
     torch ops took ~20 (an extend step of 2048 tokens spent ~110 µs a layer in them). Within an
     expert the pairs land in any order: each GEMM row depends on its own pair only, so the
     results are the same."""
@@ -67,9 +67,11 @@ def _align_parallel(topk_ids, block_m, first_expert, num_local, p):
     grid = (triton.cdiv(n, ALIGN_CHUNK),)
     _align_count_kernel[grid](topk_ids, counts, n, first_expert, num_local, BLOCK_E=block_e,
                               CHUNK=ALIGN_CHUNK)
-    _align_layout_kernel[(1,)](counts, cursor, sorted_ids, expert_ids, num_post, n, num_local,
-                               p // block_m, BLOCK_M=block_m, BLOCK_E=block_e,
-                               CHUNK_B=max(16, 2048 // block_m))
+    num_blocks = p // block_m
+    chunk_b = max(16, 2048 // block_m)
+    _align_layout_kernel[(triton.cdiv(num_blocks, chunk_b),)](
+        counts, cursor, sorted_ids, expert_ids, num_post, n, num_local, num_blocks,
+        BLOCK_M=block_m, BLOCK_E=block_e, CHUNK_B=chunk_b)
     _align_scatter_kernel[grid](topk_ids, cursor, sorted_ids, n, first_expert, num_local,
                                 CHUNK=ALIGN_CHUNK)
     return sorted_ids, expert_ids, num_post
@@ -88,8 +90,11 @@ def _align_count_kernel(ids_ptr, counts_ptr, num_pairs, first_expert, num_local,
 def _align_layout_kernel(counts_ptr, cursor_ptr, sorted_ptr, expert_ptr, num_post_ptr, num_pairs,
                          num_local, num_blocks, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr,
                          CHUNK_B: tl.constexpr):
-    """Runs padded to whole blocks; cursor = each run's start (the scatter advances it); every
-    slot no pair takes (run padding, unused blocks) gets num_pairs, as in `_align_kernel`."""
+    """Runs padded to whole blocks. Program i owns blocks [i * CHUNK_B, (i + 1) * CHUNK_B): each
+    recomputes the runs from the E counts (cheap) and writes its blocks' owners and every slot of
+    them that no pair takes (num_pairs, as in `_align_kernel`); program 0 also writes num_post
+    and cursor = each run's start (the scatter advances it). One program walking every block
+    took most of the align's time at 4096 x 8 pairs (docs/gpu_decode.md)."""
     experts = tl.arange(0, BLOCK_E)
     local = experts < num_local
     counts = tl.load(counts_ptr + experts, mask=local, other=0)
@@ -97,19 +102,21 @@ def _align_layout_kernel(counts_ptr, cursor_ptr, sorted_ptr, expert_ptr, num_pos
     ends = tl.cumsum(padded, axis=0)
     starts = ends - padded
     total = tl.sum(padded, axis=0)
-    tl.store(num_post_ptr, total)
-    tl.store(cursor_ptr + experts, starts, mask=local)
+    if tl.program_id(0) == 0:
+        tl.store(num_post_ptr, total)
+        tl.store(cursor_ptr + experts, starts, mask=local)
+    blocks = tl.program_id(0) * CHUNK_B + tl.arange(0, CHUNK_B)
+    first_row = blocks * BLOCK_M
+    before = (ends[None, :] <= first_row[:, None]) & local[None, :]  # [CHUNK_B, E]
+    owner = tl.where(first_row < total, tl.sum(before.to(tl.int32), axis=1), -1)
+    in_range = blocks < num_blocks
+    tl.store(expert_ptr + blocks, owner, mask=in_range)
+    # the owner's first free row (its pairs fill the rows before it); unused blocks: row 0
+    mine = (experts[None, :] == owner[:, None]).to(tl.int32)
+    fill = tl.sum(mine * (starts + counts)[None, :], axis=1) - first_row
     rows = tl.arange(0, BLOCK_M)
-    pos = (starts + counts)[:, None] + rows[None, :]
-    tl.store(sorted_ptr + pos, num_pairs, mask=pos < ends[:, None])
-    for b0 in range(0, num_blocks, CHUNK_B):
-        blocks = b0 + tl.arange(0, CHUNK_B)
-        first_row = blocks * BLOCK_M
-        before = (ends[None, :] <= first_row[:, None]) & local[None, :]
-        owner = tl.where(first_row < total, tl.sum(before.to(tl.int32), axis=1), -1)
-        tl.store(expert_ptr + blocks, owner, mask=blocks < num_blocks)
-        unused = (owner < 0) & (blocks < num_blocks)
-        tl.store(sorted_ptr + first_row[:, None] + rows[None, :], num_pairs, mask=unused[:, None])
+    pad = (rows[None, :] >= fill[:, None]) & in_range[:, None]
+    tl.store(sorted_ptr + first_row[:, None] + rows[None, :], num_pairs, mask=pad)
 
 
 @triton.jit(do_not_specialize=["num_pairs"])
