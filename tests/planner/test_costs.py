@@ -39,14 +39,22 @@ def test_a_measured_point_is_returned_as_measured():
 
 
 def test_gpus_without_a_table_scale_the_h100_costs_by_their_sheets():
-    h100, h200, h20 = (CostModel(load_profile(n)) for n in ("h100", "h200", "h20"))
+    h100, gb200, h20 = (CostModel(load_profile(n)) for n in ("h100", "gb200_nvl72", "h20"))
     big = (1, 7168, 36864, "fp8")  # a weight stream: bandwidth-bound
-    assert h200.gemm(*big).source == "scaled"
-    assert h200.gemm(*big).us < h100.gemm(*big).us  # 4.8 against 3.35 TB/s
+    assert gb200.gemm(*big).source == "scaled"
+    assert gb200.gemm(*big).us < h100.gemm(*big).us  # 8 against 3.35 TB/s
     flops = (16384, 7168, 36864, "fp8")  # compute-bound: the H20 has 296 FP8 TFLOP/s
     assert h20.gemm(*flops).us > 5 * h100.gemm(*flops).us
-    tiny = h200.norm(1, 2048)  # launch-bound: no sheet makes a launch cheaper
+    tiny = gb200.norm(1, 2048)  # launch-bound: no sheet makes a launch cheaper
     assert tiny.us >= min(h100.norm(1, 2048).us, 2.0)
+
+
+def test_the_h200_is_priced_from_its_own_measured_table():
+    h100, h200 = CostModel(load_profile("h100")), CostModel(load_profile("h200"))
+    assert h200.table["device"] == "NVIDIA H200" and h100.table["device"] != "NVIDIA H200"
+    big = (1, 7168, 36864, "fp8")
+    assert h200.gemm(*big).source == "measured"
+    assert h200.gemm(*big).us < h100.gemm(*big).us  # a weight stream: more bandwidth
 
 
 def test_every_shipped_profile_loads_with_its_sources():
