@@ -51,6 +51,10 @@ class Env:
     # adds a fixed per-expert logit bias ln p, p a Zipf(S) popularity over a layer-seeded
     # permutation of the experts (layers/router_skew.py), to measure EPLB under a known skew
     test_zipf_router: float
+    # MOESERVE_TEST_RANDOM_ROUTER=1 (benchmarks and tests only, default off): every MoE router's
+    # logits are replaced by uniform draws, so tokens pick uniform random experts
+    # (layers/router_skew.py): the balanced load that dummy weights do not give
+    test_random_router: bool
     # MOESERVE_TEST_SYNC_JITTER=MS[:SEED] (tests only, default off): before each DP sync every
     # rank sleeps a random 0..MS ms (seeded by SEED and the rank), so a stress test explores
     # other interleavings of ranks, aborts and retractions than this machine's timing gives
@@ -77,6 +81,7 @@ class Env:
                    test_prefill_pause_s=float(
                        os.environ.get("MOESERVE_TEST_PREFILL_PAUSE_S") or 0),
                    test_zipf_router=float(os.environ.get("MOESERVE_TEST_ZIPF_ROUTER") or 0),
+                   test_random_router=_flag("MOESERVE_TEST_RANDOM_ROUTER"),
                    test_sync_jitter=_jitter(os.environ.get("MOESERVE_TEST_SYNC_JITTER")),
                    omp_num_threads=_positive_int(os.environ.get("OMP_NUM_THREADS")))
 

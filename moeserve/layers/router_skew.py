@@ -1,4 +1,5 @@
-"""A test hook that skews MoE routing to a known expert popularity (EPLB measurements).
+"""Test hooks on MoE routing: a known expert popularity (EPLB measurements), or uniform random
+experts (benchmarks on dummy weights).
 
 With MOESERVE_TEST_ZIPF_ROUTER=S (S > 0; tests and benchmarks only, off by default) every MoE
 block adds a fixed logit bias to its router logits before top-k:
@@ -11,6 +12,13 @@ builds the same bias and layers differ in their hot experts (as in real traces).
 the choice, not the shape of the router: the realised load follows the Zipf order, and how steep it
 is also depends on the spread of the logits (measure it: the recorder's dump, `moeserve.eplb
 report`). Off (unset or 0), no bias tensor exists and routing is untouched.
+
+With MOESERVE_TEST_RANDOM_ROUTER=1 every MoE block replaces its router logits by i.i.d. uniform
+draws, so each token's top-k are K distinct experts drawn uniformly (the router's weights then
+carry what the draws rank). Dummy weights route most tokens of deep layers to the same few experts
+(a 4096-token prefill of dummy Qwen3-30B-A3B used 27-29 of 128 experts from layer 24 on,
+docs/gpu_decode.md), which makes the grouped GEMMs denser than a real checkpoint's; this hook
+gives benchmarks the balanced load instead. It takes precedence over the Zipf hook.
 """
 
 from __future__ import annotations
@@ -38,8 +46,19 @@ def zipf_popularity(num_experts: int, exponent: float, layer_id: int) -> torch.T
     return p / p.sum()
 
 
-def routing_skew(num_experts: int, layer_id: int, device: torch.device) -> torch.Tensor | None:
-    """The bias a MoE block adds to its router logits, or None when the hook is off."""
+class RandomLogits:
+    """The random-router hook's stand-in for a bias: `skewed` draws fresh logits each call."""
+
+    def __repr__(self) -> str:
+        return "RandomLogits()"
+
+
+def routing_skew(num_experts: int, layer_id: int, device: torch.device
+                 ) -> torch.Tensor | RandomLogits | None:
+    """What a MoE block does to its router logits: add this bias, draw them (RandomLogits), or
+    nothing (None: both hooks off)."""
+    if env().test_random_router:
+        return RandomLogits()
     exponent = env().test_zipf_router
     if exponent == 0.0:
         return None
@@ -48,6 +67,13 @@ def routing_skew(num_experts: int, layer_id: int, device: torch.device) -> torch
     return zipf_logit_bias(num_experts, exponent, layer_id).to(device)
 
 
-def skewed(logits: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """logits [T, E] + bias (in the logits' dtype); unchanged when bias is None."""
-    return logits if bias is None else logits + bias.to(logits.dtype)
+def skewed(logits: torch.Tensor, bias: torch.Tensor | RandomLogits | None) -> torch.Tensor:
+    """logits [T, E] + bias (in the logits' dtype); for RandomLogits a random permutation of
+    0, 1/E, .., (E-1)/E per token (distinct, exact in bf16 up to 256 experts: no ties for top-k
+    to break by index); unchanged when bias is None."""
+    if bias is None:
+        return logits
+    if isinstance(bias, RandomLogits):
+        ranks = torch.rand(logits.shape, device=logits.device).argsort(dim=-1)
+        return (ranks.to(logits.dtype) / logits.shape[-1]).to(logits.dtype)
+    return logits + bias.to(logits.dtype)

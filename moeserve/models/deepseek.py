@@ -220,7 +220,7 @@ class DeepseekMoE(nn.Module):
         self.router, self.layer_id = router, layer_id
         self.parallel = parallel or MoEParallel()
         self.gate = MoEGate(cfg.hidden_size, cfg.n_routed_experts, router.scoring == "sigmoid")
-        # None unless MOESERVE_TEST_ZIPF_ROUTER is set (a test hook: layers/router_skew.py)
+        # None unless MOESERVE_TEST_ZIPF_ROUTER or _RANDOM_ROUTER is set (router_skew.py)
         self.logit_skew = routing_skew(cfg.n_routed_experts, layer_id, self.gate.weight.device)
         self.experts = self.parallel.make_experts(cfg.n_routed_experts, cfg.hidden_size,
                                                   cfg.moe_intermediate_size, layer_id)

@@ -32,7 +32,7 @@ class SparseMoeBlock(nn.Module):
         self.router, self.layer_id = router, layer_id
         self.parallel = parallel or MoEParallel()
         self.gate = Linear(hidden_size, num_experts, bias=False)
-        # None unless MOESERVE_TEST_ZIPF_ROUTER is set (a test hook: layers/router_skew.py)
+        # None unless MOESERVE_TEST_ZIPF_ROUTER or _RANDOM_ROUTER is set (router_skew.py)
         self.logit_skew = routing_skew(num_experts, layer_id, self.gate.weight.device)
         self.experts = self.parallel.make_experts(num_experts, hidden_size, intermediate_size,
                                                   layer_id)

@@ -12,7 +12,7 @@ from parity import FP32_CPU
 
 from moeserve import Engine
 from moeserve.eplb.recorder import merge_rank_dumps
-from moeserve.layers.router_skew import routing_skew, zipf_logit_bias, zipf_popularity
+from moeserve.layers.router_skew import routing_skew, skewed, zipf_logit_bias, zipf_popularity
 
 GREEDY = {"temperature": 0, "ignore_eos": True, "max_new_tokens": 6}
 
@@ -78,3 +78,22 @@ def test_recorded_load_follows_the_skew(tiny_model, monkeypatch, arch):
         hot_share = float(by_rank[0] / by_rank.sum())
         plain_share = float(plain_load[i][order[0]] / plain_load[i].sum())
         assert hot_share > plain_share, (hot_share, plain_share)
+
+
+def test_random_router_draws_uniform_experts(monkeypatch):
+    """MOESERVE_TEST_RANDOM_ROUTER: logits collapsed onto one expert (as dummy weights' deep
+    layers route) come out as fresh uniform draws, so the top-k spreads over every expert."""
+    monkeypatch.setenv("MOESERVE_TEST_RANDOM_ROUTER", "1")
+    monkeypatch.setenv("MOESERVE_TEST_ZIPF_ROUTER", "1.2")  # the random hook takes precedence
+    hook = routing_skew(16, 1, torch.device("cpu"))
+    collapsed = torch.zeros(4096, 16, dtype=torch.bfloat16)
+    collapsed[:, 3] = 10.0
+    drawn = skewed(collapsed, hook)
+    assert drawn.dtype == torch.bfloat16 and drawn.shape == collapsed.shape
+    assert not torch.equal(drawn, skewed(collapsed, hook))  # fresh each call
+    assert all(len(set(row.tolist())) == 16 for row in drawn[:64])  # no ties
+    load = torch.bincount(drawn.float().topk(4, dim=1).indices.flatten(), minlength=16)
+    assert load.min() > 0.8 * 4096 * 4 / 16 and load.max() < 1.2 * 4096 * 4 / 16
+    assert skewed(collapsed, None) is collapsed
+    monkeypatch.setenv("MOESERVE_TEST_RANDOM_ROUTER", "0")
+    assert torch.is_tensor(routing_skew(16, 1, torch.device("cpu")))  # back to the Zipf bias
