@@ -39,7 +39,8 @@
 #   (PA_OB_ALIAS=1 adds another GPU's MoE tables; knobs in the mode; PA_KERNELS=0 or PA_OB=0
 #   runs one half, if both do not fit one 10-minute call).
 #   sdpa: the SDPA fresh prefill's GPU parity tests and one_batch prefill with it on and off.
-#   tma: the fused MoE's weight tiles by TMA (B_TMA): GPU tests, kernel rows, one_batch A/B.
+#   tma: the fused MoE's weight tiles by TMA (B_TMA): GPU tests, kernel rows, one_batch A/B (the
+#   dummy model's routing, then MOESERVE_TEST_RANDOM_ROUTER=1's uniform experts).
 #   fp8acc: issue 44's FP8 accuracy tests (kernels vs their float64 emulation, per layer and
 #   whole model) and the bench.fp8_accuracy KL / top-1 table; on an H200 then bench.op_costs.
 #   pdl: programmatic dependent launch: its kernel-chain test, one_batch Qwen3-30B-A3B with PDL
@@ -169,7 +170,7 @@ if [[ $what == tma ]]; then
   # shipped table, with the profile of each prefill
   timeout 150 python3 -m pytest tests/kernels/test_fused_moe_tma.py -q -n 0 -p no:cacheprovider \
     tests/kernels/test_fp8_emulation.py::test_fused_moe_tma_equals_the_emulation_in_bf16_on_gpu \
-    2>&1 | tail -3 | tee "$OUT/tma_tests.log"
+    --tb=short 2>&1 | grep -v -i warn | tee "$OUT/tma_tests.log" | tail -60
   timeout 240 python3 -m moeserve.bench.prefill_kernels --only moe --moe-space swap \
     --tokens 1344 2048 4096 8192 \
     2>&1 | grep -E "tokens|today|table" | tee "$OUT/tma_kernels.log"
@@ -193,8 +194,14 @@ PY
     --input-len 4096 --output-len 2 --warmup 1 --profile-prefill -o moe.config_dir=/tmp/moe_tma \
     --compare-with moe.config_dir=null -o model.load_format=dummy -o device=cuda \
     -o scheduler.chunked_prefill_size=4096 -o cache.max_total_tokens=20000 -o cuda_graph.max_bs=4 \
-    2>&1 | grep -E "^\| (moeserve|moe\.|prefill)|_moe_gemm|_sum_local|CUDA time total" \
+    2>&1 | grep -E "^\| (moeserve|moe\.|prefill)|_moe_gemm|_sum_local|_align|CUDA time total" \
     | tee "$OUT/tma.log"
+  # the same A/B with uniform random experts (dummy weights' deep layers route to ~28 experts)
+  MOESERVE_TEST_RANDOM_ROUTER=1 timeout 160 python3 -m moeserve.bench.one_batch \
+    --model /tmp/q3moe_full --batch 1 --input-len 4096 --output-len 2 --warmup 1 \
+    -o moe.config_dir=/tmp/moe_tma --compare-with moe.config_dir=null -o model.load_format=dummy \
+    -o device=cuda -o scheduler.chunked_prefill_size=4096 -o cache.max_total_tokens=20000 \
+    -o cuda_graph.max_bs=4 2>&1 | grep -E "^\| (moeserve|moe\.|prefill)" | tee -a "$OUT/tma.log"
 fi
 
 if [[ $what == sdpa ]]; then
