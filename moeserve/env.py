@@ -52,7 +52,7 @@ class Env:
     # permutation of the experts (layers/router_skew.py), to measure EPLB under a known skew
     test_zipf_router: float
     # MOESERVE_TEST_RANDOM_ROUTER=1 (benchmarks and tests only, default off): every MoE router's
-    # logits are replaced by uniform draws, so tokens pick uniform random experts
+    # logits are replaced by a random permutation per token, so tokens pick uniform random experts
     # (layers/router_skew.py): the balanced load that dummy weights do not give
     test_random_router: bool
     # MOESERVE_TEST_SYNC_JITTER=MS[:SEED] (tests only, default off): before each DP sync every

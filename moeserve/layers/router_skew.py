@@ -13,9 +13,10 @@ the choice, not the shape of the router: the realised load follows the Zipf orde
 is also depends on the spread of the logits (measure it: the recorder's dump, `moeserve.eplb
 report`). Off (unset or 0), no bias tensor exists and routing is untouched.
 
-With MOESERVE_TEST_RANDOM_ROUTER=1 every MoE block replaces its router logits by i.i.d. uniform
-draws, so each token's top-k are K distinct experts drawn uniformly (the router's weights then
-carry what the draws rank). Dummy weights route most tokens of deep layers to the same few experts
+With MOESERVE_TEST_RANDOM_ROUTER=1 every MoE block replaces its router logits by a random
+permutation of evenly spaced values per token (the ranks of i.i.d. uniform draws), so each token's
+top-k are K distinct experts drawn uniformly, and its routing weights come from those logits too.
+Dummy weights route most tokens of deep layers to the same few experts
 (a 4096-token prefill of dummy Qwen3-30B-A3B used 27-29 of 128 experts from layer 24 on,
 docs/gpu_decode.md), which makes the grouped GEMMs denser than a real checkpoint's; this hook
 gives benchmarks the balanced load instead. It takes precedence over the Zipf hook.
