@@ -21,6 +21,7 @@ from moeserve.bench.roofline import measure_copy_bandwidth, step_bytes, touched_
 from moeserve.core import ForwardMode
 from moeserve.forward_batch import ForwardBatch
 from moeserve.host_copy import PendingHost
+from moeserve.layers.router_skew import routing_hook_name
 from moeserve.models.weight_bytes import weight_bytes
 from moeserve.runtime.model_runner import ModelRunner
 from moeserve.scheduler.prefill import static_prefill_steps
@@ -326,7 +327,7 @@ def main(argv: list[str] | None = None) -> None:
           f"cuda_graphs={runner.graph_runner is not None}"
           + (f" copy bandwidth={bw / 1e12:.2f} TB/s (read+write)" if bw else "")
           + (f" bf16 matmul peak={args.peak / 1e12:.0f} TFLOP/s" if args.peak else "")
-          + f" prefill chunk={cfg.scheduler.chunked_prefill_size}")
+          + f" prefill chunk={cfg.scheduler.chunked_prefill_size} routing={routing_hook_name()}")
     print(HEADER)
     print("|" + "|".join("-" * len(c) for c in HEADER.split("|")[1:-1]) + "|")
     label = "moeserve"

@@ -68,6 +68,15 @@ def routing_skew(num_experts: int, layer_id: int, device: torch.device
     return zipf_logit_bias(num_experts, exponent, layer_id).to(device)
 
 
+def routing_hook_name() -> str:
+    """Which routing the MoE blocks built now would run, for benchmark headers: the router's own
+    ("router"), or a hook's."""
+    if env().test_random_router:
+        return "uniform random (MOESERVE_TEST_RANDOM_ROUTER)"
+    exponent = env().test_zipf_router
+    return "router" if exponent == 0.0 else f"zipf {exponent:g} bias (MOESERVE_TEST_ZIPF_ROUTER)"
+
+
 def skewed(logits: torch.Tensor, bias: torch.Tensor | RandomLogits | None) -> torch.Tensor:
     """logits [T, E] + bias (in the logits' dtype); for RandomLogits a random permutation of
     0, 1/E, .., (E-1)/E per token (distinct, exact in bf16 up to 256 experts: no ties for top-k

@@ -1,6 +1,7 @@
-"""The Zipf routing hook (MOESERVE_TEST_ZIPF_ROUTER, layers/router_skew.py): the bias encodes a
-Zipf popularity; with it on, the recorded expert loads of a tiny model follow that order; off (the
-default), no bias exists and greedy outputs are those of "0"."""
+"""The routing hooks (layers/router_skew.py). MOESERVE_TEST_ZIPF_ROUTER: the bias encodes a Zipf
+popularity; with it on, the recorded expert loads of a tiny model follow that order; off (the
+default), no bias exists and greedy outputs are those of "0". MOESERVE_TEST_RANDOM_ROUTER: uniform
+random experts."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ from parity import FP32_CPU
 
 from moeserve import Engine
 from moeserve.eplb.recorder import merge_rank_dumps
-from moeserve.layers.router_skew import routing_skew, skewed, zipf_logit_bias, zipf_popularity
+from moeserve.layers.router_skew import (routing_hook_name, routing_skew, skewed,
+                                         zipf_logit_bias, zipf_popularity)
 
 GREEDY = {"temperature": 0, "ignore_eos": True, "max_new_tokens": 6}
 
@@ -95,5 +97,9 @@ def test_random_router_draws_uniform_experts(monkeypatch):
     load = torch.bincount(drawn.float().topk(4, dim=1).indices.flatten(), minlength=16)
     assert load.min() > 0.8 * 4096 * 4 / 16 and load.max() < 1.2 * 4096 * 4 / 16
     assert skewed(collapsed, None) is collapsed
+    assert routing_hook_name().startswith("uniform random")  # what bench headers print
     monkeypatch.setenv("MOESERVE_TEST_RANDOM_ROUTER", "0")
     assert torch.is_tensor(routing_skew(16, 1, torch.device("cpu")))  # back to the Zipf bias
+    assert routing_hook_name().startswith("zipf 1.2")
+    monkeypatch.setenv("MOESERVE_TEST_ZIPF_ROUTER", "0")
+    assert routing_hook_name() == "router"
