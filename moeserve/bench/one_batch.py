@@ -17,7 +17,8 @@ import torch
 from moeserve.bench.prefill_flops import measure_matmul_peak, prefill_flops
 from moeserve.bench.profiling import profile_table
 from moeserve.config import compose
-from moeserve.bench.roofline import measure_copy_bandwidth, step_bytes, touched_experts
+from moeserve.bench.roofline import (measure_copy_bandwidth, routed_counts, routing_line,
+                                     step_bytes, touched_experts)
 from moeserve.core import ForwardMode
 from moeserve.forward_batch import ForwardBatch
 from moeserve.host_copy import PendingHost
@@ -41,6 +42,7 @@ class DecodeRun:
     step_s: float  # mean decode step
     mean_seq_len: float  # of the requests over the decode steps (KV read per step)
     touched: torch.Tensor | None = None  # [L, P] bool: experts a decode step routed to
+    prefill_routed: torch.Tensor | None = None  # [L, P] pairs each expert got in the prefill
 
 
 def bench_moeserve(runner: ModelRunner, batch: int, input_len: int, output_len: int,
@@ -52,7 +54,8 @@ def bench_moeserve(runner: ModelRunner, batch: int, input_len: int, output_len: 
     launched (host_copy.PendingHost); else every step waits for its own tokens. `profile`: also
     print the profiler tables of 3 decode steps (`profile_prefill`: of the prefill, run again
     over the same KV slots). `count_experts`: record which experts one more
-    decode step routes to (eager, through the EPLB recorder)."""
+    decode step routes to (eager, through the EPLB recorder), and the prefill's pairs per expert
+    (the prefill run again over the same KV slots)."""
     mem, vocab, dev = runner.memory, runner.hf_config.vocab_size, runner.device
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, vocab, (batch, input_len), generator=gen).tolist()
@@ -68,6 +71,8 @@ def bench_moeserve(runner: ModelRunner, batch: int, input_len: int, output_len: 
     next_ids = prefill_chunked(runner, ids, rows, per_req)
     _sync(dev)
     prefill = time.perf_counter() - t0
+    prefill_routed = routed_counts(runner, lambda: prefill_chunked(
+        runner, ids, rows, per_req)) if count_experts else None
     if profile_prefill:
         profile_table(f"prefill, batch {batch} x {input_len}", lambda: prefill_chunked(
             runner, ids, rows, per_req), dev, calls=1, rows=30)
@@ -103,7 +108,8 @@ def bench_moeserve(runner: ModelRunner, batch: int, input_len: int, output_len: 
     mem.req_to_token.free(rows)
     steps = max(output_len - 1, 1)
     return DecodeRun(batch * input_len / prefill, batch * (output_len - 1) / max(decode, 1e-9),
-                     decode / steps, input_len + 1 + (output_len - 2) / 2, touched)
+                     decode / steps, input_len + 1 + (output_len - 2) / 2, touched,
+                     prefill_routed)
 
 
 def prefill_chunked(runner: ModelRunner, ids: list[list[int]], rows: list[int],
@@ -239,6 +245,9 @@ def _bench_runner(runner: ModelRunner, args, bw: float | None, label: str
                           flush=True)
             if name == label:
                 decode[b] = run.decode_tps
+                if run.prefill_routed is not None:
+                    print(routing_line(run.prefill_routed, b * args.input_len,
+                                       f"prefill routing b={b}"), flush=True)
             print(_row(name, b, run.prefill_tps, run.decode_tps, gb[b], bw), flush=True)
             if name == label and args.peak:
                 print(prefill_peak_line(runner, b, args.input_len, run.prefill_tps, args.peak),

@@ -109,17 +109,40 @@ def step_bytes(runner, batch: int, seq_len: float, touched: torch.Tensor | None)
 
 
 def touched_experts(runner, fb) -> torch.Tensor | None:
-    """[L, P] bool: the experts one eager step of `fb` routes to (recorded through the EPLB
-    recorder, which is then put back as it was); None for a model without one."""
+    """[L, P] bool: the experts one eager step of `fb` routes to; None for a model without an
+    EPLB recorder."""
+    def step():
+        with torch.inference_mode():
+            runner.forward_hidden(fb)
+    counts = routed_counts(runner, step)
+    return None if counts is None else counts > 0
+
+
+def routed_counts(runner, fn) -> torch.Tensor | None:
+    """[L, P] int64: token pairs each expert received while `fn()` ran its forwards (recorded
+    through the EPLB recorder, in CUDA-graph replays too, and then put back as it was); None for
+    a model without one."""
     rec = runner.recorder
     if rec is None:
         return None
     was = rec.recording
     before = rec.physical_counts().clone()
     rec.start()
-    with torch.inference_mode():
-        runner.forward_hidden(fb)
+    fn()
     counts = rec.physical_counts() - before
     if not was:
         rec.stop()
-    return counts > 0
+    return counts
+
+
+def routing_line(counts: torch.Tensor, tokens: int, label: str) -> str:
+    """One table line on how `tokens` tokens spread over the experts of each MoE layer (counts
+    [L, P]): dummy weights route deep layers' tokens to a few experts (docs/gpu_decode.md)."""
+    moe = counts[counts.sum(1) > 0].float()
+    if moe.numel() == 0:
+        return f"| {label}: no MoE layer recorded"
+    used = (moe > 0).sum(1)
+    top = moe.max(1).values / tokens
+    return (f"| {label}: experts used a MoE layer {int(used.min())}-{int(used.max())} (median "
+            f"{int(used.median())}) of {counts.shape[1]}; the busiest takes "
+            f"{100 * float(top.min()):.0f}-{100 * float(top.max()):.0f}% of the {tokens} tokens")
