@@ -39,8 +39,9 @@
 #   (PA_OB_ALIAS=1 adds another GPU's MoE tables; knobs in the mode; PA_KERNELS=0 or PA_OB=0
 #   runs one half, if both do not fit one 10-minute call).
 #   sdpa: the SDPA fresh prefill's GPU parity tests and one_batch prefill with it on and off.
-#   tma: the fused MoE's weight tiles by TMA (B_TMA): GPU tests, kernel rows, one_batch A/B (the
-#   dummy model's routing, then MOESERVE_TEST_RANDOM_ROUTER=1's uniform experts).
+#   tma: the fused MoE's weight tiles by TMA (B_TMA): GPU tests, kernel rows (TMA_KERNELS=1),
+#   one_batch A/B (the dummy model's routing, then MOESERVE_TEST_RANDOM_ROUTER=1's uniform
+#   experts).
 #   fp8acc: issue 44's FP8 accuracy tests (kernels vs their float64 emulation, per layer and
 #   whole model) and the bench.fp8_accuracy KL / top-1 table; on an H200 then bench.op_costs.
 #   pdl: programmatic dependent launch: its kernel-chain test, one_batch Qwen3-30B-A3B with PDL
@@ -164,16 +165,19 @@ open('/tmp/moe_heur/' + m.config_file_name(128, 2048, 768, torch.bfloat16), 'w')
 fi
 
 if [[ $what == tma ]]; then
-  # fused-MoE weight tiles by TMA (B_TMA, docs/gpu_decode.md): the GPU tests, the kernel rows
-  # (today's tiles with and without TMA) at 1344-8192 tokens, then one_batch at 4096 tokens with
-  # a copy of this GPU's Qwen3 table that sets B_TMA and 4 stages from 1344 tokens, against the
-  # shipped table, with the profile of each prefill
+  # fused-MoE weight tiles by TMA (B_TMA, docs/gpu_decode.md): the GPU tests, with TMA_KERNELS=1
+  # the kernel rows (today's tiles with and without TMA) at 1344-8192 tokens, then one_batch at
+  # 4096 tokens with a copy of this GPU's Qwen3 table that sets B_TMA and 4 stages from 1344
+  # tokens, against the shipped table, with the profile of each prefill; then the same A/B under
+  # uniform random routing. Without the kernel rows it fits one 10-minute call.
   timeout 150 python3 -m pytest tests/kernels/test_fused_moe_tma.py -q -n 0 -p no:cacheprovider \
     tests/kernels/test_fp8_emulation.py::test_fused_moe_tma_equals_the_emulation_in_bf16_on_gpu \
     --tb=short 2>&1 | grep -v -i warn | tee "$OUT/tma_tests.log" | tail -60
-  timeout 240 python3 -m moeserve.bench.prefill_kernels --only moe --moe-space swap \
-    --tokens 1344 2048 4096 8192 \
-    2>&1 | grep -E "tokens|today|table" | tee "$OUT/tma_kernels.log"
+  if [ "${TMA_KERNELS:-0}" = 1 ]; then
+    timeout 240 python3 -m moeserve.bench.prefill_kernels --only moe --moe-space swap \
+      --tokens 1344 2048 4096 8192 \
+      2>&1 | grep -E "tokens|today|table" | tee "$OUT/tma_kernels.log"
+  fi
   python3 - <<'PY'
 import json, pathlib
 from moeserve.kernels.triton.moe_config import SHIPPED_DIR, config_file_name
