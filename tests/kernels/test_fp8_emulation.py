@@ -186,7 +186,6 @@ def test_fused_moe_tma_equals_the_emulation_in_float32_interpreter(tmp_path, swa
     assert spy.launches == [1, 0]  # gate/up rows of 320 e4m3 bytes by TMA; down's 200 cannot
 
 
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("m", [1, 5, 40, 300])
 def test_linear_kernels_equal_the_emulation_in_bf16_on_gpu(m, monkeypatch):

@@ -2,8 +2,9 @@
 computes [BLOCK_SIZE_N, BLOCK_SIZE_M] = weights @ tokens^T) against the float64 per-expert
 reference of test_fused_moe.py: gated and down GEMMs each on or off, partial N and K tiles,
 expert-parallel shards with stray ids, a tuned table carrying the key (the flag reaching each
-launch), and bad values of either flag (SWAP_AB, B_TMA) refused. The FP8 variant is checked against its float64 emulation in
-test_fp8_emulation.py. Tiny shapes: the interpreter pays per program."""
+launch), and bad values of either flag (SWAP_AB, B_TMA) refused. The FP8 variant is checked
+against its float64 emulation in test_fp8_emulation.py. Tiny shapes: the interpreter pays per
+program."""
 
 from __future__ import annotations
 

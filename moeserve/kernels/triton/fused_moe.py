@@ -111,22 +111,20 @@ def _moe_gemm_kernel(a_ptr, b_ptr, b_desc, c_ptr, weight_ptr, sorted_ptr, expert
     up_shift = N * stride_bn
     row0 = (expert * b_rows + pid_n * BLOCK_SIZE_N).to(tl.int32)  # B_TMA: the tile's first row
     for k0 in range(0, K, BLOCK_SIZE_K):
-        if B_TMA:
-            if EVEN_K:
-                a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
-            else:
-                a = tl.load(a_ptrs, mask=row_ok[:, None] & (offs_k < K - k0)[None, :], other=0.0)
-            b = _tma_tile(b_desc, row0, k0, SWAP_AB)
-        elif EVEN_K:
+        if EVEN_K:
             a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
-            b = tl.load(b_ptrs)
         else:
             k_ok = offs_k < K - k0
+            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             if SWAP_AB:
                 kb_ok = k_ok[None, :]
             else:
                 kb_ok = k_ok[:, None]
-            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        if B_TMA:
+            b = _tma_tile(b_desc, row0, k0, SWAP_AB)
+        elif EVEN_K:
+            b = tl.load(b_ptrs)
+        else:
             b = tl.load(b_ptrs, mask=kb_ok, other=0.0)
         if FP8:
             g = k0 // SCALE_BK
@@ -215,8 +213,8 @@ def _grouped_gemm(a, b, c, weights, sorted_ids, expert_ids, num_post, row_div, g
         a_scale.stride(0) if fp8 else 0, b_scale.stride(0) if fp8 else 0,
         b_scale.stride(1) if fp8 else 0, triton.cdiv(n, block[0]), ROW_DIV=row_div, GATED=gated,
         WEIGHTED=weights is not None, EVEN_K=kdim % bk == 0, FP8=fp8, SCALE_BN=block[0],
-        SCALE_BK=block[1], BLOCK_SIZE_M=bm,
-        BLOCK_SIZE_N=bn, BLOCK_SIZE_K=bk, GROUP_SIZE_M=cfg["GROUP_SIZE_M"], SWAP_AB=swap, B_TMA=b_desc is not None,
+        SCALE_BK=block[1], BLOCK_SIZE_M=bm, BLOCK_SIZE_N=bn, BLOCK_SIZE_K=bk,
+        GROUP_SIZE_M=cfg["GROUP_SIZE_M"], SWAP_AB=swap, B_TMA=b_desc is not None,
         EXACT_DOT=fp8 and fp8_kernels.EXACT_DOT, num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"], **launch_kwargs(pdl))
 

@@ -9,9 +9,10 @@ it is captured with the launch in a CUDA graph (weights do not move).
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
+
+from moeserve.env import env
 
 try:  # host-side TMA descriptors (Triton >= 3.4)
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -28,7 +29,7 @@ def tma_ok(w: torch.Tensor, interpreted: bool = False) -> bool:
     if w.stride(0) * w.element_size() % 16 or w.data_ptr() % 16:
         return False
     if not w.is_cuda:
-        return interpreted and os.environ.get("TRITON_INTERPRET") == "1"
+        return interpreted and env().triton_interpret
     return _has_tma(w.device.index if w.device.index is not None else torch.cuda.current_device())
 
 
