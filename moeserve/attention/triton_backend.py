@@ -142,8 +142,8 @@ class TritonAttentionBackend(AttentionBackend):
             return out
         meta: ExtendMetadata = fb.attn_metadata
         if fb.sdpa_prefill is not None:  # fresh prompts: their own keys, contiguous
-            sdpa_prefill(q, k, v, fb.extend_seq_lens_cpu, spec.scaling, out,
-                         fb.sdpa_prefill.backend, only=fb.sdpa_prefill.requests)
+            out = sdpa_prefill(q, k, v, fb.extend_seq_lens_cpu, spec.scaling, out,
+                               fb.sdpa_prefill.backend, only=fb.sdpa_prefill.requests)
         extend_attention(q, k_buf, v_buf, table, fb.req_pool_indices, meta.qo_start,
                          meta.prefix_lens, meta.blk_req, meta.blk_m, spec.scaling, dk,
                          spec.v_head_dim, out, block_m=self.extend_block_m(pool))

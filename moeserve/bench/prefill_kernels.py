@@ -316,8 +316,8 @@ def bench_attention(tokens: int, prefix: int, peak: float, rows: list[dict], hea
 
 
 def bench_sdpa(q, k, v, ref, flops: float, peak: float, rows: list[dict]) -> None:
-    """The runtime's SDPA fresh prefill (attention/sdpa_prefill.py: q [T, H, D] in, out written
-    [T, H, D], layout changes included) on the same prompt (no prefix), by
+    """The runtime's SDPA fresh prefill (attention/sdpa_prefill.py: q [T, H, D] in, [T, H, D]
+    out, layout changes included) on the same prompt (no prefix), by
     attention.sdpa_prefill_backend, GQA passed as such and with K/V repeated per query head."""
     from moeserve.attention.sdpa_prefill import sdpa_prefill
     from moeserve.config_schema import SDPA_BACKENDS
@@ -334,9 +334,9 @@ def bench_sdpa(q, k, v, ref, flops: float, peak: float, rows: list[dict]) -> Non
                                              v.repeat_interleave(group, 1))
                 return sdpa_prefill(q, kk, vv, [t], d ** -0.5, out, backend)
             try:
-                call()
+                got = call()
                 _sync()
-                if (err := _rel(out, ref)) > 2e-2:
+                if (err := _rel(got, ref)) > 2e-2:
                     raise ValueError(f"differs {err:.1e}")
                 ms = _time_ms(call)
             except Exception as e:  # noqa: BLE001

@@ -57,6 +57,34 @@ def test_fresh_prefill_through_sdpa_matches_transformers(tiny_model):
     assert False in seen and True in seen  # 19-token prefill, decodes: Triton; recompute: SDPA
 
 
+def _causal_attention_f64(q, k, v, scale):
+    """Float64 causal attention of one request, K/V heads repeated for GQA."""
+    group = q.shape[1] // k.shape[1]
+    q, k, v = (x.double().transpose(0, 1) for x in (q, k.repeat_interleave(group, 1),
+                                                    v.repeat_interleave(group, 1)))
+    s = q @ k.transpose(1, 2) * scale
+    s = s.masked_fill(torch.ones_like(s, dtype=torch.bool).triu(1), float("-inf"))
+    return (s.softmax(-1) @ v).transpose(0, 1)
+
+
+def test_sdpa_prefill_returns_the_kernels_output_for_a_whole_step_request():
+    """One request owning every row: SDPA's own token-major output comes back (no copy into
+    out); several requests: each is written into out. Both equal float64 attention."""
+    from moeserve.attention.sdpa_prefill import sdpa_prefill
+
+    torch.manual_seed(0)
+    q, k, v = torch.randn(13, 4, 16), torch.randn(13, 2, 16), torch.randn(13, 2, 16)
+    out = torch.zeros(13, 4, 16)
+    got = sdpa_prefill(q, k, v, [13], 0.25, out)
+    assert got is not out and not out.any()
+    assert rel_err(got, _causal_attention_f64(q, k, v, 0.25)) < 1e-5
+    got = sdpa_prefill(q, k, v, [5, 8], 0.25, out)
+    assert got is out
+    for rows in (slice(0, 5), slice(5, 13)):
+        ref = _causal_attention_f64(q[rows], k[rows], v[rows], 0.25)
+        assert rel_err(out[rows], ref) < 1e-5
+
+
 def test_mixed_step_sends_only_fresh_prompts_through_sdpa(tiny_model):
     """A MIXED step of a decode rider, a prefix hit and a fresh 21-token prompt: only the fresh
     one attends with SDPA (the others keep the Triton kernel over the pool), and every row's
