@@ -39,7 +39,7 @@
 #   (PA_OB_ALIAS=1 adds another GPU's MoE tables; knobs in the mode; PA_KERNELS=0 or PA_OB=0
 #   runs one half, if both do not fit one 10-minute call).
 #   sdpa: the SDPA fresh prefill's GPU parity tests and one_batch prefill with it on and off.
-#   tma: the fused MoE's weight tiles by TMA (B_TMA): GPU tests, kernel rows (TMA_KERNELS=1),
+#   tma: the fused MoE's weight tiles by TMA (B_TMA): GPU tests, kernel rows (TMA_KERNELS=1: more),
 #   one_batch A/B (the dummy model's routing, then MOESERVE_TEST_RANDOM_ROUTER=1's uniform
 #   experts).
 #   fp8acc: issue 44's FP8 accuracy tests (kernels vs their float64 emulation, per layer and
@@ -66,6 +66,10 @@ if [ -d .whl ]; then
 else
   SITE=; export PYTHONPATH=$PWD
 fi
+# a wheel that does not import (e.g. an antlr4 runtime that hydra's parser does not match) would
+# otherwise show only as empty logs at the end of the call
+python3 -c "import hydra.core.override_parser.overrides_parser, fastapi, zmq, msgspec, moeserve.config" \
+  || { echo "gpu_check: the carried wheels do not import (see above)"; exit 1; }
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 what=${1:-all}
 case $what in
@@ -165,19 +169,12 @@ open('/tmp/moe_heur/' + m.config_file_name(128, 2048, 768, torch.bfloat16), 'w')
 fi
 
 if [[ $what == tma ]]; then
-  # fused-MoE weight tiles by TMA (B_TMA, docs/gpu_decode.md): the GPU tests, with TMA_KERNELS=1
-  # the kernel rows (today's tiles with and without TMA) at 1344-8192 tokens, then one_batch at
+  # fused-MoE weight tiles by TMA (B_TMA, docs/gpu_decode.md), most wanted first: one_batch at
   # 4096 tokens with a copy of this GPU's Qwen3 table that sets B_TMA and 4 stages from 1344
-  # tokens, against the shipped table, with the profile of each prefill; then the same A/B under
-  # uniform random routing. Without the kernel rows it fits one 10-minute call.
-  timeout 150 python3 -m pytest tests/kernels/test_fused_moe_tma.py -q -n 0 -p no:cacheprovider \
-    tests/kernels/test_fp8_emulation.py::test_fused_moe_tma_equals_the_emulation_in_bf16_on_gpu \
-    --tb=short 2>&1 | grep -v -i warn | tee "$OUT/tma_tests.log" | tail -60
-  if [ "${TMA_KERNELS:-0}" = 1 ]; then
-    timeout 240 python3 -m moeserve.bench.prefill_kernels --only moe --moe-space swap \
-      --tokens 1344 2048 4096 8192 \
-      2>&1 | grep -E "tokens|today|table" | tee "$OUT/tma_kernels.log"
-  fi
+  # tokens, against the shipped table, with the profile of each prefill (whole log in
+  # tma_full.log); the GPU tests; the kernel rows (today's tiles with and without TMA at 1344 and
+  # 4096 tokens; TMA_KERNELS=1: the swap-AB tiles too, at 1344-8192); then the one_batch A/B
+  # under uniform random routing. Without TMA_KERNELS=1 it fits one 10-minute call.
   python3 - <<'PY'
 import json, pathlib
 from moeserve.kernels.triton.moe_config import SHIPPED_DIR, config_file_name
@@ -198,8 +195,17 @@ PY
     --input-len 4096 --output-len 2 --warmup 1 --profile-prefill -o moe.config_dir=/tmp/moe_tma \
     --compare-with moe.config_dir=null -o model.load_format=dummy -o device=cuda \
     -o scheduler.chunked_prefill_size=4096 -o cache.max_total_tokens=20000 -o cuda_graph.max_bs=4 \
-    2>&1 | grep -E "^\| (moeserve|moe\.|prefill)|_moe_gemm|_sum_local|_align|CUDA time total" \
+    2>&1 | tee "$OUT/tma_full.log" \
+    | grep -E "^\| (moeserve|moe\.|prefill)|_moe_gemm|_sum_local|_align|CUDA time total" \
     | tee "$OUT/tma.log"
+  timeout 120 python3 -m pytest tests/kernels/test_fused_moe_tma.py -q -n 0 -p no:cacheprovider \
+    tests/kernels/test_fp8_emulation.py::test_fused_moe_tma_equals_the_emulation_in_bf16_on_gpu \
+    --tb=short 2>&1 | grep -v -i warn | tee "$OUT/tma_tests.log" | tail -60
+  if [ "${TMA_KERNELS:-0}" = 1 ]; then space=swap; tokens="1344 2048 4096 8192"
+  else space=today; tokens="1344 4096"; fi
+  timeout 120 python3 -m moeserve.bench.prefill_kernels --only moe --moe-space $space \
+    --tokens $tokens 2>&1 | grep -E "tokens|today|table|heuristic|TFLOP" \
+    | tee "$OUT/tma_kernels.log"
   # the same A/B with uniform random experts (dummy weights' deep layers route to ~28 experts)
   MOESERVE_TEST_RANDOM_ROUTER=1 timeout 160 python3 -m moeserve.bench.one_batch \
     --model /tmp/q3moe_full --batch 1 --input-len 4096 --output-len 2 --warmup 1 \

@@ -143,8 +143,8 @@ def bench_moe(tokens: int, peak: float, rows: list[dict], e: int = 128, h: int =
               space: str = "all") -> None:
     """`bandwidth`: copy bytes/s; the floor is then the larger of the FLOPs at `peak` and the
     touched experts' bytes at it (a MIXED step's ~1.3k tokens sit near the crossover).
-    `space`: "all" (PREFILL_SPACE and SWAP_SPACE) or "swap" (SWAP_SPACE only); the heuristic,
-    the shipped tables and today's config are always timed."""
+    `space`: "all" (PREFILL_SPACE and SWAP_SPACE), "swap" (SWAP_SPACE only) or "today" (neither);
+    the heuristic, the shipped tables and today's config with and without TMA are always timed."""
     from moeserve.kernels.triton.fused_moe import fused_moe
     from moeserve.kernels.triton.moe_config import (SHIPPED_DIR, default_config, get_moe_config,
                                                     load_table, swap_ab)
@@ -164,7 +164,7 @@ def bench_moe(tokens: int, peak: float, rows: list[dict], e: int = 128, h: int =
     way, flipped = _flip_tma(today)  # today's tiles with weights by TMA and without
     cands.append((f"today, {way}", flipped))
     cands += [("space", _config(r)) for r in (PREFILL_SPACE if space == "all" else [])]
-    cands += [("swap space", _config(r)) for r in SWAP_SPACE]
+    cands += [("swap space", _config(r)) for r in (SWAP_SPACE if space != "today" else [])]
     ref = None
     touched = int(torch.unique(ids).numel()) * 3 * h * i * x.element_size()
     floor_ms = max(flops / peak, touched / bandwidth if bandwidth else 0.0) * 1e3
@@ -372,9 +372,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--prefix", type=int, default=0, help="cached tokens before the new ones")
     p.add_argument("--only", choices=["moe", "attention"], default=None)
     p.add_argument("--out", default=None, help="JSON of every row")
-    p.add_argument("--moe-space", choices=["all", "swap"], default="all",
+    p.add_argument("--moe-space", choices=["all", "swap", "today"], default="all",
                    help="swap: leave PREFILL_SPACE out (time the swap-AB tiles, the heuristic, "
-                        "the tables and today's config)")
+                        "the tables and today's config); today: the swap-AB tiles too")
     p.add_argument("--swap-table", default=None, metavar="DIR",
                    help="write today's MoE table with the best swap-AB configs into DIR")
     args = p.parse_args(argv)
