@@ -38,6 +38,8 @@
 #   swap-AB tiles of the kernel half (its --swap-table) / attention.extend_block_m=128
 #   (PA_OB_ALIAS=1 adds another GPU's MoE tables; knobs in the mode; PA_KERNELS=0 or PA_OB=0
 #   runs one half, if both do not fit one 10-minute call).
+#   grouped: the experts' GEMMs through torch._grouped_mm against the fused-MoE kernels
+#   (scripts/exp_grouped_mm.py) and one_batch prefill with moe.backend=torch against the default.
 #   sdpa: the SDPA fresh prefill's GPU parity tests and one_batch prefill with it on and off.
 #   tma: the fused MoE's weight tiles by TMA (B_TMA): GPU tests, kernel rows (TMA_KERNELS=1: more),
 #   one_batch A/B (the dummy model's routing, then MOESERVE_TEST_RANDOM_ROUTER=1's uniform
@@ -212,6 +214,23 @@ PY
     -o moe.config_dir=/tmp/moe_tma --compare-with moe.config_dir=null -o model.load_format=dummy \
     -o device=cuda -o scheduler.chunked_prefill_size=4096 -o cache.max_total_tokens=20000 \
     -o cuda_graph.max_bs=4 2>&1 | grep -E "^\| (moeserve|moe\.|prefill)" | tee -a "$OUT/tma.log"
+fi
+
+if [[ $what == grouped ]]; then
+  # the experts' GEMMs through torch._grouped_mm (CUTLASS on sm90) against the fused-MoE Triton
+  # kernels: parts and whole at 1344 / 4096 tokens under uniform and collapsed routing
+  # (scripts/exp_grouped_mm.py), then one_batch's 4096-token prefill with moe.backend=torch (its
+  # grouped path) against the default in one run
+  timeout 150 python3 scripts/exp_grouped_mm.py --tokens 1344 4096 2>&1 \
+    | grep -v -i warn | tee "$OUT/grouped_exp.log"
+  python3 -m moeserve.tools.make_random --shape qwen3_30b_a3b --config-only \
+    --out /tmp/q3moe_full >/dev/null
+  timeout 240 python3 -m moeserve.bench.one_batch --model /tmp/q3moe_full --batch 1 \
+    --input-len 4096 --output-len 2 --warmup 1 --compare-with moe.backend=torch \
+    -o model.load_format=dummy -o device=cuda -o scheduler.chunked_prefill_size=4096 \
+    -o cache.max_total_tokens=20000 -o cuda_graph.max_bs=4 ${GROUPED_ARGS:-} 2>&1 \
+    | tee "$OUT/grouped_full.log" | grep -E "^\| (moeserve|moe\.|prefill)|routing" \
+    | tee "$OUT/grouped.log"
 fi
 
 if [[ $what == sdpa ]]; then
