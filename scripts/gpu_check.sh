@@ -38,6 +38,7 @@
 #   swap-AB tiles of the kernel half (its --swap-table) / attention.extend_block_m=128
 #   (PA_OB_ALIAS=1 adds another GPU's MoE tables; knobs in the mode; PA_KERNELS=0 or PA_OB=0
 #   runs one half, if both do not fit one 10-minute call).
+#   verify44: the fused-MoE / TMA / SDPA-parity GPU tests, the kernel rows at 1344 tokens, then grouped.
 #   grouped: the experts' GEMMs through torch._grouped_mm against the fused-MoE kernels
 #   (scripts/exp_grouped_mm.py) and one_batch prefill with moe.backend=torch against the default.
 #   sdpa: the SDPA fresh prefill's GPU parity tests and one_batch prefill with it on and off.
@@ -214,6 +215,17 @@ PY
     -o moe.config_dir=/tmp/moe_tma --compare-with moe.config_dir=null -o model.load_format=dummy \
     -o device=cuda -o scheduler.chunked_prefill_size=4096 -o cache.max_total_tokens=20000 \
     -o cuda_graph.max_bs=4 2>&1 | grep -E "^\| (moeserve|moe\.|prefill)" | tee -a "$OUT/tma.log"
+fi
+
+if [[ $what == verify44 ]]; then
+  # after shipping B_TMA in the Qwen3 tables: the fused-MoE and TMA GPU tests and the SDPA parity
+  # tests, then the kernel rows at 1344 tokens (the MIXED step) and the grouped mode below
+  timeout 200 python3 -m pytest tests/kernels/test_fused_moe_tma.py tests/kernels/test_fused_moe.py \
+    tests/gpu/test_gpu_parity.py -k "tma or gpu or sdpa" -q -n 0 -p no:cacheprovider --tb=short 2>&1 \
+    | grep -v -i warn | tee "$OUT/verify_tests.log" | tail -40
+  timeout 100 python3 -m moeserve.bench.prefill_kernels --only moe --moe-space today \
+    --tokens 1344 2>&1 | grep -E "tokens|today|table|heuristic|TFLOP" | tee "$OUT/mixed_kernels.log"
+  what=grouped
 fi
 
 if [[ $what == grouped ]]; then
