@@ -16,7 +16,10 @@ config, ~1-2 s each): BLOCK_SIZE_M 16 configs vary tile width (N 32-128) and pip
 swap-AB tiles (`SWAP_AB` 1: the weight rows are the MMA's 64-row side, so token blocks of 16-64
 pad each expert less; fused_moe.py); the down GEMM also tries a few tiles with the other SWAP_AB
 than the chosen config's. Configs whose M tile is far above the rows per expert (T*K/E) are not
-timed for that T. `--quick` keeps 14.
+timed for that T. `--quick` keeps 14. `--tma` also times prefill-sized configs (M tile >= 64, or
+swap-AB) with their weight tiles by TMA (`B_TMA`) at their stages and one more, and each down
+tile both ways; a tile whose descriptor stages overflow shared memory runs pointer loads anyway
+(fused_moe.py), so such twins only repeat their pointer row.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from moeserve.kernels.triton.moe_config import (DOWN_KEYS, KEYS, SHIPPED_DIR, SWAP_KEY,
+from moeserve.kernels.triton.moe_config import (DOWN_KEYS, KEYS, SHIPPED_DIR, SWAP_KEY, TMA_KEY,
                                                 config_file_name, default_config, swap_ab)
 
 # (BLOCK_SIZE_M, BLOCK_SIZE_N, BLOCK_SIZE_K, GROUP_SIZE_M, num_warps, num_stages)
@@ -74,21 +77,36 @@ def as_config(row: tuple[int, ...]) -> dict:
     return dict(zip(KEYS + (SWAP_KEY,), row))
 
 
-def down_candidates(cfg: dict) -> list[dict]:
-    """cfg with each `down` tile: DOWN_SPACE's (cfg's SWAP_AB), DOWN_FLIP_SPACE's (the other)."""
+def down_candidates(cfg: dict, tma: bool = False) -> list[dict]:
+    """cfg with each `down` tile: DOWN_SPACE's (cfg's SWAP_AB), DOWN_FLIP_SPACE's (the other);
+    `tma`: each of them with its weight tiles by TMA and without."""
     flip = 1 - swap_ab(cfg)
-    return ([cfg | {"down": dict(zip(DOWN_KEYS, d))} for d in DOWN_SPACE]
-            + [cfg | {"down": dict(zip(DOWN_KEYS, d), SWAP_AB=flip)} for d in DOWN_FLIP_SPACE])
+    downs = ([dict(zip(DOWN_KEYS, d)) for d in DOWN_SPACE]
+             + [dict(zip(DOWN_KEYS, d), SWAP_AB=flip) for d in DOWN_FLIP_SPACE])
+    if tma:
+        downs = [d | {TMA_KEY: b} for d in downs for b in (0, 1)]
+    return [cfg | {"down": d} for d in downs]
+
+
+def tma_twins(configs: list[dict]) -> list[dict]:
+    """configs, then the prefill-sized ones (M tile >= 64, or swap-AB) with B_TMA at their
+    stages and at one more (up to 5)."""
+    twins = []
+    for cfg in configs:
+        if cfg["BLOCK_SIZE_M"] >= 64 or swap_ab(cfg):
+            for stages in sorted({cfg["num_stages"], min(cfg["num_stages"] + 1, 5)}):
+                twins.append(cfg | {TMA_KEY: 1, "num_stages": stages})
+    return configs + twins
 
 
 def describe(cfg: dict) -> str:
-    """KEYS (and SWAP_AB where set), then the down entry's."""
+    """KEYS (and SWAP_AB / B_TMA where set), then the down entry's."""
     def one(c: dict, keys) -> str:
         return " ".join(f"{key}={c[key]}" for key in keys if key in c)
 
     down = cfg.get("down")
-    return one(cfg, KEYS + (SWAP_KEY,)) + (" down: " + one(down, DOWN_KEYS + (SWAP_KEY,))
-                                           if down else "")
+    return one(cfg, KEYS + (SWAP_KEY, TMA_KEY)) + (
+        " down: " + one(down, DOWN_KEYS + (SWAP_KEY, TMA_KEY)) if down else "")
 
 
 def random_inputs(t: int, e: int, h: int, i: int, k: int, dtype: torch.dtype, seed: int = 0):
@@ -139,11 +157,11 @@ def touched_bytes(ids: torch.Tensor, e: int, h: int, i: int, dtype: torch.dtype)
 
 def tune(e: int, h: int, i: int, k: int, dtype: torch.dtype, tokens: list[int],
          space: list[tuple[int, ...]], timer: str = "graph", tune_down: bool = True,
-         out: Path | None = None) -> dict[str, dict]:
-    """Per token count: the fastest whole-call config over `space`, then (tune_down) the down
-    GEMM's own tile over DOWN_SPACE with that BLOCK_SIZE_M. `out`: the JSON, rewritten after
-    every token count so that a run cut short keeps what it measured; entries it holds for
-    other token counts are kept."""
+         out: Path | None = None, tma: bool = False) -> dict[str, dict]:
+    """Per token count: the fastest whole-call config over `space` (`tma`: and `tma_twins`),
+    then (tune_down) the down GEMM's own tile over DOWN_SPACE with that BLOCK_SIZE_M. `out`:
+    the JSON, rewritten after every token count so that a run cut short keeps what it
+    measured; entries it holds for other token counts are kept."""
     from moeserve.kernels.triton.fused_moe import fused_moe
 
     kept = out is not None and out.is_file()
@@ -156,13 +174,14 @@ def tune(e: int, h: int, i: int, k: int, dtype: torch.dtype, tokens: list[int],
         dflt = default_config(e, h, i, k, dtype, t)
         ref = fn(dflt)
         base = time_config(fn, dflt, ref, timer)
-        timed = [(us, cfg) for cfg in candidates(space, t, k, e)
+        cands = candidates(space, t, k, e)
+        timed = [(us, cfg) for cfg in (tma_twins(cands) if tma else cands)
                  if (us := time_config(fn, cfg, ref, timer)) is not None]
         if base is not None:
             timed.append((base, dflt))
         us, cfg = min(timed, key=lambda p: p[0])
         if tune_down:
-            downs = [(d_us, c) for c in down_candidates(cfg)
+            downs = [(d_us, c) for c in down_candidates(cfg, tma)
                      if (d_us := time_config(fn, c, ref, timer)) is not None]
             if downs and min(downs, key=lambda p: p[0])[0] < us:
                 us, cfg = min(downs, key=lambda p: p[0])
@@ -189,6 +208,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--timer", default="graph", choices=["graph", "eager"],
                    help="time replays of a CUDA graph (as served) or eager calls")
     p.add_argument("--no-down", action="store_true", help="one tile for both GEMMs")
+    p.add_argument("--tma", action="store_true",
+                   help="also time prefill-sized configs and down tiles with B_TMA")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("tune_moe needs a CUDA GPU: it times the compiled Triton kernels")
@@ -196,7 +217,7 @@ def main(argv: list[str] | None = None) -> None:
     out = Path(args.out) / config_file_name(args.experts, args.hidden, args.intermediate, dtype)
     out.parent.mkdir(parents=True, exist_ok=True)
     tune(args.experts, args.hidden, args.intermediate, args.topk, dtype, sorted(args.tokens),
-         QUICK if args.quick else SPACE, args.timer, not args.no_down, out)
+         QUICK if args.quick else SPACE, args.timer, not args.no_down, out, args.tma)
     print(f"wrote {out}")
 
 
