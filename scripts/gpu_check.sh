@@ -38,6 +38,8 @@
 #   swap-AB tiles of the kernel half (its --swap-table) / attention.extend_block_m=128
 #   (PA_OB_ALIAS=1 adds another GPU's MoE tables; knobs in the mode; PA_KERNELS=0 or PA_OB=0
 #   runs one half, if both do not fit one 10-minute call).
+#   final44: the TMA GPU tests, one_batch's Qwen3 4096 prefill with the shipped tables against
+#   pointer loads (twice, the second profiled), then mixed_tune.
 #   mixed_tune: the MIXED step's fused MoE at 1344 tokens before and after tune_moe --tma --quick.
 #   verify44: the fused-MoE / TMA / SDPA-parity GPU tests, the kernel rows at 1344 tokens, then grouped.
 #   grouped: the experts' GEMMs through torch._grouped_mm against the fused-MoE kernels
@@ -216,6 +218,39 @@ PY
     -o moe.config_dir=/tmp/moe_tma --compare-with moe.config_dir=null -o model.load_format=dummy \
     -o device=cuda -o scheduler.chunked_prefill_size=4096 -o cache.max_total_tokens=20000 \
     -o cuda_graph.max_bs=4 2>&1 | grep -E "^\| (moeserve|moe\.|prefill)" | tee -a "$OUT/tma.log"
+fi
+
+if [[ $what == final44 ]]; then
+  # issue 44 with the shipped TMA tables: the TMA GPU tests, then one_batch's 4096-token Qwen3
+  # prefill, the shipped tables against the same tables with pointer loads (/tmp/moe_ptr: B_TMA
+  # off, 3 stages as before), twice (the second with the prefill profiled), then mixed_tune
+  timeout 90 python3 -m pytest tests/kernels/test_fused_moe_tma.py -k gpu -q -n 0 \
+    -p no:cacheprovider --tb=short 2>&1 | grep -v -i warn | tee "$OUT/final_tests.log" | tail -15
+  python3 - <<'PY'
+import json, pathlib
+from moeserve.kernels.triton.moe_config import SHIPPED_DIR
+out = pathlib.Path("/tmp/moe_ptr")
+out.mkdir(exist_ok=True)
+for path in SHIPPED_DIR.glob("E=128,N=768,*.json"):
+    table = json.loads(path.read_text())
+    for cfg in table.values():
+        if cfg.pop("B_TMA", 0):
+            cfg["num_stages"] = 3
+            if "down" in cfg:
+                cfg["down"]["num_stages"] = 3
+    (out / path.name).write_text(json.dumps(table))
+PY
+  python3 -m moeserve.tools.make_random --shape qwen3_30b_a3b --config-only \
+    --out /tmp/q3moe_full >/dev/null
+  for prof in "" --profile-prefill; do
+    timeout 200 python3 -m moeserve.bench.one_batch --model /tmp/q3moe_full --batch 1 \
+      --input-len 4096 --output-len 2 --warmup 1 $prof --compare-with moe.config_dir=/tmp/moe_ptr \
+      -o model.load_format=dummy -o device=cuda -o scheduler.chunked_prefill_size=4096 \
+      -o cache.max_total_tokens=20000 -o cuda_graph.max_bs=4 2>&1 | tee -a "$OUT/final_full.log" \
+      | grep -E "^\| (moeserve|moe\.|prefill|batch)|_moe_gemm|cudnn_gen|Self CUDA|model=" \
+      | tee -a "$OUT/final.log"
+  done
+  what=mixed_tune
 fi
 
 if [[ $what == mixed_tune ]]; then

@@ -27,7 +27,7 @@ from moeserve.kernels.triton.fused_moe_small import SMALL_MAX_PAIRS, fused_moe_s
 from moeserve.kernels.triton.moe_align import moe_align_block_size
 from moeserve.kernels.triton.moe_config import b_tma, down_config, get_moe_config, swap_ab
 from moeserve.kernels.triton.pdl import launch_kwargs, pdl_wait
-from moeserve.kernels.triton.tma import TensorDescriptor, stages_fit, tma_ok
+from moeserve.kernels.triton.tma import TensorDescriptor, tma_ok
 
 
 @triton.jit
@@ -78,8 +78,7 @@ def _moe_gemm_kernel(a_ptr, b_ptr, b_desc, c_ptr, weight_ptr, sorted_ptr, expert
     N side; gating, scales, routing weights (per column) and the store follow that layout.
     B_TMA: the weight tiles come through `b_desc`, a TMA descriptor over b as [E * b_rows, K]
     (tma.py); rows past an expert's N are computed and never stored, columns past K arrive as
-    zeros. The launch keeps pointer loads where the descriptor does not apply or its stages
-    would not fit in shared memory (`tma.stages_fit`)."""
+    zeros. The launch keeps pointer loads where the descriptor does not apply (tma.tma_ok)."""
     pdl_wait(USE_PDL)
     pid = tl.program_id(0)
     num_pid_n = tl.cdiv(N, BLOCK_SIZE_N)
@@ -203,8 +202,7 @@ def _grouped_gemm(a, b, c, weights, sorted_ids, expert_ids, num_post, row_div, g
     grid = (num_pid_m * triton.cdiv(n, bn),)
     scales = (a_scale, b_scale) if fp8 else (c, c)
     b_desc = None
-    stage_bytes = bm * bk * a.element_size() + (1 + gated) * bn * bk * b.element_size()
-    if b_tma(cfg) and b.is_contiguous() and stages_fit(stage_bytes, cfg["num_stages"], b.device):
+    if b_tma(cfg) and b.is_contiguous():
         b_2d = b.view(-1, b.shape[2])  # [E * rows, K]: one descriptor over every expert
         if tma_ok(b_2d, interpreted=True):
             b_desc = TensorDescriptor.from_tensor(b_2d, [bn, bk])

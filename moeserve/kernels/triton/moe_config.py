@@ -8,8 +8,8 @@ A config may carry a `down` entry: the down GEMM's own tile (DOWN_KEYS), since i
 K = I) differs from the gate/up GEMM's; BLOCK_SIZE_M is shared because both walk one sorted layout.
 Either level may set the optional flags (0 or 1, absent = 0; `down` inherits them unless it sets
 its own): `SWAP_AB`, that GEMM computes its tiles transposed, and `B_TMA`, it reads the weight
-tiles through a TMA descriptor where the GPU has TMA (sm90+) and the tile's stages fit its shared
-memory (fused_moe.py, tma.py). The heuristic sets neither.
+tiles through a TMA descriptor where the GPU has TMA (sm90+; fused_moe.py, tma.py). The heuristic
+sets neither.
 """
 
 from __future__ import annotations

@@ -33,29 +33,6 @@ def tma_ok(w: torch.Tensor, interpreted: bool = False) -> bool:
     return _has_tma(w.device.index if w.device.index is not None else torch.cuda.current_device())
 
 
-def stages_fit(stage_bytes: int, num_stages: int, device: torch.device) -> bool:
-    """A kernel whose descriptor-loaded tiles take `stage_bytes` a pipeline stage fits the GPU's
-    shared memory at `num_stages`. Triton's pipeliner keeps a buffer per stage for descriptor
-    loads, one more than for pointer loads, so a table tuned with pointer loads may not fit with
-    TMA: on an H100 the gated 128x256x64 tile at 3 stages asked 245,816 bytes of 232,448
-    (docs/gpu_decode.md). Devices without a limit to ask (the CPU interpreter) fit."""
-    if device.type != "cuda":
-        return True
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return stage_bytes * num_stages + _BARRIER_SLACK <= _max_shared(index)
-
-
-_BARRIER_SLACK = 1024  # the stages' mbarriers and alignment (56 bytes in the case above)
-
-
-@functools.cache
-def _max_shared(device_index: int) -> int:
-    """Shared memory a block may opt into (what Triton checks a compiled kernel against)."""
-    from triton.runtime import driver
-
-    return driver.active.utils.get_device_properties(device_index)["max_shared_mem"]
-
-
 @functools.cache
 def _has_tma(device_index: int) -> bool:
     """sm90+; asked once per GPU, not on every launch."""
