@@ -18,8 +18,8 @@ pad each expert less; fused_moe.py); the down GEMM also tries a few tiles with t
 than the chosen config's. Configs whose M tile is far above the rows per expert (T*K/E) are not
 timed for that T. `--quick` keeps 14. `--tma` also times prefill-sized configs (M tile >= 64, or
 swap-AB) with their weight tiles by TMA (`B_TMA`) at their stages and one more, and each down
-tile both ways; a tile whose descriptor stages overflow shared memory runs pointer loads anyway
-(fused_moe.py), so such twins only repeat their pointer row.
+tile both ways (a twin whose stages overflow shared memory is skipped, as any config that does
+not compile).
 """
 
 from __future__ import annotations
