@@ -38,6 +38,7 @@
 #   swap-AB tiles of the kernel half (its --swap-table) / attention.extend_block_m=128
 #   (PA_OB_ALIAS=1 adds another GPU's MoE tables; knobs in the mode; PA_KERNELS=0 or PA_OB=0
 #   runs one half, if both do not fit one 10-minute call).
+#   mixed_parts: the MIXED step's fused MoE part by part (scripts/exp_mixed_parts.py).
 #   final44: the TMA GPU tests, one_batch's Qwen3 4096 prefill with the shipped tables against
 #   pointer loads (twice, the second profiled), then mixed_tune.
 #   mixed_tune: the MIXED step's fused MoE at 1344 tokens before and after tune_moe --tma --quick.
@@ -218,6 +219,12 @@ PY
     -o moe.config_dir=/tmp/moe_tma --compare-with moe.config_dir=null -o model.load_format=dummy \
     -o device=cuda -o scheduler.chunked_prefill_size=4096 -o cache.max_total_tokens=20000 \
     -o cuda_graph.max_bs=4 2>&1 | grep -E "^\| (moeserve|moe\.|prefill)" | tee -a "$OUT/tma.log"
+fi
+
+if [[ $what == mixed_parts ]]; then
+  # the MIXED step's fused MoE part by part against each part's byte floor (scripts/exp_mixed_parts.py)
+  timeout 150 python3 scripts/exp_mixed_parts.py --tokens ${MIXED_TOKENS:-1344} 2>&1 \
+    | grep -v -i warn | tee "$OUT/mixed_parts.log"
 fi
 
 if [[ $what == final44 ]]; then

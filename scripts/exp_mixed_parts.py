@@ -1,0 +1,79 @@
+"""Experiment (issue 44): where the MIXED step's fused MoE (Qwen3's experts, 1344 tokens, uniform
+random routing) spends its time, part by part against each part's byte floor: align, the gate/up
+GEMM (w13's touched bytes), the down GEMM (w2's) with a few down tiles, and the top-k sum (its
+[T*K, H] reads and [T, H] writes). Each part alone in a CUDA graph; the copy bandwidth is measured
+by the same run. Prints a table; not a test.
+
+    python scripts/exp_mixed_parts.py [--tokens 1344]
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+import triton
+from triton.testing import do_bench_cudagraph
+
+from moeserve.bench.roofline import measure_copy_bandwidth
+from moeserve.kernels.triton import fused_moe as fm
+from moeserve.kernels.triton.moe_align import moe_align_block_size
+from moeserve.kernels.triton.moe_config import down_config, get_moe_config
+from moeserve.tools.tune_moe import random_inputs
+
+E, H, I, K = 128, 2048, 768, 8
+
+
+def us(fn) -> float:
+    fn()
+    return do_bench_cudagraph(fn, rep=100, return_mode="median") * 1e3
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--tokens", type=int, default=1344)
+    t = p.parse_args().tokens
+    bw = measure_copy_bandwidth(torch.device("cuda"))  # bytes/s, read + write
+    x, w13, w2, ids, tw = random_inputs(t, E, H, I, K, torch.bfloat16, seed=t)
+    cfg = get_moe_config(E, H, I, K, torch.bfloat16, t)
+    touched = int(torch.unique(ids).numel())
+    print(f"{torch.cuda.get_device_name()}: copy {bw / 1e12:.2f} TB/s; {t} tokens, {touched} "
+          f"experts touched; config {cfg}")
+    sid, eid, npost = moe_align_block_size(ids, cfg["BLOCK_SIZE_M"], 0, E, False)
+    inter = x.new_empty((t * K, I))
+    y = x.new_empty((t * K, H))
+    out = x.new_empty((t, H))
+    w = tw.float().contiguous().view(-1)
+    b13, b2 = touched * 2 * I * H * 2, touched * H * I * 2
+    rows = [("align", lambda: moe_align_block_size(ids, cfg["BLOCK_SIZE_M"], 0, E, False), 0),
+            ("gate/up GEMM", lambda: fm._grouped_gemm(x, w13, inter, None, sid, eid, npost, K,
+                                                      True, cfg), b13)]
+    downs = [("down GEMM, today", down_config(cfg))]
+    for bn, stages, tma in ((128, 4, 1), (256, 4, 1), (256, 3, 0), (128, 3, 0), (64, 4, 1)):
+        downs.append((f"down GEMM, {bn}x64 s{stages}{' tma' if tma else ''}",
+                      dict(down_config(cfg), BLOCK_SIZE_N=bn, BLOCK_SIZE_K=64,
+                           num_stages=stages, B_TMA=tma)))
+    for label, dc in downs:
+        rows.append((label, lambda dc=dc: fm._grouped_gemm(inter, w2, y, w, sid, eid, npost, 1,
+                                                           False, dc), b2))
+    block_h = min(max(1024, 8192 // K), triton.next_power_of_2(H))
+    rows.append(("top-k sum", lambda: fm._sum_local_pairs_kernel[(t, triton.cdiv(H, block_h))](
+        y, ids, out, 0, E, H, TOP_K=K, BLOCK_K=K, BLOCK_H=block_h, USE_PDL=False),
+        t * K * H * 2 + t * H * 2))
+    rows.append(("whole fused_moe", lambda: fm.fused_moe(x, w13, w2, ids, tw, config=cfg,
+                                                         small_path=False), b13 + b2))
+    print("| part | us | bytes floor us | % of floor |")
+    print("|---|---|---|---|")
+    for label, fn, nbytes in rows:
+        try:
+            got = us(fn)
+        except Exception as err:  # noqa: BLE001 - a tile that does not fit: say so, go on
+            print(f"| {label} | skipped: {type(err).__name__} | | |")
+            continue
+        floor = nbytes / bw * 1e6 if nbytes else 0.0  # bytes moved at the copy's read + write rate
+        share = f"{100 * floor / got:.1f}%" if nbytes else ""
+        print(f"| {label} | {got:.1f} | {floor:.1f} | {share} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
