@@ -223,7 +223,7 @@ fi
 
 if [[ $what == mixed_parts ]]; then
   # the MIXED step's fused MoE part by part against each part's byte floor (scripts/exp_mixed_parts.py)
-  timeout 150 python3 scripts/exp_mixed_parts.py --tokens ${MIXED_TOKENS:-1344} 2>&1 \
+  timeout 150 python3 scripts/exp_mixed_parts.py --tokens ${MIXED_TOKENS:-1344} ${MIXED_ARGS:-} 2>&1 \
     | grep -v -i warn | tee "$OUT/mixed_parts.log"
 fi
 
