@@ -43,11 +43,13 @@ class DecodeRun:
     mean_seq_len: float  # of the requests over the decode steps (KV read per step)
     touched: torch.Tensor | None = None  # [L, P] bool: experts a decode step routed to
     prefill_routed: torch.Tensor | None = None  # [L, P] pairs each expert got in the prefill
+    prefill_spread: tuple[float, float] | None = None  # slowest, fastest prefill tok/s (reps > 1)
 
 
 def bench_moeserve(runner: ModelRunner, batch: int, input_len: int, output_len: int,
                    seed: int = 0, profile: bool = False, count_experts: bool = False,
-                   pipelined: bool = True, profile_prefill: bool = False) -> DecodeRun:
+                   pipelined: bool = True, profile_prefill: bool = False,
+                   prefill_reps: int = 1) -> DecodeRun:
     """Prefill then greedy decode of one batch as the server decodes
     (`ModelRunner.forward_greedy`); memory is returned afterwards. `pipelined` (CUDA): as the
     server's forward worker, each step's tokens are read on the host after the next step is
@@ -55,7 +57,10 @@ def bench_moeserve(runner: ModelRunner, batch: int, input_len: int, output_len: 
     print the profiler tables of 3 decode steps (`profile_prefill`: of the prefill, run again
     over the same KV slots). `count_experts`: record which experts one more
     decode step routes to (eager, through the EPLB recorder), and the prefill's pairs per expert
-    (the prefill run again over the same KV slots)."""
+    (the prefill run again over the same KV slots). `prefill_reps`: the prefill is timed that
+    many times over the same KV slots and its tok/s is the median's (one timed prefill of a
+    4096-token Qwen3 prompt once came out 22% slower than three others on another H100;
+    docs/gpu_decode.md)."""
     mem, vocab, dev = runner.memory, runner.hf_config.vocab_size, runner.device
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, vocab, (batch, input_len), generator=gen).tolist()
@@ -66,11 +71,14 @@ def bench_moeserve(runner: ModelRunner, batch: int, input_len: int, output_len: 
     per_req = slots.view(batch, input_len + output_len).to(dev)
     for row, s in zip(rows, per_req):
         mem.req_to_token.write(row, 0, s)
-    _sync(dev)
-    t0 = time.perf_counter()
-    next_ids = prefill_chunked(runner, ids, rows, per_req)
-    _sync(dev)
-    prefill = time.perf_counter() - t0
+    times = []
+    for _ in range(max(prefill_reps, 1)):
+        _sync(dev)
+        t0 = time.perf_counter()
+        next_ids = prefill_chunked(runner, ids, rows, per_req)
+        _sync(dev)
+        times.append(time.perf_counter() - t0)
+    prefill = sorted(times)[len(times) // 2]
     prefill_routed = routed_counts(runner, lambda: prefill_chunked(
         runner, ids, rows, per_req)) if count_experts else None
     if profile_prefill:
@@ -107,9 +115,11 @@ def bench_moeserve(runner: ModelRunner, batch: int, input_len: int, output_len: 
     mem.allocator.free(slots)
     mem.req_to_token.free(rows)
     steps = max(output_len - 1, 1)
+    spread = (batch * input_len / max(times), batch * input_len / min(times)) \
+        if len(times) > 1 else None
     return DecodeRun(batch * input_len / prefill, batch * (output_len - 1) / max(decode, 1e-9),
                      decode / steps, input_len + 1 + (output_len - 2) / 2, touched,
-                     prefill_routed)
+                     prefill_routed, spread)
 
 
 def prefill_chunked(runner: ModelRunner, ids: list[list[int]], rows: list[int],
@@ -234,7 +244,8 @@ def _bench_runner(runner: ModelRunner, args, bw: float | None, label: str
                                      profile=args.profile and b == _profiled_batch(args),
                                      profile_prefill=(args.profile_prefill
                                                       and b == _profiled_batch(args)),
-                                     count_experts=name == label, pipelined=pipelined)
+                                     count_experts=name == label, pipelined=pipelined,
+                                     prefill_reps=args.prefill_reps)
             if run.touched is not None or b not in gb:
                 sb = step_bytes(runner, b, run.mean_seq_len, run.touched)
                 gb[b] = sb.total / 1e9
@@ -250,19 +261,25 @@ def _bench_runner(runner: ModelRunner, args, bw: float | None, label: str
                                        f"prefill routing b={b}"), flush=True)
             print(_row(name, b, run.prefill_tps, run.decode_tps, gb[b], bw), flush=True)
             if name == label and args.peak:
-                print(prefill_peak_line(runner, b, args.input_len, run.prefill_tps, args.peak),
-                      flush=True)
+                print(prefill_peak_line(runner, b, args.input_len, run.prefill_tps, args.peak,
+                                        run.prefill_spread), flush=True)
     return gb, decode
 
 
 def prefill_peak_line(runner: ModelRunner, batch: int, input_len: int, tps: float,
-                      peak: float) -> str:
-    """Prefill's achieved FLOP/s (bench/prefill_flops.py's count) as a share of `peak`."""
+                      peak: float, spread: tuple[float, float] | None = None) -> str:
+    """Prefill's achieved FLOP/s (bench/prefill_flops.py's count) as a share of `peak`;
+    `spread`: the slowest and fastest of the timed prefills (tok/s), whose median `tps` is."""
     flops = prefill_flops(runner, batch, input_len)
-    rate = flops / (batch * input_len / tps)
-    return (f"| prefill b={batch} x {input_len}: {flops / (batch * input_len) / 1e9:.2f} "
-            f"GFLOP/token, {rate / 1e12:.1f} TFLOP/s = {100 * rate / peak:.1f}% of the "
-            f"measured matmul peak ({peak / 1e12:.0f} TFLOP/s)")
+    per_token = flops / (batch * input_len)
+    share = lambda t: 100 * per_token * t / peak  # noqa: E731
+    rate = per_token * tps
+    line = (f"| prefill b={batch} x {input_len}: {per_token / 1e9:.2f} GFLOP/token, "
+            f"{rate / 1e12:.1f} TFLOP/s = {share(tps):.1f}% of the measured matmul peak "
+            f"({peak / 1e12:.0f} TFLOP/s)")
+    if spread is not None:
+        line += f"; the timed prefills {share(spread[0]):.1f}-{share(spread[1]):.1f}%"
+    return line
 
 
 def _profiled_batch(args) -> int:
@@ -310,6 +327,8 @@ def main(argv: list[str] | None = None) -> None:
                         "separated by spaces), rows labelled by it, and print the decode "
                         "speedup against it; repeatable")
     p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--prefill-reps", type=int, default=3,
+                   help="time the prefill this many times (same KV slots); tok/s of the median")
     p.add_argument("-o", "--override", action="append", default=[])
     p.add_argument("--profile", action="store_true",
                    help="print profiler tables of 3 decode steps at the largest batch")
