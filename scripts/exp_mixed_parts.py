@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 
 import torch
-import triton
 from triton.testing import do_bench_cudagraph
 
 from moeserve.bench.roofline import measure_copy_bandwidth
@@ -64,10 +63,8 @@ def main() -> None:
     for label, dc in downs:
         rows.append((label, lambda dc=dc: fm._grouped_gemm(inter, w2, y, w, sid, eid, npost, 1,
                                                            False, dc), b2))
-    block_h = min(max(1024, 8192 // K), triton.next_power_of_2(H))
-    rows.append(("top-k sum", lambda: fm._sum_local_pairs_kernel[(t, triton.cdiv(H, block_h))](
-        y, ids, out, 0, E, H, TOP_K=K, BLOCK_K=K, BLOCK_H=block_h, USE_PDL=False),
-        t * K * H * 2 + t * H * 2))
+    rows.append(("top-k sum", lambda: fm.sum_local_pairs(y, ids, out, 0, E),
+                 t * K * H * 2 + t * H * 2))
     rows.append(("whole fused_moe", lambda: fm.fused_moe(x, w13, w2, ids, tw, config=cfg,
                                                          small_path=False), b13 + b2))
     print("| part | us | bytes floor us | % of floor |")

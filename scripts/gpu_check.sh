@@ -79,6 +79,17 @@ python3 -c "import hydra.core.override_parser.overrides_parser, fastapi, zmq, ms
   || { echo "gpu_check: the carried wheels do not import (see above)"; exit 1; }
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 what=${1:-all}
+# bench.one_batch on the dummy full-size Qwen3-30B-A3B (its config made on first use): one
+# 4096-token prompt in a 4096-token chunk, within SECONDS; further arguments are one_batch's
+q3_prefill() {
+  local secs=$1; shift
+  [ -f /tmp/q3moe_full/config.json ] || python3 -m moeserve.tools.make_random \
+    --shape qwen3_30b_a3b --config-only --out /tmp/q3moe_full >/dev/null
+  timeout "$secs" python3 -m moeserve.bench.one_batch --model /tmp/q3moe_full --batch 1 \
+    --input-len 4096 --output-len 2 --warmup 1 -o model.load_format=dummy -o device=cuda \
+    -o scheduler.chunked_prefill_size=4096 -o cache.max_total_tokens=20000 \
+    -o cuda_graph.max_bs=4 "$@"
+}
 case $what in
   deepep|tbo_ep|dpep_serving|eplb_skew) exec bash scripts/gpu_multi.sh "$what";;
 esac
@@ -196,13 +207,8 @@ for tokens, cfg in table.items():
 pathlib.Path("/tmp/moe_tma").mkdir(exist_ok=True)
 (pathlib.Path("/tmp/moe_tma") / name).write_text(json.dumps(table))
 PY
-  python3 -m moeserve.tools.make_random --shape qwen3_30b_a3b --config-only \
-    --out /tmp/q3moe_full >/dev/null
-  timeout 200 python3 -m moeserve.bench.one_batch --model /tmp/q3moe_full --batch 1 \
-    --input-len 4096 --output-len 2 --warmup 1 --profile-prefill -o moe.config_dir=/tmp/moe_tma \
-    --compare-with moe.config_dir=null -o model.load_format=dummy -o device=cuda \
-    -o scheduler.chunked_prefill_size=4096 -o cache.max_total_tokens=20000 -o cuda_graph.max_bs=4 \
-    2>&1 | tee "$OUT/tma_full.log" \
+  q3_prefill 200 --profile-prefill -o moe.config_dir=/tmp/moe_tma \
+    --compare-with moe.config_dir=null 2>&1 | tee "$OUT/tma_full.log" \
     | grep -E "^\| (moeserve|moe\.|prefill)|_moe_gemm|_sum_local|_align|CUDA time total" \
     | tee "$OUT/tma.log"
   timeout 120 python3 -m pytest tests/kernels/test_fused_moe_tma.py -q -n 0 -p no:cacheprovider \
@@ -214,11 +220,9 @@ PY
     --tokens $tokens 2>&1 | grep -E "tokens|today|table|heuristic|TFLOP" \
     | tee "$OUT/tma_kernels.log"
   # the same A/B with uniform random experts (dummy weights' deep layers route to ~28 experts)
-  MOESERVE_TEST_RANDOM_ROUTER=1 timeout 160 python3 -m moeserve.bench.one_batch \
-    --model /tmp/q3moe_full --batch 1 --input-len 4096 --output-len 2 --warmup 1 \
-    -o moe.config_dir=/tmp/moe_tma --compare-with moe.config_dir=null -o model.load_format=dummy \
-    -o device=cuda -o scheduler.chunked_prefill_size=4096 -o cache.max_total_tokens=20000 \
-    -o cuda_graph.max_bs=4 2>&1 | grep -E "^\| (moeserve|moe\.|prefill)" | tee -a "$OUT/tma.log"
+  MOESERVE_TEST_RANDOM_ROUTER=1 q3_prefill 160 -o moe.config_dir=/tmp/moe_tma \
+    --compare-with moe.config_dir=null 2>&1 | grep -E "^\| (moeserve|moe\.|prefill)" \
+    | tee -a "$OUT/tma.log"
 fi
 
 if [[ $what == mixed_parts ]]; then
@@ -247,13 +251,9 @@ for path in SHIPPED_DIR.glob("E=128,N=768,*.json"):
                 cfg["down"]["num_stages"] = 3
     (out / path.name).write_text(json.dumps(table))
 PY
-  python3 -m moeserve.tools.make_random --shape qwen3_30b_a3b --config-only \
-    --out /tmp/q3moe_full >/dev/null
   for prof in "" --profile-prefill; do
-    timeout 200 python3 -m moeserve.bench.one_batch --model /tmp/q3moe_full --batch 1 \
-      --input-len 4096 --output-len 2 --warmup 1 $prof --compare-with moe.config_dir=/tmp/moe_ptr \
-      -o model.load_format=dummy -o device=cuda -o scheduler.chunked_prefill_size=4096 \
-      -o cache.max_total_tokens=20000 -o cuda_graph.max_bs=4 2>&1 | tee -a "$OUT/final_full.log" \
+    q3_prefill 200 $prof --compare-with moe.config_dir=/tmp/moe_ptr 2>&1 \
+      | tee -a "$OUT/final_full.log" \
       | grep -E "^\| (moeserve|moe\.|prefill|batch)|_moe_gemm|cudnn_gen|Self CUDA|model=" \
       | tee -a "$OUT/final.log"
   done
@@ -307,12 +307,7 @@ if [[ $what == grouped ]]; then
   # grouped path) against the default in one run
   timeout 150 python3 scripts/exp_grouped_mm.py --tokens 1344 4096 2>&1 \
     | grep -v -i warn | tee "$OUT/grouped_exp.log"
-  python3 -m moeserve.tools.make_random --shape qwen3_30b_a3b --config-only \
-    --out /tmp/q3moe_full >/dev/null
-  timeout 240 python3 -m moeserve.bench.one_batch --model /tmp/q3moe_full --batch 1 \
-    --input-len 4096 --output-len 2 --warmup 1 --compare-with moe.backend=torch \
-    -o model.load_format=dummy -o device=cuda -o scheduler.chunked_prefill_size=4096 \
-    -o cache.max_total_tokens=20000 -o cuda_graph.max_bs=4 ${GROUPED_ARGS:-} 2>&1 \
+  q3_prefill 240 --compare-with moe.backend=torch ${GROUPED_ARGS:-} 2>&1 \
     | tee "$OUT/grouped_full.log" | grep -E "^\| (moeserve|moe\.|prefill)|routing" \
     | tee "$OUT/grouped.log"
 fi

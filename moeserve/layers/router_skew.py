@@ -85,5 +85,5 @@ def skewed(logits: torch.Tensor, bias: torch.Tensor | RandomLogits | None) -> to
         return logits
     if isinstance(bias, RandomLogits):
         ranks = torch.rand(logits.shape, device=logits.device).argsort(dim=-1)
-        return (ranks.to(logits.dtype) / logits.shape[-1]).to(logits.dtype)
+        return ranks.to(logits.dtype) / logits.shape[-1]
     return logits + bias.to(logits.dtype)

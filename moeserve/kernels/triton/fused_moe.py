@@ -274,7 +274,15 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: to
         i_q, i_s = quant_fp8_per_token_group(inter, block[1])
         _grouped_gemm(i_q, w2, y, weights, sorted_ids, expert_ids, num_post, 1, False,
                       down_config(cfg), i_s, w2_scale, block)
-    out = x.new_empty((t, h))
+    return sum_local_pairs(y, ids, x.new_empty((t, h)), first_expert, num_local, pdl)
+
+
+def sum_local_pairs(y: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, first_expert: int,
+                    num_local: int, pdl: bool = False) -> torch.Tensor:
+    """out [T, H] ← the sum of each token's K pair rows of y [T*K, H] (the down GEMM weighted
+    them) over the pairs whose expert is local."""
+    t, k = ids.shape
+    h = y.shape[1]
     block_k = max(2, triton.next_power_of_2(k))
     # >= 1024 columns: 16-byte loads per thread at 4 warps (512 ran at 1.7 TB/s, 1024 at 2.8 on
     # an H100, Qwen3's 4096 x 8 pairs; docs/gpu_decode.md)
